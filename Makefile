@@ -1,0 +1,26 @@
+# The two commands in the README are the contract:
+#   make run    set up everything, then train the default job (2 torchrun workers)
+#   make test   set up everything, then run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup run test test-fast bench clean
+
+setup:
+	@VENV=$(VENV) bash scripts/setup.sh
+
+run: setup
+	$(PY) -m pipeline.train $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+bench: setup
+	$(PY) -m bench.run_all $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

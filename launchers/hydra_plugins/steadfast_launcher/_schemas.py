@@ -1,0 +1,208 @@
+"""Typed schemas of the launcher and of the backend and restart groups (cheap: no torch).
+
+They live in this underscore module because Hydra's plugin scan re-executes every public module
+under hydra_plugins at start-up, which would redefine the classes after an app imported them.
+
+An app selects the launcher with `override hydra/launcher: steadfast` and points it at its own
+`backend` and `restart` nodes (`hydra.launcher.backend: ${backend}`), so a sweep can vary them
+per job. Without that, a job runs in-process (`local`) with no restarts.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from hydra.errors import CompactHydraException
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+BACKENDS = ("torchrun", "horovod", "local")
+RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+START_METHODS = ("spawn", "fork", "forkserver")
+CONTROLLERS = ("gloo", "mpi")
+
+
+class ConfigError(CompactHydraException):
+    """A configuration that cannot run; raised before any worker starts. Hydra prints it without a traceback."""
+
+    def __init__(self, problems: List[str]) -> None:
+        self.problems = problems
+        head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:"
+        rest = [] if len(problems) == 1 else [f"  - {p}" for p in problems]
+        super().__init__("\n".join([f"Invalid config: {head}", *rest]))
+
+
+def bad(key: str, value: Any, allowed: str) -> str:
+    return f"{key}={value!r} is not allowed: {allowed}"
+
+
+@dataclass
+class BackendConf:
+    """Base of the `backend` group; `name` says which adapter launches the workers."""
+
+    name: str = MISSING
+
+    def problems(self, prefix: str = "backend") -> List[str]:
+        if self.name not in BACKENDS:
+            return [bad(f"{prefix}.name", self.name, f"one of {', '.join(BACKENDS)}")]
+        return []
+
+    @property
+    def procs_per_node(self) -> int:
+        return 1
+
+
+@dataclass
+class LocalBackendConf(BackendConf):
+    """One worker, in the launcher's own process: for debuggers and quick checks."""
+
+    name: str = "local"
+
+
+@dataclass
+class TorchrunBackendConf(BackendConf):
+    """torch elastic (the engine behind `torchrun`); keys mirror torchrun's flags."""
+
+    name: str = "torchrun"
+    nproc_per_node: int = 2
+    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""  # empty: a free local port, like `torchrun --standalone`
+    rdzv_id: str = ""  # empty: the run folder's name, so every node of a job agrees
+    rdzv_timeout_s: int = 900
+    master_addr: str = "127.0.0.1"  # only for rdzv_backend=static
+    master_port: Optional[int] = None  # only for rdzv_backend=static
+    node_rank: int = 0  # only for rdzv_backend=static
+    local_addr: Optional[str] = None
+    start_method: str = "spawn"
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.nproc_per_node
+
+    def node_range(self) -> tuple[int, int]:
+        text = str(self.nnodes)
+        low, _, high = text.partition(":")
+        return int(low), int(high or low)
+
+    def problems(self, prefix: str = "backend") -> List[str]:
+        out = super().problems(prefix)
+        if self.nproc_per_node < 1:
+            out.append(bad(f"{prefix}.nproc_per_node", self.nproc_per_node, "an integer >= 1"))
+        if not re.fullmatch(r"\d+(:\d+)?", str(self.nnodes)):
+            out.append(bad(f"{prefix}.nnodes", self.nnodes, 'a node count "N" or a range "MIN:MAX"'))
+        else:
+            low, high = self.node_range()
+            if low < 1 or high < low:
+                out.append(bad(f"{prefix}.nnodes", self.nnodes, "1 <= MIN <= MAX"))
+            elif high > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
+                out.append(f"{prefix}.nnodes={self.nnodes!r} needs {prefix}.rdzv_endpoint=HOST:PORT that every node can reach")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            out.append(bad(f"{prefix}.rdzv_backend", self.rdzv_backend, f"one of {', '.join(RDZV_BACKENDS)}"))
+        if self.rdzv_backend == "static" and self.master_port is None:
+            out.append(f"{prefix}.rdzv_backend='static' needs {prefix}.master_port")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            out.append(bad(f"{prefix}.master_port", self.master_port, "a TCP port, 1-65535"))
+        if self.rdzv_endpoint and not re.fullmatch(r"[^:\s]+(:\d{1,5})?", self.rdzv_endpoint):
+            out.append(bad(f"{prefix}.rdzv_endpoint", self.rdzv_endpoint, "HOST or HOST:PORT"))
+        if self.rdzv_timeout_s < 1:
+            out.append(bad(f"{prefix}.rdzv_timeout_s", self.rdzv_timeout_s, "seconds >= 1"))
+        if self.start_method not in START_METHODS:
+            out.append(bad(f"{prefix}.start_method", self.start_method, f"one of {', '.join(START_METHODS)}"))
+        return out
+
+
+@dataclass
+class HorovodBackendConf(BackendConf):
+    """Horovod over Gloo; keys mirror `horovodrun`'s flags."""
+
+    name: str = "horovod"
+    np: int = 2
+    hosts: Optional[str] = None  # default: localhost:<np>
+    controller: str = "gloo"
+    start_timeout: int = 30
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    network_interface: Optional[str] = None
+    reset_limit: Optional[int] = None
+    blacklist_cooldown_range: Optional[List[int]] = None
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.np
+
+    def problems(self, prefix: str = "backend") -> List[str]:
+        out = super().problems(prefix)
+        if self.np < 1:
+            out.append(bad(f"{prefix}.np", self.np, "an integer >= 1"))
+        if self.controller not in CONTROLLERS:
+            out.append(bad(f"{prefix}.controller", self.controller, f"one of {', '.join(CONTROLLERS)}"))
+        elif self.controller == "mpi":
+            out.append(bad(f"{prefix}.controller", "mpi", "only 'gloo' is built here (the MPI controller needs an MPI build of Horovod)"))
+        if self.start_timeout < 1:
+            out.append(bad(f"{prefix}.start_timeout", self.start_timeout, "seconds >= 1"))
+        if self.hosts and self.host_discovery_script:
+            out.append(f"{prefix}.hosts and {prefix}.host_discovery_script are mutually exclusive: set one")
+        if self.hosts and not re.fullmatch(r"[^,:\s]+(:\d+)?(,[^,:\s]+(:\d+)?)*", self.hosts):
+            out.append(bad(f"{prefix}.hosts", self.hosts, "HOST:SLOTS[,HOST:SLOTS...]"))
+        for key in ("min_np", "max_np", "reset_limit"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                out.append(bad(f"{prefix}.{key}", value, "an integer >= 1, or null"))
+        if self.min_np is not None and self.max_np is not None and self.min_np > self.max_np:
+            out.append(f"{prefix}.min_np={self.min_np} is greater than {prefix}.max_np={self.max_np}")
+        if self.blacklist_cooldown_range is not None and (
+            len(self.blacklist_cooldown_range) != 2 or not 0 <= self.blacklist_cooldown_range[0] <= self.blacklist_cooldown_range[1]
+        ):
+            out.append(bad(f"{prefix}.blacklist_cooldown_range", list(self.blacklist_cooldown_range), "[MIN_S, MAX_S] with 0 <= MIN_S <= MAX_S"))
+        return out
+
+
+@dataclass
+class RestartConf:
+    """What happens when a worker fails: backend-independent."""
+
+    max_restarts: int = 3
+    monitor_interval: float = 0.5  # seconds between the agent's checks on its workers
+
+    def problems(self, prefix: str = "restart") -> List[str]:
+        out = []
+        if self.max_restarts < 0:
+            out.append(bad(f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0"))
+        if not self.monitor_interval > 0:
+            out.append(bad(f"{prefix}.monitor_interval", self.monitor_interval, "seconds > 0"))
+        return out
+
+
+@dataclass
+class SteadfastLauncherConf:
+    _target_: str = "hydra_plugins.steadfast_launcher.launcher.SteadfastLauncher"
+    # Apps point these at their own nodes (`${backend}`, `${restart}`) so sweeps can vary them.
+    # Unset: one in-process worker (backend `local`) and no restarts.
+    backend: Any = None
+    restart: Any = None
+    # "package.module:function" called with each job's config in the launcher process before
+    # any worker starts; it returns a list of problems (empty when the config can run).
+    preflight: Optional[str] = None
+
+
+def backend_from(node: Any) -> BackendConf:
+    """A typed backend from a config node (typed or plain), or a ConfigError naming the problem."""
+    if isinstance(node, BackendConf):
+        return node
+    if node is None:
+        return LocalBackendConf()
+    name = OmegaConf.select(node, "name") if isinstance(node, DictConfig) else (node or {}).get("name")
+    schema = {"torchrun": TorchrunBackendConf, "horovod": HorovodBackendConf, "local": LocalBackendConf}.get(str(name))
+    if schema is None:
+        raise ConfigError([bad("backend.name", name, f"one of {', '.join(BACKENDS)}")])
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))  # type: ignore[return-value]
+
+
+def restart_from(node: Any) -> RestartConf:
+    if isinstance(node, RestartConf):
+        return node
+    if node is None:
+        return RestartConf(max_restarts=0)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RestartConf), node))  # type: ignore[return-value]

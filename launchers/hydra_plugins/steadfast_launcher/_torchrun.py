@@ -1,0 +1,99 @@
+"""backend=torchrun: the workers run under torch elastic's agent, which restarts them on failure."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict
+
+from . import contract
+from ._core import Job, WorkerFailure
+from ._worker import run_rank
+from ._schemas import RestartConf, TorchrunBackendConf
+
+RESTARTS_ITSELF = True  # the elastic agent restarts the worker group, up to restart.max_restarts
+
+log = logging.getLogger(__name__)
+
+
+def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: str, log_dir: Path) -> Any:
+    """A LaunchConfig with only the fields the installed torch has (they change between releases)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    low, high = backend.node_range()
+    endpoint = backend.rdzv_endpoint
+    rdzv_configs: Dict[str, Any] = {"timeout": backend.rdzv_timeout_s}
+    if backend.rdzv_backend == "static":
+        endpoint = f"{backend.master_addr}:{backend.master_port}"
+        rdzv_configs["rank"] = backend.node_rank
+    elif not endpoint:
+        endpoint = "localhost:0"  # as `torchrun --standalone`: the agent hosts the store on a free port
+    wanted: Dict[str, Any] = dict(
+        min_nodes=low,
+        max_nodes=high,
+        nproc_per_node=backend.nproc_per_node,
+        run_id=re.sub(r"[^A-Za-z0-9_.-]", "_", backend.rdzv_id or run_id),
+        rdzv_backend=backend.rdzv_backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=restart.max_restarts,
+        monitor_interval=restart.monitor_interval,
+        start_method=backend.start_method,
+        local_addr=backend.local_addr,
+    )
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if "logs_specs" in names:  # torch >= 2.3
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+        wanted["logs_specs"] = DefaultLogsSpecs(log_dir=str(log_dir))
+    else:
+        wanted["log_dir"] = str(log_dir)
+    required = {f.name for f in dataclasses.fields(LaunchConfig) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # type: ignore[misc]
+    missing = required - set(wanted)
+    if missing:
+        raise RuntimeError(f"this torch's LaunchConfig needs fields the launcher does not set: {sorted(missing)}")
+    return LaunchConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def root_cause(err: Any) -> str:
+    """One line naming the first failed rank and why (not just 'child failed')."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    where = ""
+    if isinstance(message, dict):
+        stack = message.get("extraInfo", {}).get("py_callstack", "")
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stack)
+        if frames:
+            where = f" (at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]})"
+        message = message.get("message", "")
+    message = str(message).strip().splitlines()[-1] if str(message).strip() else "no error recorded"
+    return f"rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {message}{where}"
+
+
+def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    assert isinstance(job.backend, TorchrunBackendConf)
+    # Restarted workers reading stale keys from a shared rendezvous store fail to connect
+    # (pytorch #135712); a store per rendezvous round makes restarts reliable.
+    agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+    saved = {k: os.environ.get(k) for k in agent_env}
+    os.environ.update(agent_env)  # spawned workers inherit the agent's environment
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = launch_config(job.backend, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
+    try:
+        results = elastic_launch(config, run_rank)(payload)
+    except ChildFailedError as err:
+        raise WorkerFailure(root_cause(err), restarts=job.restart.max_restarts) from None
+    except Exception as err:  # rendezvous and agent errors
+        raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results.get(0)  # rank 0's return value (None on a node that does not host rank 0)

@@ -1,0 +1,42 @@
+"""What runs on every rank: restore Hydra's state, call the task function, record a failure."""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import cloudpickle
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import setup_globals
+
+from . import contract
+
+
+def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
+    task_function, task_cfg, job_cfg, hydra_state = cloudpickle.loads(payload)
+    if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
+        Singleton.set_state(hydra_state)
+        setup_globals()
+        HydraConfig.instance().set_config(job_cfg)
+    try:
+        return task_function(task_cfg)
+    except Exception as exc:
+        _record_failure(exc)
+        raise
+
+
+def current_rank() -> int:
+    return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
+
+
+def _record_failure(exc: BaseException) -> None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    try:
+        contract.append_event(
+            contract.run_dir(), "worker_failed", rank=current_rank(),
+            restart=contract.restart_count(), error=f"{type(exc).__name__}: {exc}", where=where,
+        )
+    except Exception:  # recording must never hide the original error
+        pass

@@ -1,0 +1,1 @@
+"""The worker side: what runs on every rank (training, checkpoints, records)."""

@@ -1,0 +1,223 @@
+"""Typed schemas of the training job (cheap: no torch), the run-name rule and the pre-flight check.
+
+The launcher calls `preflight` in its own process with each job's config, before any worker
+starts; every problem it returns names the full key, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.steadfast_launcher._schemas import BackendConf, RestartConf, bad
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+
+class Resume(Enum):
+    auto = "auto"  # resume from the newest valid checkpoint if there is one
+    never = "never"  # refuse to start if the run folder already holds checkpoints
+    must = "must"  # fail if there is nothing to resume
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 20
+    seed: int = 0
+    lr: float = 0.05
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    scheduler: str = "none"  # none | cosine | step
+    log_every_n_steps: int = 10
+    num_threads: Optional[int] = None  # torch threads per worker; default: cores / local workers
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_epochs: Optional[int] = 10
+    every_n_steps: Optional[int] = None
+    every_n_seconds: Optional[float] = None
+    keep_last: int = 3
+    dir: Optional[str] = None  # default: <run folder>/checkpoints
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING  # default: derived from the job's overrides (see run_name)
+    allow_config_change: bool = False  # resume even if training-relevant keys changed
+    fresh_start_if_unusable: bool = False  # with resume=auto: train from scratch if every checkpoint is broken
+
+
+@dataclass
+class ModelConfig:
+    """`name` picks a built-in builder; `_target_` (an import path) plugs in your own."""
+
+    name: Optional[str] = None
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    name: Optional[str] = "mlp"
+    hidden_sizes: List[int] = field(default_factory=lambda: [64, 64])
+    dropout: float = 0.1
+
+
+@dataclass
+class CNNConfig(ModelConfig):
+    name: Optional[str] = "cnn"
+    channels: List[int] = field(default_factory=lambda: [16, 32])
+    dropout: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    name: Optional[str] = None
+    batch_size: int = 32  # per worker
+    val_fraction: float = 0.2
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class DigitsConfig(DataConfig):
+    name: Optional[str] = "digits"
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    name: Optional[str] = "synthetic"
+    num_samples: int = 2048
+    num_features: int = 32
+    num_classes: int = 4
+
+
+@dataclass
+class TrainConfig:
+    backend: BackendConf = MISSING
+    restart: RestartConf = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    resume: Resume = Resume.auto
+
+
+# Keys that do not change what is trained, so they do not change the derived run name:
+# running again with more epochs or another cadence continues the same run.
+NAME_NEUTRAL = ("run.", "resume", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads",
+                "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor", "backend.start_timeout")
+MAX_NAME = 80
+
+
+def run_name(overrides: Sequence[str]) -> str:
+    """A folder name derived from the job's overrides: same command, same folder (no timestamps)."""
+    kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(NAME_NEUTRAL))
+    if not kept:
+        return "default"
+    name = ",".join(re.sub(r"[^A-Za-z0-9_.=+-]", "-", o) for o in kept)
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+        name = f"{name[: MAX_NAME - 11]}-{digest}"
+    return name
+
+
+OmegaConf.register_new_resolver("steadfast_run_name", lambda overrides: run_name(list(overrides)), replace=True)
+
+
+def typed(cfg: DictConfig) -> TrainConfig:
+    """The job config as typed objects (the frozen config the worker gets is plain)."""
+    schema = OmegaConf.structured(TrainConfig)
+    schema.backend = OmegaConf.structured(_backend_schema(cfg.backend.name))
+    for group, schemas in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
+        node = cfg[group]
+        if "_target_" not in node and node.get("name") in schemas:
+            schema[group] = OmegaConf.structured(schemas[node.name])
+    return OmegaConf.to_object(OmegaConf.merge(schema, cfg))  # type: ignore[return-value]
+
+
+def _backend_schema(name: str) -> type:
+    from hydra_plugins.steadfast_launcher._schemas import HorovodBackendConf, LocalBackendConf, TorchrunBackendConf
+
+    return {"torchrun": TorchrunBackendConf, "horovod": HorovodBackendConf, "local": LocalBackendConf}[name]
+
+
+MODEL_SCHEMAS = {"mlp": MLPConfig, "cnn": CNNConfig}
+DATA_SCHEMAS = {"digits": DigitsConfig, "synthetic": SyntheticConfig}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULERS = ("none", "cosine", "step")
+
+
+def preflight(job_cfg: DictConfig) -> List[str]:
+    """Problems that would stop this job, found before any worker starts (empty: it can run)."""
+    cfg = copy.deepcopy(job_cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # ${hydra:...} still resolves: the launcher has set HydraConfig
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    try:
+        c = typed(cfg)
+    except Exception as exc:  # a type or key error that composition let through (e.g. in a user's node)
+        return [str(exc).splitlines()[0]]
+    out: List[str] = []
+
+    def positive(key: str, value: Any, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or value <= 0:
+            out.append(bad(key, value, "a number > 0" + (", or null to disable" if allow_none else "")))
+
+    t, ck = c.trainer, c.checkpoint
+    positive("trainer.max_epochs", t.max_epochs)
+    positive("trainer.lr", t.lr)
+    positive("trainer.log_every_n_steps", t.log_every_n_steps)
+    if t.num_threads is not None:
+        positive("trainer.num_threads", t.num_threads)
+    if t.optimizer not in OPTIMIZERS:
+        out.append(bad("trainer.optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}"))
+    if t.scheduler not in SCHEDULERS:
+        out.append(bad("trainer.scheduler", t.scheduler, f"one of {', '.join(SCHEDULERS)}"))
+    if t.weight_decay < 0:
+        out.append(bad("trainer.weight_decay", t.weight_decay, "a number >= 0"))
+    for key in ("every_n_epochs", "every_n_steps", "every_n_seconds"):
+        positive(f"checkpoint.{key}", getattr(ck, key), allow_none=True)
+    if ck.every_n_epochs is None and ck.every_n_steps is None and ck.every_n_seconds is None:
+        out.append("checkpoint: set at least one of checkpoint.every_n_epochs, checkpoint.every_n_steps, checkpoint.every_n_seconds")
+    if ck.keep_last < 1:
+        out.append(bad("checkpoint.keep_last", ck.keep_last, "an integer >= 1 (the newest checkpoint is always kept)"))
+    d = c.data
+    if isinstance(d, DataConfig):
+        positive("data.batch_size", d.batch_size)
+        if not 0 < d.val_fraction < 1:
+            out.append(bad("data.val_fraction", d.val_fraction, "a fraction strictly between 0 and 1"))
+        if d.num_workers < 0:
+            out.append(bad("data.num_workers", d.num_workers, "an integer >= 0"))
+        if isinstance(d, SyntheticConfig):
+            for key in ("num_samples", "num_features"):
+                positive(f"data.{key}", getattr(d, key))
+            if d.num_classes < 2:
+                out.append(bad("data.num_classes", d.num_classes, "an integer >= 2"))
+    for group, node, schemas in (("model", cfg.model, MODEL_SCHEMAS), ("data", cfg.data, DATA_SCHEMAS)):
+        if "_target_" not in node and node.get("name") not in schemas:
+            out.append(bad(f"{group}.name", node.get("name"), f"one of {', '.join(schemas)}, or set {group}._target_ to an import path"))
+    if isinstance(c.model, MLPConfig) and not 0 <= c.model.dropout < 1:
+        out.append(bad("model.dropout", c.model.dropout, "a fraction in [0, 1)"))
+    if c.backend.name == "horovod":
+        from importlib.util import find_spec
+
+        if find_spec("horovod") is None:
+            out.append("backend=horovod: Horovod is not installed. Install it with `bash scripts/install_horovod.sh "
+                       "$(which python)` (builds a patched Horovod 0.28.1 with PyTorch and Gloo), or choose backend=torchrun")
+    return out
+
+
+cs = ConfigStore.instance()
+cs.store(name="schema_train", node=TrainConfig)
+cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
+cs.store(group="model", name="schema_mlp", node=MLPConfig)
+cs.store(group="model", name="schema_cnn", node=CNNConfig)
+cs.store(group="data", name="schema_digits", node=DigitsConfig)
+cs.store(group="data", name="schema_synthetic", node=SyntheticConfig)

@@ -1,0 +1,129 @@
+"""The collective interface the trainer uses, one implementation per backend.
+
+The trainer never asks which backend it runs on; everything that differs between torch
+distributed, Horovod and a single process lives behind `Comm`.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import torch
+from hydra_plugins.steadfast_launcher import contract
+from torch import nn
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Comm:
+    """A single process: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+    local_rank = 0
+    local_world_size = 1
+
+    def __init__(self) -> None:
+        self.device = pick_device(0)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Make every rank start from rank 0's model and optimizer state."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank."""
+        return flag
+
+    def gather_object(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's object, in rank order, on rank 0 (None elsewhere)."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's object, on every rank."""
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class TorchDistComm(Comm):
+    """torch.distributed: Gloo on CPU, NCCL when CUDA is available; DDP for gradients."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.device = pick_device(self.local_rank)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
+        dist.init_process_group(**kwargs)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        pass  # every rank loads the same checkpoint, and DDP broadcasts rank 0's parameters
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def gather_object(self, obj: Any) -> Optional[List[Any]]:
+        out: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
+        self.dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def init(timeout_s: float = 600.0) -> Comm:
+    """The Comm for the backend the launcher started us with (contract.ENV_BACKEND)."""
+    backend = os.environ.get(contract.ENV_BACKEND, "local")
+    if backend == "torchrun":
+        return TorchDistComm(timeout_s)
+    if backend == "horovod":
+        from .dist_horovod import HorovodComm
+
+        return HorovodComm()
+    return Comm()

@@ -1,0 +1,29 @@
+"""The training entrypoint: `python -m pipeline.train [overrides]`.
+
+Hydra composes the config; the steadfast launcher validates it, freezes it into the run folder
+and calls `main` on every worker rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from . import config  # noqa: F401  (registers the schemas and the run-name resolver)
+
+
+def main(cfg: DictConfig) -> Any:
+    from .trainer import Trainer  # torch is imported by the workers, not by Hydra's start-up
+
+    result = Trainer(cfg).fit()
+    return result["val_loss"]
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def cli(cfg: DictConfig) -> Any:
+    return main(cfg)
+
+
+if __name__ == "__main__":
+    cli()

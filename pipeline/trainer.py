@@ -1,0 +1,263 @@
+"""The training loop, shared by every backend. State that a resume must restore is a Stateful."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra_plugins.steadfast_launcher import contract
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import config as schema
+from . import dist, manifest
+from .checkpoint import CheckpointError, CheckpointManager
+from .data import ResumableSampler, build_data
+from .models import build_model
+from .records import RunRecord, model_sha256, setup_logging
+
+log = logging.getLogger("pipeline")
+
+CONTROL_EVERY = 10  # steps between the ranks' agreement on time-based events
+
+
+@dataclass
+class Progress:
+    """Where training stands: enough to continue at the next batch."""
+
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # batches completed in the current epoch
+    global_step: int = 0
+    train_loss: Optional[float] = None  # mean over the last completed epoch
+    val_loss: Optional[float] = None
+    val_accuracy: Optional[float] = None
+    best_val_loss: Optional[float] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class RNGState:
+    """This rank's random number generators (torch, CUDA, numpy, python)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        if torch.cuda.is_available() and state["cuda"]:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        np.random.set_state(state["numpy"])
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(cfg: schema.TrainerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(cfg: schema.TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.max_epochs)
+    if cfg.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.max_epochs // 3), gamma=0.1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+
+
+class Trainer:
+    def __init__(self, raw_cfg: DictConfig) -> None:
+        self.raw_cfg = raw_cfg
+        self.cfg = schema.typed(raw_cfg)
+        self.run_dir = contract.run_dir()
+        self.started = float(os.environ.get(contract.ENV_LAUNCH_TIME, time.time()))
+        self.comm = dist.init()
+        self.record = RunRecord(self.run_dir, self.comm.rank)
+        self._log_handler = setup_logging(self.run_dir, self.comm.rank)
+
+    def fit(self) -> Dict[str, Any]:
+        try:
+            return self._fit()
+        finally:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler.close()
+            self.comm.shutdown()
+
+    def _fit(self) -> Dict[str, Any]:
+        cfg, comm = self.cfg, self.comm
+        threads = cfg.trainer.num_threads or max(1, len(os.sched_getaffinity(0)) // comm.local_world_size)
+        torch.set_num_threads(threads)
+        seed_everything(cfg.trainer.seed)  # same initial weights on every rank
+        data = build_data(cfg.data)
+        model = build_model(cfg.model, data.input_shape, data.num_classes).to(comm.device)
+        optimizer = build_optimizer(cfg.trainer, model)
+        scheduler = build_scheduler(cfg.trainer, optimizer)
+        seed_everything(cfg.trainer.seed + 1 + comm.rank)  # each rank its own dropout stream
+        progress, rng = Progress(), RNGState()
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
+        per_rank = {"rng": rng}
+
+        resolved = OmegaConf.to_container(self.raw_cfg, resolve=True)
+        ckpt = CheckpointManager(
+            Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints",
+            comm, cfg.checkpoint.keep_last, manifest.training_config(resolved), self.record.event,
+        )
+        restarts = contract.restart_count()
+        self.record.event("attempt_started", world_size=comm.world_size, device=str(comm.device))
+        resumed = self._resume(ckpt, objects, per_rank)
+        ddp_model = comm.wrap_model(model)
+        optimizer = comm.wrap_optimizer(optimizer, model)
+        comm.broadcast_state(model, optimizer)
+
+        sampler = ResumableSampler(len(data.train), comm.world_size, comm.rank, cfg.data.batch_size, cfg.trainer.seed)
+        loader_rng = torch.Generator()  # keeps the DataLoader from drawing on the global RNG
+        loader = DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
+                            num_workers=cfg.data.num_workers, generator=loader_rng)
+        ck = cfg.checkpoint
+        last_save_time = time.monotonic()
+        log.info("Training %s on %d worker(s), %d batches per epoch per worker, epochs %d..%d%s",
+                 type(model).__name__, comm.world_size, sampler.batches_per_epoch, progress.epoch + 1,
+                 cfg.trainer.max_epochs, f" (resumed from step {resumed})" if resumed is not None else "")
+
+        def save() -> None:
+            nonlocal last_save_time
+            ckpt.save(progress.global_step, objects, per_rank,
+                      {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "global_step": progress.global_step})
+            last_save_time = time.monotonic()
+
+        first_step = True
+        while progress.epoch < cfg.trainer.max_epochs:
+            epoch = progress.epoch
+            sampler.start(epoch, progress.batch_in_epoch)
+            loader_rng.manual_seed(cfg.trainer.seed * 100_003 + epoch)
+            ddp_model.train()
+            epoch_loss = torch.zeros(2, dtype=torch.float64)  # sum of losses, batches
+            window = torch.zeros(2, dtype=torch.float64)
+            for x, y in loader:
+                x, y = x.to(comm.device, non_blocking=True), y.to(comm.device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(ddp_model(x), y)
+                loss.backward()
+                optimizer.step()
+                progress.global_step += 1
+                progress.batch_in_epoch += 1
+                detached = loss.detach().double().cpu()
+                epoch_loss += torch.stack([detached, torch.ones((), dtype=torch.float64)])
+                window += torch.stack([detached, torch.ones((), dtype=torch.float64)])
+                if first_step:
+                    first_step = False
+                    self.record.event("first_step", step=progress.global_step, seconds_since_launch=round(time.time() - self.started, 3))
+                if progress.global_step % cfg.trainer.log_every_n_steps == 0:
+                    mean = comm.all_reduce_sum(window.clone())
+                    self.record.metrics(step=progress.global_step, epoch=epoch, loss=round(float(mean[0] / mean[1]), 6),
+                                        lr=optimizer.param_groups[0]["lr"], wall=round(time.time() - self.started, 3),
+                                        restart=restarts, rss_mb=_peak_rss_mb())
+                    window.zero_()
+                due = bool(ck.every_n_steps and progress.global_step % ck.every_n_steps == 0)
+                if ck.every_n_seconds and progress.global_step % CONTROL_EVERY == 0:
+                    due |= comm.any(comm.rank == 0 and time.monotonic() - last_save_time >= ck.every_n_seconds)
+                if due:
+                    save()
+            totals = comm.all_reduce_sum(epoch_loss)
+            scheduler.step()
+            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
+            if totals[1] > 0:
+                progress.train_loss = float(totals[0] / totals[1])
+            progress.val_loss, progress.val_accuracy = self._validate(model, data.val)
+            if progress.best_val_loss is None or progress.val_loss < progress.best_val_loss:
+                progress.best_val_loss = progress.val_loss
+            self.record.metrics(step=progress.global_step, epoch=epoch, train_loss=progress.train_loss,
+                                val_loss=progress.val_loss, val_accuracy=progress.val_accuracy,
+                                wall=round(time.time() - self.started, 3), restart=restarts, rss_mb=_peak_rss_mb())
+            log.info("epoch %d/%d  step %d  train_loss %.4f  val_loss %.4f  val_acc %.3f", progress.epoch,
+                     cfg.trainer.max_epochs, progress.global_step, progress.train_loss or float("nan"),
+                     progress.val_loss, progress.val_accuracy)
+            if ck.every_n_epochs and progress.epoch % ck.every_n_epochs == 0:
+                save()
+        if ckpt.last_saved_step != progress.global_step:
+            save()  # the end of the run is always committed, so running it again trains nothing
+        ckpt.close()
+
+        result = {
+            "status": "completed",
+            "epochs_completed": progress.epoch,
+            "global_step": progress.global_step,
+            "final_loss": progress.train_loss,
+            "val_loss": progress.val_loss,
+            "val_accuracy": progress.val_accuracy,
+            "best_val_loss": progress.best_val_loss,
+            "restarts": restarts,
+            "resumed_from_step": resumed,
+            "world_size": comm.world_size,
+            "wall_seconds": round(time.time() - self.started, 3),
+            "model_sha256": model_sha256(model),
+            "run_dir": str(self.run_dir),
+        }
+        self.record.summary(result)
+        self.record.event("training_completed", step=progress.global_step, model_sha256=result["model_sha256"])
+        return result
+
+    def _resume(self, ckpt: CheckpointManager, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> Optional[int]:
+        policy = self.cfg.resume
+        if policy == schema.Resume.never:
+            if manifest.committed(ckpt.folder):
+                raise CheckpointError(f"resume=never, but {ckpt.folder} already holds checkpoints; they are left untouched")
+            return None
+        restored = ckpt.restore(objects, per_rank, self.cfg.run.allow_config_change, self.cfg.run.fresh_start_if_unusable)
+        if restored is None:
+            if policy == schema.Resume.must:
+                raise CheckpointError(f"resume=must, but {ckpt.folder} holds no usable checkpoint")
+            return None
+        self.record.event("resumed", step=restored.step, path=str(restored.path), epoch=restored.manifest.get("epoch"),
+                          batch_in_epoch=restored.manifest.get("batch_in_epoch"))
+        log.info("Resumed from %s (epoch %s, batch %s)", restored.path, restored.manifest.get("epoch"),
+                 restored.manifest.get("batch_in_epoch"))
+        return restored.step
+
+    def _validate(self, model: nn.Module, dataset: Any) -> tuple[float, float]:
+        """Loss and accuracy on the validation set, each rank evaluating its own shard."""
+        model.eval()
+        idx = list(range(self.comm.rank, len(dataset), self.comm.world_size))
+        totals = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            for start in range(0, len(idx), 256):
+                x, y = dataset[idx[start : start + 256]]
+                x, y = x.to(self.comm.device), y.to(self.comm.device)
+                out = model(x)
+                totals += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
+                                        (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+        totals = self.comm.all_reduce_sum(totals.to(self.comm.device)).cpu()
+        model.train()
+        return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def _peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

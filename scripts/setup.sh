@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up everything `make run` and `make test` need, in a virtual environment (.venv).
+# Idempotent: a stamp keyed by the inputs makes the second run take well under a second.
+#   VENV=path        where the environment lives (default .venv)
+#   PYTHON=python3   the interpreter to build it from (3.10+; 3.11 is what we test)
+#   TORCH_SPEC=...   the torch requirement, installed first and explicitly (default torch==2.13.0)
+#   STEADFAST_WITHOUT_HOROVOD=1   skip the Horovod build (backend=horovod then says how to add it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=$(command -v python3.11 || command -v python3)
+fi
+
+key=$( { echo "$TORCH_SPEC ${STEADFAST_WITHOUT_HOROVOD:-0}"; cat pyproject.toml scripts/setup.sh scripts/install_horovod.sh; } | sha256sum | cut -c1-16)
+stamp="$VENV/.steadfast-setup-$key"
+if [ -f "$stamp" ] && "$VENV/bin/python" -c "" 2>/dev/null; then
+  exit 0
+fi
+
+echo "[setup] building $VENV from $PYTHON ($("$PYTHON" --version 2>&1))"
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# torch first, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
+"${PIP[@]}" "$TORCH_SPEC"
+# compat mode: PEP 660 editable installs hide hydra_plugins from Hydra's plugin scan.
+"${PIP[@]}" -e ".[dev,horovod]" --config-settings editable_mode=compat
+# setuptools' compat mode puts only the project root on sys.path; the plugin's namespace
+# package lives under launchers/, so add that folder too (Hydra finds hydra_plugins on sys.path).
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$(pwd)/launchers" > "$site/steadfast-launchers.pth"
+if [ "${STEADFAST_WITHOUT_HOROVOD:-0}" != 1 ]; then
+  bash scripts/install_horovod.sh "$VENV/bin/python"
+fi
+rm -f "$VENV"/.steadfast-setup-*
+touch "$stamp"
+echo "[setup] done in $(( $(date +%s) - start )) s"
