@@ -96,6 +96,17 @@ class SyntheticConfig(DataConfig):
 
 
 @dataclass
+class FaultConfig:
+    """Off by default. See pipeline/faults.py."""
+
+    kind: str = "none"  # none | kill | hang | exception | sigterm
+    rank: int = 0
+    at_step: int = 1
+    times: int = 1  # over the whole run, restarts included; 0 = every time
+    hang_s: float = 3600.0
+
+
+@dataclass
 class TrainConfig:
     backend: BackendConf = MISSING
     restart: RestartConf = MISSING
@@ -105,6 +116,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resume: Resume = Resume.auto
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 # Keys that do not change what is trained, so they do not change the derived run name:
@@ -205,6 +217,16 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             out.append(bad(f"{group}.name", node.get("name"), f"one of {', '.join(schemas)}, or set {group}._target_ to an import path"))
     if isinstance(c.model, MLPConfig) and not 0 <= c.model.dropout < 1:
         out.append(bad("model.dropout", c.model.dropout, "a fraction in [0, 1)"))
+    from .faults import KINDS
+
+    f = c.fault
+    if f.kind not in KINDS:
+        out.append(bad("fault.kind", f.kind, f"one of {', '.join(KINDS)}"))
+    if f.kind != "none":
+        if f.at_step < 1:
+            out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
+        if f.times < 0:
+            out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
     if c.backend.name == "horovod":
         from importlib.util import find_spec
 
@@ -217,6 +239,7 @@ def preflight(job_cfg: DictConfig) -> List[str]:
 cs = ConfigStore.instance()
 cs.store(name="schema_train", node=TrainConfig)
 cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
+cs.store(group="fault", name="schema", node=FaultConfig)
 cs.store(group="model", name="schema_mlp", node=MLPConfig)
 cs.store(group="model", name="schema_cnn", node=CNNConfig)
 cs.store(group="data", name="schema_digits", node=DigitsConfig)

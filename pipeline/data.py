@@ -37,7 +37,7 @@ def digits(val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
 def synthetic(num_samples: int = 2048, num_features: int = 32, num_classes: int = 4, val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
     """Gaussian clusters around random class centres: learnable, generated from a fixed seed."""
     rng = np.random.RandomState(seed)
-    centres = rng.normal(0.0, 2.0, size=(num_classes, num_features))
+    centres = rng.normal(0.0, 0.3, size=(num_classes, num_features))
     y = rng.randint(0, num_classes, size=num_samples)
     x = centres[y] + rng.normal(0.0, 1.0, size=(num_samples, num_features))
     return _split(x, y, val_fraction, seed, (num_features,))

@@ -22,6 +22,7 @@ from . import config as schema
 from . import dist, manifest
 from .checkpoint import CheckpointError, CheckpointManager
 from .data import ResumableSampler, build_data
+from .faults import FaultInjector
 from .models import build_model
 from .records import RunRecord, model_sha256, setup_logging
 
@@ -141,6 +142,8 @@ class Trainer:
         loader_rng = torch.Generator()  # keeps the DataLoader from drawing on the global RNG
         loader = DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
                             num_workers=cfg.data.num_workers, generator=loader_rng)
+        faults = FaultInjector(cfg.fault, comm.rank, self.run_dir,
+                               lambda event, **f: contract.append_event(self.run_dir, event, restart=restarts, **f))
         ck = cfg.checkpoint
         last_save_time = time.monotonic()
         log.info("Training %s on %d worker(s), %d batches per epoch per worker, epochs %d..%d%s",
@@ -181,6 +184,7 @@ class Trainer:
                                         lr=optimizer.param_groups[0]["lr"], wall=round(time.time() - self.started, 3),
                                         restart=restarts, rss_mb=_peak_rss_mb())
                     window.zero_()
+                faults.after_step(progress.global_step)
                 due = bool(ck.every_n_steps and progress.global_step % ck.every_n_steps == 0)
                 if ck.every_n_seconds and progress.global_step % CONTROL_EVERY == 0:
                     due |= comm.any(comm.rank == 0 and time.monotonic() - last_save_time >= ck.every_n_seconds)

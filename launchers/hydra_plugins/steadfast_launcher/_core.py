@@ -135,7 +135,7 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
                 log.warning("Relaunching %s (restart %d of %d)", job.label, attempt, job.restart.max_restarts)
             try:
                 result = adapter.run(payload, job, env, run_dir)
-                contract.append_event(run_dir, "job_completed", restarts=attempt)
+                contract.append_event(run_dir, "job_completed", relaunches=attempt)
                 return result
             except WorkerFailure as failure:
                 last = failure

@@ -1,0 +1,93 @@
+"""Running the real entrypoint in a scratch folder and reading what it leaves behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small and quick: synthetic data, 2 torchrun workers, a few epochs.
+QUICK = [
+    "data=synthetic", "data.num_samples=512", "data.batch_size=16",
+    "trainer.max_epochs=4", "checkpoint=every_epoch", "restart.monitor_interval=0.1",
+]
+
+
+def env() -> Dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "launchers"), e.get("PYTHONPATH", "")])
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.pop("HYDRA_FULL_ERROR", None)
+    return e
+
+
+def train_cmd(*overrides: str) -> List[str]:
+    return [sys.executable, "-m", "pipeline.train", *overrides]
+
+
+def run_train(cwd: Path, *overrides: str, timeout: float = 240, check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run(train_cmd(*overrides), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def start_train(cwd: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(train_cmd(*overrides), cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_dir(cwd: Path, name: str) -> Path:
+    return cwd / "outputs" / name
+
+
+def summary(folder: Path) -> Dict[str, Any]:
+    return json.loads((folder / "summary.json").read_text())
+
+
+def events(folder: Path) -> List[Dict[str, Any]]:
+    path = folder / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def committed_steps(folder: Path) -> List[int]:
+    ckpts = folder / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in ckpts.glob("step_*") if (p / "manifest.json").is_file())
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Optional[subprocess.Popen] = None) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended (exit {proc.returncode}) while waiting for {what}:\n{proc.stdout.read()[-4000:] if proc.stdout else ''}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def event_of(folder: Path, kind: str, **match: Any) -> Optional[Dict[str, Any]]:
+    for e in events(folder):
+        if e.get("event") == kind and all(e.get(k) == v for k, v in match.items()):
+            return e
+    return None
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """End a started launch (and its workers) and return its output."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=30)
+    return out or ""
