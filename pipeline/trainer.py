@@ -119,7 +119,9 @@ class Trainer:
         seed_everything(cfg.trainer.seed)  # same initial weights on every rank
         data = build_data(cfg.data)
         model = build_model(cfg.model, data.input_shape, data.num_classes).to(comm.device)
-        optimizer = build_optimizer(cfg.trainer, model)
+        ddp_model = comm.wrap_model(model)
+        # Wrapped before anything is restored into it: Horovod's wrapper is a new optimizer object.
+        optimizer = comm.wrap_optimizer(build_optimizer(cfg.trainer, model), model)
         scheduler = build_scheduler(cfg.trainer, optimizer)
         seed_everything(cfg.trainer.seed + 1 + comm.rank)  # each rank its own dropout stream
         progress, rng = Progress(), RNGState()
@@ -134,8 +136,6 @@ class Trainer:
         restarts = contract.restart_count()
         self.record.event("attempt_started", world_size=comm.world_size, device=str(comm.device))
         resumed = self._resume(ckpt, objects, per_rank)
-        ddp_model = comm.wrap_model(model)
-        optimizer = comm.wrap_optimizer(optimizer, model)
         comm.broadcast_state(model, optimizer)
 
         sampler = ResumableSampler(len(data.train), comm.world_size, comm.rank, cfg.data.batch_size, cfg.trainer.seed)
