@@ -227,6 +227,7 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
+    out += _resume_problems(job_cfg, cfg, c)
     if c.backend.name == "horovod":
         from importlib.util import find_spec
 
@@ -234,6 +235,31 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             out.append("backend=horovod: Horovod is not installed. Install it with `bash scripts/install_horovod.sh "
                        "$(which python)` (builds a patched Horovod 0.28.1 with PyTorch and Gloo), or choose backend=torchrun")
     return out
+
+
+def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, c: TrainConfig) -> List[str]:
+    """What the run folder's checkpoints say about this launch, read from manifests only (cheap)."""
+    from pathlib import Path
+
+    from . import manifest
+
+    run_dir = Path(str(OmegaConf.select(job_cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
+    folder = Path(c.checkpoint.dir) if c.checkpoint.dir else run_dir / "checkpoints"
+    found = manifest.committed(folder)
+    if c.resume == Resume.never and found:
+        return [f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "
+                "untouched. Use resume=auto to continue that run, or choose another run.name"]
+    if c.resume == Resume.must and not found:
+        return [f"resume=must, but there is no committed checkpoint in {folder}"]
+    newest = manifest.newest_manifest(folder)
+    if c.resume == Resume.never or newest is None or c.run.allow_config_change:
+        return []
+    diff = manifest.changes(newest.get("config", {}), manifest.training_config(OmegaConf.to_container(cfg)))
+    if diff:
+        return [f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "
+                f"config: {manifest.describe_changes(diff)}. Restore those values, choose another run.name, or set "
+                "run.allow_config_change=true to resume anyway"]
+    return []
 
 
 cs = ConfigStore.instance()

@@ -1,0 +1,55 @@
+"""Horovod (over Gloo): the Comm behind `backend=horovod`. Imported only when that backend runs."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+
+from .dist import Comm, pick_device
+
+
+class HorovodComm(Comm):
+    """The model stays unwrapped; hvd.DistributedOptimizer averages the gradients."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_world_size = hvd.local_rank(), hvd.local_size()
+        self.device = pick_device(self.local_rank)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # A fresh optimizer is identical on every rank. Horovod would "initialise" its state with
+        # a real step on zero gradients, which moves the weights under weight decay and advances
+        # Adam's step count: the run would then differ from the same run on another backend.
+        # Every rank restores the same checkpoint, so the state is empty on all ranks or on none.
+        if optimizer.state_dict()["state"]:
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        return bool(self.hvd.allreduce(t, op=self.hvd.Max).item())
+
+    def gather_object(self, obj: Any) -> Optional[List[Any]]:
+        gathered = self.hvd.allgather_object(obj)  # Horovod has no gather to one rank
+        return gathered if self.rank == 0 else None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def shutdown(self) -> None:
+        if self.hvd.is_initialized():
+            self.hvd.shutdown()

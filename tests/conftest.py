@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from helpers import QUICK, run_dir, run_train, summary  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One uninterrupted 2-worker run of the QUICK job: the reference every recovery must reproduce."""
+    cwd = tmp_path_factory.mktemp("baseline")
+    run_train(cwd, *QUICK, "run.name=baseline", check=True)
+    folder = run_dir(cwd, "baseline")
+    return {"cwd": cwd, "dir": folder, "summary": summary(folder)}

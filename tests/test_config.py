@@ -1,0 +1,113 @@
+"""Config schemas, run names, pre-flight checks and the LaunchConfig mapping (no workers)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra_plugins.steadfast_launcher._schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
+from omegaconf import OmegaConf
+
+import pipeline.config as schema
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def composed(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+def problems(*overrides: str) -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = composed(*overrides)
+    HydraConfig.instance().set_config(cfg)
+    return schema.preflight(cfg)
+
+
+def test_defaults_compose_and_pass_preflight() -> None:
+    cfg = composed()
+    assert cfg.backend.name == "torchrun" and cfg.backend.nproc_per_node == 2
+    assert cfg.restart.max_restarts == 3 and cfg.checkpoint.every_n_epochs == 10
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    assert cfg.hydra.launcher._target_.endswith("SteadfastLauncher")
+    assert problems() == []
+
+
+@pytest.mark.parametrize("group,options", [
+    ("backend", ["torchrun", "local"]), ("restart", ["default", "none"]),
+    ("checkpoint", ["every_10_epochs", "every_epoch", "every_n_steps"]),
+    ("model", ["mlp", "cnn"]), ("data", ["digits", "synthetic"]),
+    ("fault", ["none", "kill_rank", "hang_rank", "exception"]),
+])
+def test_every_preset_composes(group: str, options: list[str]) -> None:
+    for option in options:
+        assert problems(f"{group}={option}") == [], option
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.max_epochs=0", "trainer.max_epochs"),
+    ("restart.max_restarts=-1", "restart.max_restarts"),
+    ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("backend.nproc_per_node=0", "backend.nproc_per_node"),
+    ("backend.nnodes=2:1", "backend.nnodes"),
+    ("trainer.optimizer=rmsprop", "trainer.optimizer"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
+])
+def test_out_of_range_values_are_named(override: str, key: str) -> None:
+    from hydra_plugins.steadfast_launcher._schemas import backend_from, restart_from
+
+    cfg = composed(override)
+    found = schema.preflight(cfg) + backend_from(cfg.backend).problems() + restart_from(cfg.restart).problems()
+    assert found and any(key in p for p in found), found
+
+
+def test_no_cadence_at_all_is_refused() -> None:
+    found = problems("checkpoint.every_n_epochs=null")
+    assert any("at least one of checkpoint.every_n_epochs" in p for p in found)
+
+
+def test_run_name_is_deterministic_and_ignores_safe_keys() -> None:
+    assert schema.run_name([]) == "default"
+    a = schema.run_name(["trainer.lr=0.1", "model=cnn"])
+    assert a == schema.run_name(["model=cnn", "trainer.lr=0.1"]) == "model=cnn,trainer.lr=0.1"
+    assert schema.run_name(["trainer.lr=0.1", "trainer.max_epochs=50", "checkpoint=every_epoch", "resume=never"]) == "trainer.lr=0.1"
+    long = schema.run_name([f"model.hidden_sizes=[{','.join(['512'] * 40)}]"])
+    assert len(long) <= schema.MAX_NAME and "/" not in long
+    assert long != schema.run_name([f"model.hidden_sizes=[{','.join(['512'] * 41)}]"])
+
+
+def test_run_name_default_comes_from_the_overrides() -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = composed("trainer.lr=0.3", "trainer.max_epochs=2")
+    HydraConfig.instance().set_config(cfg)
+    assert cfg.run.name == "trainer.lr=0.3"
+    assert OmegaConf.select(cfg, "hydra.sweep.subdir") == "trainer.lr=0.3"
+
+
+def test_launch_config_mapping(tmp_path: Path) -> None:
+    from hydra_plugins.steadfast_launcher._torchrun import launch_config
+
+    lc = launch_config(TorchrunBackendConf(nproc_per_node=3, nnodes="1:2", rdzv_endpoint="node0:29400"),
+                       RestartConf(max_restarts=5, monitor_interval=0.25), run_id="my/run", log_dir=tmp_path)
+    assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node) == (1, 2, 3)
+    assert (lc.max_restarts, lc.monitor_interval) == (5, 0.25)
+    assert lc.rdzv_backend == "c10d" and lc.rdzv_endpoint == "node0:29400"
+    assert lc.run_id == "my_run"  # a valid rendezvous id
+    standalone = launch_config(TorchrunBackendConf(), RestartConf(), run_id="r", log_dir=tmp_path)
+    assert standalone.rdzv_endpoint == "localhost:0"  # like --standalone: a free port
+    static = launch_config(TorchrunBackendConf(rdzv_backend="static", master_port=29999, node_rank=0), RestartConf(), "r", tmp_path)
+    assert static.rdzv_endpoint == "127.0.0.1:29999" and static.rdzv_configs["rank"] == 0
+
+
+def test_backend_problems() -> None:
+    assert TorchrunBackendConf().problems() == []
+    assert any("rdzv_endpoint" in p for p in TorchrunBackendConf(nnodes="2").problems())
+    assert any("backend.np" in p for p in HorovodBackendConf(np=0).problems())
+    assert any("mutually exclusive" in p for p in HorovodBackendConf(hosts="a:1", host_discovery_script="x.sh").problems())
+    assert any("min_np" in p for p in HorovodBackendConf(min_np=3, max_np=2).problems())
