@@ -22,7 +22,17 @@ class HorovodComm(Comm):
         self.device = pick_device(self.local_rank)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd_zero_grad = wrapped.zero_grad  # takes no arguments (it predates torch's set_to_none)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if set_to_none:
+                hvd_zero_grad()  # also refuses while gradients are still being reduced
+            else:
+                torch.optim.Optimizer.zero_grad(wrapped, set_to_none=False)
+
+        wrapped.zero_grad = zero_grad  # type: ignore[method-assign]
+        return wrapped
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -1,0 +1,279 @@
+"""Checkpoint I/O: the project's save and restore against torch.save and raw fsync'd I/O of the same bytes.
+
+    python -m bench.checkpoint_io [--mb 256] [--tensors 16] [--repeats 5] [--dir DIR] [--json PATH]
+
+Every method writes the same two states in one run: A, `--mb` MiB of float32 tensors; B, the
+training state of an MLP with its Adam optimizer after one step (model, optimizer, per-rank RNG,
+as the trainer saves them). The methods run in a rotated order each repeat and the median of each
+is reported. Throughput is always the state's tensor bytes over wall time, so a throughput ratio
+is the inverse of the time ratio. Before every timed operation dirty pages are flushed
+(os.sync), and before a cold read the page cache is dropped (root only; else only warm reads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from pipeline.checkpoint import CheckpointManager
+from pipeline.dist import Comm
+from pipeline.models import MLP
+
+MiB = 1 << 20
+TARGETS = {"project_sync/raw_fsync_write throughput": (">=", 0.9), "async_blocked/sync_save time": ("<=", 0.05)}
+
+
+class Holder:
+    """A plain state as a Stateful; restoring keeps a reference (no copy), like a zero-cost load."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+@dataclass
+class Case:
+    name: str
+    objects: Dict[str, Any]
+    per_rank: Dict[str, Any]
+    restore_targets: Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]]
+
+    def tree(self) -> Dict[str, Any]:
+        """What the project's save writes (one file per entry), as one tree."""
+        states = {name: obj.state_dict() for name, obj in self.objects.items()}
+        states["ranks"] = {"ranks": [{name: obj.state_dict() for name, obj in self.per_rank.items()}]}
+        return states
+
+
+def tensors_of(tree: Any) -> List[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors_of(v)]
+    return []
+
+
+def big_case(mb: int, count: int) -> Case:
+    numel = mb * MiB // 4 // count
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i:03d}": torch.randn(numel, generator=g) for i in range(count)}
+    return Case(f"A: {count} x {numel * 4 / MiB:.1f} MiB float32", {"state": Holder(state)}, {},
+                lambda: ({"state": Holder()}, {}))
+
+
+def model_case(hidden: List[int]) -> Case:
+    torch.manual_seed(0)
+    model = MLP((64,), 10, hidden)  # the digits data's shape
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(32, 64)).logsumexp(1).mean().backward()
+    optimizer.step()
+    rng = Holder({"torch": torch.get_rng_state()})
+    objects = {"model": model, "optimizer": optimizer}
+    return Case(f"B: MLP{tuple(hidden)} + Adam after one step", objects, {"rng": rng},
+                lambda: (objects, {"rng": Holder()}))
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    os.sync()  # earlier writeback must not land in this measurement
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def manager(folder: Path, async_save: bool = False) -> CheckpointManager:
+    return CheckpointManager(folder, Comm(), keep_last=1, training_config={}, on_event=lambda *a, **k: None,
+                             async_save=async_save)
+
+
+def project_sync(case: Case, folder: Path) -> Dict[str, float]:
+    m = manager(folder)
+    return {"project_sync": timed(lambda: m.save(1, case.objects, case.per_rank, {"epoch": 0}))}
+
+
+def project_async(case: Case, folder: Path) -> Dict[str, float]:
+    m = manager(folder, async_save=True)
+    os.sync()
+    start = time.perf_counter()
+    m.save(1, case.objects, case.per_rank, {"epoch": 0})
+    blocked = time.perf_counter() - start  # what the training loop waits for
+    m.wait()
+    total = time.perf_counter() - start
+    m.close()
+    return {"async_blocked": blocked, "async_total": total}
+
+
+def torch_save(case: Case, folder: Path) -> Dict[str, float]:
+    tree = case.tree()
+
+    def write() -> None:
+        with open(folder / "state.pt", "wb") as f:
+            torch.save(tree, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    folder.mkdir()
+    return {"torch_save": timed(write)}
+
+
+def raw_write(case: Case, folder: Path) -> Dict[str, float]:
+    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors_of(case.tree())]
+
+    def write() -> None:
+        with open(folder / "raw.bin", "wb", buffering=0) as f:
+            for v in views:
+                f.write(v)
+            os.fsync(f.fileno())
+
+    folder.mkdir()
+    return {"raw_fsync_write": timed(write)}
+
+
+def read_all(folder: Path) -> None:
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        path.read_bytes()
+
+
+def reads(case: Case, ckpt: Path, cold: bool, restore_first: bool) -> Dict[str, float]:
+    """Project restore (load + verify) and a raw read of the same checkpoint's files, cold then warm."""
+    m = manager(ckpt)
+
+    def restore() -> None:
+        objects, per_rank = case.restore_targets()
+        assert m.restore(objects, per_rank, allow_config_change=False) is not None
+
+    out: Dict[str, float] = {}
+    ops = [("restore", restore), ("raw_read", lambda: read_all(ckpt))]
+    for name, fn in ops if restore_first else ops[::-1]:
+        if cold:
+            drop_caches()
+            out[f"{name}_cold"] = timed(fn)
+        out[f"{name}_warm"] = timed(fn)
+    return out
+
+
+WRITERS = [project_sync, project_async, torch_save, raw_write]
+
+
+def run_case(case: Case, root: Path, repeats: int, cold: bool) -> Dict[str, Any]:
+    payload = sum(t.nbytes for t in tensors_of(case.tree()))
+    samples: Dict[str, List[float]] = {}
+    for r in range(repeats):
+        order = WRITERS[r % len(WRITERS):] + WRITERS[: r % len(WRITERS)]
+        for writer in order:
+            folder = root / f"{writer.__name__}-{r}"
+            for k, v in writer(case, folder).items():
+                samples.setdefault(k, []).append(v)
+            if writer is not project_sync:
+                shutil.rmtree(folder)
+        sync_folder = root / f"project_sync-{r}"
+        for k, v in reads(case, sync_folder, cold, restore_first=r % 2 == 0).items():
+            samples.setdefault(k, []).append(v)
+        shutil.rmtree(sync_folder)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    ratios = {
+        "project_sync/raw_fsync_write throughput": med["raw_fsync_write"] / med["project_sync"],
+        "torch_save/raw_fsync_write throughput": med["raw_fsync_write"] / med["torch_save"],
+        "async_blocked/sync_save time": med["async_blocked"] / med["project_sync"],
+        "async_total/sync_save time": med["async_total"] / med["project_sync"],
+        "restore/raw_read throughput (warm)": med["raw_read_warm"] / med["restore_warm"],
+    }
+    if cold:
+        ratios["restore/raw_read throughput (cold)"] = med["raw_read_cold"] / med["restore_cold"]
+    return {"case": case.name, "payload_bytes": payload, "repeats": repeats,
+            "methods": {k: {"median_s": med[k], "MiB_per_s": payload / MiB / med[k], "samples_s": v}
+                        for k, v in samples.items()},
+            "ratios": ratios}
+
+
+def filesystem(path: Path) -> str:
+    best = ("", "?", "?")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if str(path.resolve()).startswith(mnt) and len(mnt) >= len(best[0]):
+                best = (mnt, fstype, dev)
+    return f"{best[1]} on {best[2]} ({best[0]})"
+
+
+def report(result: Dict[str, Any]) -> None:
+    print(f"\n{result['case']}: {result['payload_bytes'] / MiB:.2f} MiB of tensors, median of {result['repeats']}")
+    print(f"  {'method':<22}{'median s':>10}{'MiB/s':>10}   min..max s")
+    for name, m in result["methods"].items():
+        s = m["samples_s"]
+        print(f"  {name:<22}{m['median_s']:>10.4f}{m['MiB_per_s']:>10.1f}   {min(s):.4f}..{max(s):.4f}")
+    for name, value in result["ratios"].items():
+        target = ""
+        if name in TARGETS:
+            op, goal = TARGETS[name]
+            ok = value >= goal if op == ">=" else value <= goal
+            target = f"  (target {op} {goal}: {'met' if ok else 'MISSED'})"
+        print(f"  {name:<42}{value:>7.3f}{target}")
+
+
+def main(argv: List[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=256, help="size of state A in MiB")
+    p.add_argument("--tensors", type=int, default=16, help="number of tensors in state A")
+    p.add_argument("--hidden", default="64,64", help="hidden sizes of state B's MLP (the default model's)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (a temporary folder is made inside)")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "checkpoint_io.json")
+    p.add_argument("--no-drop-caches", action="store_true", help="measure warm reads only")
+    args = p.parse_args(argv)
+
+    cold = not args.no_drop_caches and drop_caches()
+    root = Path(tempfile.mkdtemp(prefix="steadfast-bench-", dir=args.dir))
+    load_before = os.getloadavg()
+    try:
+        cases = [big_case(args.mb, args.tensors), model_case([int(h) for h in args.hidden.split(",")])]
+        results = [run_case(case, root / f"case{i}", args.repeats, cold) for i, case in enumerate(cases)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = {
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.checkpoint_io", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "filesystem": filesystem(root.parent),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "reads": "cold (page cache dropped) and warm" if cold else "warm only (page cache could not be dropped)",
+        "targets": TARGETS,
+        "results": results,
+    }
+    print(f"machine: {out['machine']}\nreads: {out['reads']}")
+    for r in results:
+        report(r)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""backend=horovod: the workers run under Horovod's own runner (`horovod.run`, Gloo controller).
+
+Horovod has no agent that restarts failed workers: when one dies, its runner stops the others
+and fails. So the launcher relaunches the whole job (up to restart.max_restarts, counted in
+STEADFAST_ATTEMPT) and every launch resumes from the newest committed checkpoint.
+
+Elastic mode (backend.min_np, backend.max_np, backend.host_discovery_script, reset_limit,
+blacklist_cooldown_range) is passed through to horovod.run, which then discovers hosts and
+starts between min_np and max_np workers. The workers do not use `hvd.elastic.run`, so a lost
+worker still ends the Horovod job and recovery comes from the relaunch. On one host this is
+also all Horovod itself could do: it blacklists the host of a failed worker, which holds every
+slot, and stops; and it needs backend.network_interface=lo there, or its driver waits for a
+second host until the elastic timeout.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Dict, List
+
+from . import contract
+from ._core import Job, WorkerFailure
+from ._schemas import HorovodBackendConf
+from ._worker import run_rank
+
+RESTARTS_ITSELF = False  # the launcher relaunches the job, up to restart.max_restarts
+
+_FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
+_PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
+
+
+def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+    import horovod
+    from horovod.runner import gloo_run
+
+    b = job.backend
+    assert isinstance(b, HorovodBackendConf)
+    logs = run_dir / "logs" / "horovod" / f"attempt_{env.get(contract.ENV_ATTEMPT, '0')}"
+    logs.mkdir(parents=True, exist_ok=True)
+    # horovod.run has no env argument: every worker gets a copy of this process's environment.
+    # Workers are plain subprocesses (not spawned by multiprocessing), so hand them our sys.path.
+    ours = [os.getcwd() if p == "" else p for p in sys.path if not p.startswith((sys.prefix, sys.base_prefix))]
+    worker_env = {**env, "PYTHONPATH": os.pathsep.join([*ours, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+    saved_env = {k: os.environ.get(k) for k in worker_env}
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Horovod's runner swaps SIGINT/SIGTERM for an event that stops the workers, after which it
+    # reports an ordinary worker failure; keep its events to tell a stop request from a crash.
+    stops: List[threading.Event] = []
+    register = gloo_run.register_shutdown_event
+    gloo_run.register_shutdown_event = lambda: stops.append(register()) or stops[-1]  # type: ignore[func-returns-value]
+    os.environ.update(worker_env)
+    try:
+        results = horovod.run(
+            run_rank,
+            args=(payload,),
+            num_proc=b.np,
+            hosts=b.hosts or (None if b.host_discovery_script else f"localhost:{b.np}"),
+            host_discovery_script=b.host_discovery_script,
+            min_num_proc=b.min_np,
+            max_num_proc=b.max_np,
+            reset_limit=b.reset_limit,
+            cooldown_range=tuple(b.blacklist_cooldown_range) if b.blacklist_cooldown_range else None,
+            network_interfaces=[n for n in b.network_interface.split(",") if n] if b.network_interface else None,
+            start_timeout=b.start_timeout,
+            use_gloo=b.controller == "gloo",
+            use_mpi=b.controller == "mpi",
+            output_filename=str(logs),
+            executable=sys.executable,
+        )
+    except Exception as err:
+        if any(e.is_set() for e in stops):
+            raise KeyboardInterrupt("the Horovod job was stopped by a signal") from None
+        raise WorkerFailure(root_cause(err, logs)) from None
+    finally:
+        gloo_run.register_shutdown_event = register
+        for sig, handler in saved_signals.items():
+            signal.signal(sig, handler)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results[0]  # the list is in rank order
+
+
+def root_cause(err: Exception, logs: Path) -> str:
+    """One line: which rank failed first and why (the exception in its stderr, if it left one)."""
+    text = str(err).strip()
+    found = _FAILED.search(text)
+    if not found:  # not a worker exit: a start-up, rendezvous or elastic driver error
+        return f"horovod runner: {type(err).__name__}: {text.splitlines()[0] if text else 'no message'}"
+    rank, code = found.group(1), int(found.group(2))
+    how = f"exit code {code}"
+    if code > 128 and code - 128 in signal.valid_signals():
+        how += f", killed by {signal.Signals(code - 128).name}"
+    stderr = next((p for p in logs.glob("rank.*/stderr") if p.parent.name.split(".")[-1].lstrip("0") == rank.lstrip("0")), None)
+    return f"rank {rank} ({how}): {_last_exception(stderr) if stderr else 'no error recorded'}"
+
+
+def _last_exception(stderr: Path) -> str:
+    """The exception line of the last traceback in a worker's stderr (Horovod prefixes each line)."""
+    lines = [_PREFIX.sub("", line) for line in stderr.read_text(errors="replace").splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.rstrip().endswith("Traceback (most recent call last):")]
+    if starts:
+        for line in lines[starts[-1] + 1 :]:
+            if line.strip() and not line[0].isspace():
+                return line.strip()
+    return "no error recorded"

@@ -1,0 +1,142 @@
+"""The checkpoint file format and the rules for what counts as a committed checkpoint."""
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import manifest as mf
+from pipeline import tensorfile
+from pipeline.checkpoint import CheckpointError, CheckpointManager
+from pipeline.dist import Comm
+
+
+class Box:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(),
+            "py": random.getstate(), "empty": torch.empty(0, 3), "bf16": torch.ones(3, dtype=torch.bfloat16)}
+    size, digest = tensorfile.save(tree, tmp_path / "t.bin")
+    back = tensorfile.load(tmp_path / "t.bin", size, digest)
+    for key, value in model.state_dict().items():
+        assert torch.equal(back["model"][key], value)
+    assert back["opt"]["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    assert back["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    np.random.set_state(back["np"])
+    random.setstate(back["py"])
+    assert back["empty"].shape == (0, 3) and back["bf16"].dtype == torch.bfloat16
+
+
+def test_pickle_payload_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(tensorfile.TensorFileError, match="not a steadfast tensor file"):
+        tensorfile.load(path)
+    torch.save({"x": Payload()}, tmp_path / "torch.bin")
+    with pytest.raises(tensorfile.TensorFileError):
+        tensorfile.load(tmp_path / "torch.bin")
+    assert not marker.exists()
+
+
+def test_damage_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    size, digest = tensorfile.save({"w": torch.arange(1000.0)}, path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(tensorfile.TensorFileError, match="sha256"):
+        tensorfile.load(path, size, digest)
+    path.write_bytes(bytes(data[: size // 2]))
+    with pytest.raises(tensorfile.TensorFileError, match="size"):
+        tensorfile.load(path, size, digest)
+    with pytest.raises(tensorfile.TensorFileError):
+        tensorfile.load(path)  # even without a manifest, a truncated file does not parse
+
+
+def test_committed_lists_by_step_number_and_ignores_partial_folders(tmp_path: Path) -> None:
+    for step in (9, 10, 100):
+        (tmp_path / mf.step_dir_name(step)).mkdir()
+        (tmp_path / mf.step_dir_name(step) / mf.MANIFEST).write_text("{}")
+    (tmp_path / mf.step_dir_name(1000)).mkdir()  # no manifest: not committed
+    (tmp_path / f"{mf.TMP_PREFIX}step_000002000-abc").mkdir()
+    (tmp_path / "step_5").mkdir()
+    assert [s for s, _ in mf.committed(tmp_path)] == [100, 10, 9]
+
+
+def test_training_config_changes_separate_safe_keys() -> None:
+    old = mf.training_config({"trainer": {"lr": 0.1, "max_epochs": 5}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 2}})
+    new = mf.training_config({"trainer": {"lr": 0.2, "max_epochs": 50}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 9}})
+    assert mf.changes(old, new) == [("trainer.lr", 0.1, 0.2)]
+
+
+def manager(folder: Path, keep_last: int = 2, config: dict | None = None, async_save: bool = False) -> CheckpointManager:
+    return CheckpointManager(folder, Comm(), keep_last, config or {"a": 1}, lambda *a, **k: None, async_save=async_save)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_commit_retention_and_restore(tmp_path: Path, async_save: bool) -> None:
+    m = manager(tmp_path, keep_last=2, async_save=async_save)
+    w = Box({"w": torch.zeros(3)})
+    for step in (1, 2, 3):
+        w.state["w"] = torch.full((3,), float(step))
+        m.save(step, {"model": w}, {"rng": Box({"seed": step})}, {"epoch": step})
+    m.close()
+    assert [s for s, _ in mf.committed(tmp_path)] == [3, 2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((mf.TMP_PREFIX, mf.TRASH_PREFIX))]
+    fresh, rng = Box({}), Box({})
+    restored = manager(tmp_path).restore({"model": fresh}, {"rng": rng}, allow_config_change=False)
+    assert restored is not None and restored.step == 3
+    assert fresh.state["w"].tolist() == [3.0, 3.0, 3.0] and rng.state == {"seed": 3}
+
+
+def test_corrupt_newest_falls_back_to_the_previous(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    for step in (1, 2):
+        m.save(step, {"model": Box({"w": torch.full((4,), float(step))})}, {}, {})
+    newest = tmp_path / mf.step_dir_name(2) / "model.bin"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 1
+    newest.write_bytes(bytes(data))
+    fresh = Box({})
+    assert manager(tmp_path).restore({"model": fresh}, {}, False).step == 1
+    assert fresh.state["w"].tolist() == [1.0] * 4
+
+
+def test_incompatible_config_is_refused_with_the_changed_keys(tmp_path: Path) -> None:
+    manager(tmp_path, config={"trainer.lr": 0.1}).save(1, {"model": Box({"w": torch.ones(1)})}, {}, {})
+    with pytest.raises(CheckpointError, match=r"trainer.lr: 0.1 -> 0.2"):
+        manager(tmp_path, config={"trainer.lr": 0.2}).restore({"model": Box({})}, {}, allow_config_change=False)
+    assert manager(tmp_path, config={"trainer.lr": 0.2}).restore({"model": Box({})}, {}, allow_config_change=True).step == 1
+
+
+def test_manifest_lists_sizes_and_checksums(tmp_path: Path) -> None:
+    manager(tmp_path).save(7, {"model": Box({"w": torch.ones(10)})}, {"rng": Box({"s": 1})}, {"epoch": 1, "batch_in_epoch": 3})
+    man = json.loads((tmp_path / mf.step_dir_name(7) / mf.MANIFEST).read_text())
+    assert man["format"] == mf.FORMAT and man["step"] == 7 and man["batch_in_epoch"] == 3 and man["world_size"] == 1
+    assert set(man["files"]) == {"model.bin", "ranks.bin"}
+    for name, spec in man["files"].items():
+        assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and len(spec["sha256"]) == 64
