@@ -31,6 +31,7 @@ RESTARTS_ITSELF = False  # the launcher relaunches the job, up to restart.max_re
 
 _FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 _PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
+_NONE = "no error recorded"
 
 
 def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
@@ -51,7 +52,12 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     # reports an ordinary worker failure; keep its events to tell a stop request from a crash.
     stops: List[threading.Event] = []
     register = gloo_run.register_shutdown_event
-    gloo_run.register_shutdown_event = lambda: stops.append(register()) or stops[-1]  # type: ignore[func-returns-value]
+
+    def register_and_keep() -> threading.Event:
+        stops.append(register())
+        return stops[-1]
+
+    gloo_run.register_shutdown_event = register_and_keep
     os.environ.update(worker_env)
     try:
         results = horovod.run(
@@ -78,7 +84,8 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     finally:
         gloo_run.register_shutdown_event = register
         for sig, handler in saved_signals.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -93,12 +100,19 @@ def root_cause(err: Exception, logs: Path) -> str:
     found = _FAILED.search(text)
     if not found:  # not a worker exit: a start-up, rendezvous or elastic driver error
         return f"horovod runner: {type(err).__name__}: {text.splitlines()[0] if text else 'no message'}"
-    rank, code = found.group(1), int(found.group(2))
+    name, code = found.group(1), int(found.group(2))
     how = f"exit code {code}"
     if code > 128 and code - 128 in signal.valid_signals():
         how += f", killed by {signal.Signals(code - 128).name}"
-    stderr = next((p for p in logs.glob("rank.*/stderr") if p.parent.name.split(".")[-1].lstrip("0") == rank.lstrip("0")), None)
-    return f"rank {rank} ({how}): {_last_exception(stderr) if stderr else 'no error recorded'}"
+    if not name.isdigit():  # elastic mode names workers HOST[LOCAL_RANK]
+        return f"worker {name} ({how})"
+    causes = {int(p.parent.name.rpartition(".")[2]): _last_exception(p) for p in logs.glob("rank.*/stderr")}
+    cause = causes.get(int(name), _NONE)
+    if "HorovodInternalError" in cause:  # its collective failed because another rank failed: name that one
+        for rank, other in sorted(causes.items()):
+            if other != _NONE and "HorovodInternalError" not in other:
+                return f"rank {rank}: {other} (rank {name} exited first, {how})"
+    return f"rank {name} ({how}): {cause}"
 
 
 def _last_exception(stderr: Path) -> str:
@@ -109,4 +123,4 @@ def _last_exception(stderr: Path) -> str:
         for line in lines[starts[-1] + 1 :]:
             if line.strip() and not line[0].isspace():
                 return line.strip()
-    return "no error recorded"
+    return _NONE

@@ -152,6 +152,9 @@ class HorovodBackendConf(BackendConf):
                 out.append(bad(f"{prefix}.{key}", value, "an integer >= 1, or null"))
         if self.min_np is not None and self.max_np is not None and self.min_np > self.max_np:
             out.append(f"{prefix}.min_np={self.min_np} is greater than {prefix}.max_np={self.max_np}")
+        if self.min_np is not None and not self.host_discovery_script and len((self.hosts or "localhost").split(",")) < 2:
+            # horovod.run refuses elastic mode on fixed hosts with fewer than 2 hosts
+            out.append(f"{prefix}.min_np (elastic mode) needs {prefix}.host_discovery_script, or {prefix}.hosts with at least 2 hosts")
         if self.blacklist_cooldown_range is not None and (
             len(self.blacklist_cooldown_range) != 2 or not 0 <= self.blacklist_cooldown_range[0] <= self.blacklist_cooldown_range[1]
         ):
