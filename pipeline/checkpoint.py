@@ -77,10 +77,14 @@ class CheckpointManager:
         on_event: Callable[..., None],
         async_save: bool = False,
         keep_every_n_epochs: Optional[int] = None,
+        full_config: Optional[Dict[str, Any]] = None,
+        hooks: Any = None,
     ) -> None:
         self.folder, self.comm, self.keep_last = folder, comm, keep_last
         self.training_config, self.on_event = training_config, on_event
         self.keep_every_n_epochs = keep_every_n_epochs
+        self.full_config = full_config or {}
+        self.hooks = hooks  # fault injection: during_save(step, files_written), after_commit(step, path)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_save else None
         self._pending: Optional[Future] = None
         self.last_saved_step: Optional[int] = None
@@ -129,9 +133,11 @@ class CheckpointManager:
             for name, tree in states.items():
                 size, digest = tensorfile.save(tree, tmp / f"{name}.bin")
                 files[f"{name}.bin"] = {"bytes": size, "sha256": digest}
+                if self.hooks is not None:
+                    self.hooks.during_save(step, len(files))
             manifest = {
                 "format": mf.FORMAT, "step": step, **meta, "world_size": self.comm.world_size,
-                "created": time.time(), "files": files, "config": self.training_config,
+                "created": time.time(), "files": files, "config": self.training_config, "full_config": self.full_config,
             }
             with open(tmp / mf.MANIFEST, "w") as f:
                 f.write(_json(manifest))
@@ -152,6 +158,8 @@ class CheckpointManager:
         self.on_event("checkpoint_saved", step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4))
         log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
         self._apply_retention()
+        if self.hooks is not None:
+            self.hooks.after_commit(step, final)
         return final
 
     def _apply_retention(self) -> None:
@@ -254,7 +262,10 @@ class CheckpointManager:
                     f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
                     "run.allow_config_change=true to resume anyway")}, None
             if diff:
-                self.on_event("config_changed_on_resume", step=step, changes=[list(d) for d in diff])
+                self.on_event("config_changed_on_resume", step=step, accepted="run.allow_config_change", changes=[list(d) for d in diff])
+            safe = [d for d in mf.changes(manifest.get("full_config", {}), self.full_config) if d not in diff]
+            if safe:
+                self.on_event("config_changed_on_resume", step=step, accepted="safe to change", changes=[list(d) for d in safe])
             return {"path": str(path), "manifest": manifest, "skipped": problems}, states
         if problems:
             return {"unusable": problems}, None

@@ -42,6 +42,8 @@ class CheckpointConfig:
     every_n_steps: Optional[int] = None
     every_n_seconds: Optional[float] = None
     keep_last: int = 3
+    keep_every_n_epochs: Optional[int] = None  # permanent milestones, never removed by retention
+    async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
     dir: Optional[str] = None  # default: <run folder>/checkpoints
 
 
@@ -99,7 +101,7 @@ class SyntheticConfig(DataConfig):
 class FaultConfig:
     """Off by default. See pipeline/faults.py."""
 
-    kind: str = "none"  # none | kill | hang | exception | sigterm
+    kind: str = "none"  # none | kill | hang | exception | sigterm | crash_in_save | save_error | corrupt_checkpoint
     rank: int = 0
     at_step: int = 1
     times: int = 1  # over the whole run, restarts included; 0 = every time
@@ -200,6 +202,9 @@ def preflight(job_cfg: DictConfig) -> List[str]:
         out.append("checkpoint: set at least one of checkpoint.every_n_epochs, checkpoint.every_n_steps, checkpoint.every_n_seconds")
     if ck.keep_last < 1:
         out.append(bad("checkpoint.keep_last", ck.keep_last, "an integer >= 1 (the newest checkpoint is always kept)"))
+    elif ck.async_save and ck.keep_last < 2:
+        out.append(bad("checkpoint.keep_last", ck.keep_last, "at least 2 with checkpoint.async_save=true (the newest may still be writing)"))
+    positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
     d = c.data
     if isinstance(d, DataConfig):
         positive("data.batch_size", d.batch_size)
@@ -227,6 +232,8 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
+        if f.kind in ("crash_in_save", "save_error", "corrupt_checkpoint") and f.rank != 0:
+            out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind} (only rank 0 writes checkpoints)"))
     out += _resume_problems(job_cfg, cfg, c)
     if c.backend.name == "horovod":
         from importlib.util import find_spec
@@ -237,6 +244,21 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     return out
 
 
+def _not_writable(folder: "Path") -> Optional[str]:
+    """Checked before any worker starts, so a run cannot train for hours and then fail to save."""
+    import os
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"checkpoint folder {folder} is not writable ({exc.strerror or exc}); choose a writable checkpoint.dir"
+    return None
+
+
 def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, c: TrainConfig) -> List[str]:
     """What the run folder's checkpoints say about this launch, read from manifests only (cheap)."""
     from pathlib import Path
@@ -245,6 +267,9 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, c: TrainConfig) -> Li
 
     run_dir = Path(str(OmegaConf.select(job_cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
     folder = Path(c.checkpoint.dir) if c.checkpoint.dir else run_dir / "checkpoints"
+    problem = _not_writable(folder)
+    if problem:
+        return [problem]
     found = manifest.committed(folder)
     if c.resume == Resume.never and found:
         return [f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "

@@ -60,17 +60,17 @@ def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+def flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _flatten(value, f"{prefix}{key}.")
+            yield from flatten(value, f"{prefix}{key}.")
     else:
         yield prefix[:-1], node
 
 
 def training_config(config: Dict[str, Any]) -> Dict[str, Any]:
     """The keys of a resolved job config that define what is trained (flattened, dotted)."""
-    return {k: v for k, v in _flatten(config) if not (k + ".").startswith(SAFE_TO_CHANGE) and not k.startswith(SAFE_TO_CHANGE)}
+    return {k: v for k, v in flatten(config) if not (k + ".").startswith(SAFE_TO_CHANGE) and not k.startswith(SAFE_TO_CHANGE)}
 
 
 def changes(old: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:

@@ -128,12 +128,16 @@ class Trainer:
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
         per_rank = {"rng": rng}
 
+        restarts = contract.restart_count()
+        faults = FaultInjector(cfg.fault, comm.rank, self.run_dir,
+                               lambda event, **f: contract.append_event(self.run_dir, event, restart=restarts, **f))
         resolved = OmegaConf.to_container(self.raw_cfg, resolve=True)
         ckpt = CheckpointManager(
             Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints",
             comm, cfg.checkpoint.keep_last, manifest.training_config(resolved), self.record.event,
+            async_save=cfg.checkpoint.async_save, keep_every_n_epochs=cfg.checkpoint.keep_every_n_epochs,
+            full_config=dict(manifest.flatten(resolved)), hooks=faults,
         )
-        restarts = contract.restart_count()
         self.record.event("attempt_started", world_size=comm.world_size, device=str(comm.device))
         resumed = self._resume(ckpt, objects, per_rank)
         comm.broadcast_state(model, optimizer)
@@ -142,8 +146,6 @@ class Trainer:
         loader_rng = torch.Generator()  # keeps the DataLoader from drawing on the global RNG
         loader = DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
                             num_workers=cfg.data.num_workers, generator=loader_rng)
-        faults = FaultInjector(cfg.fault, comm.rank, self.run_dir,
-                               lambda event, **f: contract.append_event(self.run_dir, event, restart=restarts, **f))
         ck = cfg.checkpoint
         last_save_time = time.monotonic()
         log.info("Training %s on %d worker(s), %d batches per epoch per worker, epochs %d..%d%s",

@@ -1,0 +1,179 @@
+"""The checkpoint protocol under real failures (../shared/notes/failures.md, scenarios 1-9, 14, 15).
+
+Every recovery must end with the same model_sha256 as the uninterrupted baseline run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+
+from pipeline import tensorfile
+
+pytestmark = pytest.mark.slow
+STEPS = ["checkpoint=every_n_steps", "checkpoint.every_n_steps=6"]  # 16 batches an epoch: mid-epoch saves
+
+
+def finished_copy(baseline: dict, tmp_path: Path, name: str = "copy") -> Path:
+    """A copy of the finished baseline run, to damage and resume."""
+    folder = run_dir(tmp_path, name)
+    shutil.copytree(baseline["dir"], folder)
+    for junk in ("summary.json", ".steadfast.lock", "events.jsonl", "metrics.jsonl"):  # a fresh record
+        (folder / junk).unlink(missing_ok=True)
+    return folder
+
+
+def newest(folder: Path) -> Path:
+    return folder / "checkpoints" / f"step_{committed_steps(folder)[-1]:09d}"
+
+
+def assert_same_weights(folder: Path, baseline: dict) -> None:
+    s = summary(folder)
+    assert s["status"] == "completed" and s["epochs_completed"] == 4
+    assert s["model_sha256"] == baseline["summary"]["model_sha256"]
+    leftovers = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+    assert not leftovers
+
+
+def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict) -> None:
+    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
+    folder = run_dir(tmp_path, "r")
+    fired = event_of(folder, "fault_fired")
+    resumed = event_of(folder, "resumed")
+    assert fired["step"] == 24 and resumed["step"] == 18  # the partial step 24 was invisible to resume
+    assert not event_of(folder, "checkpoint_invalid")
+    assert_same_weights(folder, baseline)
+
+
+def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_path: Path, baseline: dict) -> None:
+    base = [*QUICK, *STEPS, "run.name=r", "restart=none"]
+    assert run_train(tmp_path, *base, "fault=kill_rank", "fault.at_step=25").returncode != 0
+    folder = run_dir(tmp_path, "r")
+    assert committed_steps(folder)[-1] == 24
+    assert run_train(tmp_path, *base, "fault=kill_rank", "fault.rank=1", "fault.at_step=25").returncode != 0
+    assert [e["step"] for e in events(folder) if e["event"] == "resumed"] == [24]
+    run_train(tmp_path, *base, check=True)
+    assert_same_weights(folder, baseline)
+
+
+def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict) -> None:
+    proc = run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
+                     "restart.max_restarts=1")
+    folder = run_dir(tmp_path, "r")
+    assert proc.returncode != 0
+    assert "No space left on device" in proc.stderr and "step_000000018" in proc.stderr  # names the intact one
+    assert committed_steps(folder)[-1] == 18
+    assert summary(folder)["status"] == "failed"
+    assert not [p for p in (folder / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    # once the disk has room again, the same command finishes the run exactly
+    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", check=True)
+    assert_same_weights(folder, baseline)
+
+
+def test_unwritable_checkpoint_folder_is_refused_before_workers_start(tmp_path: Path) -> None:
+    proc = run_train(tmp_path, *QUICK, "run.name=r", "checkpoint.dir=/proc/steadfast-checkpoints", timeout=60)
+    assert proc.returncode != 0
+    assert "checkpoint folder /proc/steadfast-checkpoints is not writable" in proc.stderr.splitlines()[0]
+    assert not event_of(run_dir(tmp_path, "r"), "attempt_started")
+
+
+def _truncate(ckpt: Path) -> None:
+    data = (ckpt / "model.bin").read_bytes()
+    (ckpt / "model.bin").write_bytes(data[: len(data) // 2])
+
+
+def _flip(ckpt: Path) -> None:
+    data = bytearray((ckpt / "optimizer.bin").read_bytes())
+    data[len(data) - 8] ^= 0x01
+    (ckpt / "optimizer.bin").write_bytes(bytes(data))
+
+
+def _drop_manifest(ckpt: Path) -> None:
+    (ckpt / "manifest.json").unlink()
+    (ckpt / "junk.partial").write_bytes(b"left by a crash")
+
+
+@pytest.mark.parametrize("damage,logged", [(_truncate, "model.bin"), (_flip, "optimizer.bin"), (_drop_manifest, None)])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, baseline: dict, damage, logged) -> None:
+    folder = finished_copy(baseline, tmp_path)
+    broken = newest(folder)
+    previous = committed_steps(folder)[-2]
+    damage(broken)
+    run_train(tmp_path, *QUICK, "run.name=copy", check=True)
+    assert event_of(folder, "resumed")["step"] == previous
+    if logged:
+        invalid = event_of(folder, "checkpoint_invalid")
+        assert invalid and logged in invalid["error"]
+    assert sorted(p.name for p in broken.iterdir()) == sorted(["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin"])
+    assert_same_weights(folder, baseline)
+
+
+def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baseline: dict) -> None:
+    folder = finished_copy(baseline, tmp_path)
+    ckpt = newest(folder)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps({"state": Payload()})
+    (ckpt / "model.bin").write_bytes(payload)
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # the attacker fixes the checksums too
+    import hashlib
+
+    manifest["files"]["model.bin"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    run_train(tmp_path, *QUICK, "run.name=copy", check=True)
+    assert not marker.exists()
+    assert "not a steadfast tensor file" in event_of(folder, "checkpoint_invalid")["error"]
+    assert_same_weights(folder, baseline)
+
+
+def test_incompatible_config_is_refused_and_safe_change_accepted(tmp_path: Path, baseline: dict) -> None:
+    folder = finished_copy(baseline, tmp_path)
+    proc = run_train(tmp_path, *QUICK, "run.name=copy", "trainer.lr=0.5", "model.hidden_sizes=[8]", timeout=60)
+    assert proc.returncode != 0
+    first = proc.stderr.splitlines()[0]
+    assert "trainer.lr: 0.05 -> 0.5" in first and "model.hidden_sizes: [64, 64] -> [8]" in first
+    assert not event_of(folder, "attempt_started")
+    run_train(tmp_path, *QUICK, "run.name=copy", "trainer.max_epochs=5", "trainer.log_every_n_steps=3", check=True)
+    change = event_of(folder, "config_changed_on_resume")
+    assert change["accepted"] == "safe to change"
+    assert ["trainer.max_epochs", 4, 5] in change["changes"]
+    assert summary(folder)["epochs_completed"] == 5
+
+
+def test_missing_key_in_a_verified_checkpoint_names_file_and_key(tmp_path: Path, baseline: dict) -> None:
+    folder = finished_copy(baseline, tmp_path)
+    ckpt = newest(folder)
+    state = tensorfile.load(ckpt / "model.bin")
+    del state["net.1.bias"]
+    size, digest = tensorfile.save({k: v.clone() for k, v in state.items()}, ckpt / "model.bin")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["model.bin"] = {"bytes": size, "sha256": digest}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none")
+    assert proc.returncode != 0
+    assert str(ckpt / "model.bin") in proc.stderr and "net.1.bias" in proc.stderr
+
+
+def test_second_launch_on_a_busy_folder_refuses_and_a_dead_lock_holder_does_not_block(tmp_path: Path, baseline: dict) -> None:
+    first = start_train(tmp_path, *QUICK, "run.name=r", "fault=hang_rank", "fault.at_step=5")
+    folder = run_dir(tmp_path, "r")
+    try:
+        wait_for(lambda: event_of(folder, "fault_fired"), 120, "the first launch to be running", first)
+        second = run_train(tmp_path, *QUICK, "run.name=r", timeout=60)
+        assert second.returncode != 0
+        assert f"in use by pid {first.pid}" in second.stderr
+    finally:
+        stop(first)  # SIGKILL: the lock holder dies without releasing anything
+    run_train(tmp_path, *QUICK, "run.name=r", check=True)
+    assert_same_weights(folder, baseline)
