@@ -177,3 +177,32 @@ def test_second_launch_on_a_busy_folder_refuses_and_a_dead_lock_holder_does_not_
         stop(first)  # SIGKILL: the lock holder dies without releasing anything
     run_train(tmp_path, *QUICK, "run.name=r", check=True)
     assert_same_weights(folder, baseline)
+
+
+def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: dict) -> None:
+    run_train(tmp_path, *QUICK, *STEPS, "checkpoint.async_save=true", "run.name=r", "fault=kill_rank", "fault.at_step=31", check=True)
+    folder = run_dir(tmp_path, "r")
+    assert event_of(folder, "checkpoint_snapshot") is not None
+    assert event_of(folder, "resumed")["step"] in (24, 30)  # step 30 may still have been writing
+    assert_same_weights(folder, baseline)
+
+
+def test_async_save_failure_stops_the_run_loudly(tmp_path: Path) -> None:
+    proc = run_train(tmp_path, *QUICK, *STEPS, "checkpoint.async_save=true", "run.name=r", "restart=none",
+                     "fault=save_error", "fault.at_step=20")
+    assert proc.returncode != 0
+    assert "No space left on device" in proc.stderr
+    assert committed_steps(run_dir(tmp_path, "r"))[-1] == 18
+
+
+def test_corrupt_checkpoint_fault_is_detected_on_resume(tmp_path: Path, baseline: dict) -> None:
+    # the final checkpoint (step 52) is damaged right after it is committed; running the command
+    # again must notice, fall back to step 48 and redo the last steps exactly
+    args = [*QUICK, *STEPS, "run.name=r", "fault=corrupt_checkpoint", "fault.at_step=52"]
+    run_train(tmp_path, *args, check=True)
+    folder = run_dir(tmp_path, "r")
+    assert event_of(folder, "fault_fired")["step"] == 52
+    run_train(tmp_path, *args, check=True)
+    assert event_of(folder, "checkpoint_invalid")["step"] == 52
+    assert event_of(folder, "resumed")["step"] == 48
+    assert_same_weights(folder, baseline)
