@@ -20,3 +20,17 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_train(cwd, *QUICK, "run.name=baseline", check=True)
     folder = run_dir(cwd, "baseline")
     return {"cwd": cwd, "dir": folder, "summary": summary(folder)}
+
+
+def _horovod_available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("horovod") is not None
+
+
+@pytest.fixture(params=["torchrun", "horovod"])
+def backend(request: pytest.FixtureRequest) -> list[str]:
+    """Overrides that select each backend, for tests whose behaviour must be the same on both."""
+    if request.param == "horovod" and not _horovod_available():
+        pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh $(which python)")
+    return [] if request.param == "torchrun" else ["backend=horovod"]

@@ -42,8 +42,8 @@ def assert_same_weights(folder: Path, baseline: dict) -> None:
     assert not leftovers
 
 
-def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict) -> None:
-    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
+def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
+    run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
     folder = run_dir(tmp_path, "r")
     fired = event_of(folder, "fault_fired")
     resumed = event_of(folder, "resumed")
@@ -52,8 +52,8 @@ def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: d
     assert_same_weights(folder, baseline)
 
 
-def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_path: Path, baseline: dict) -> None:
-    base = [*QUICK, *STEPS, "run.name=r", "restart=none"]
+def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
+    base = [*QUICK, *backend, *STEPS, "run.name=r", "restart=none"]
     assert run_train(tmp_path, *base, "fault=kill_rank", "fault.at_step=25").returncode != 0
     folder = run_dir(tmp_path, "r")
     assert committed_steps(folder)[-1] == 24
@@ -63,8 +63,8 @@ def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_pa
     assert_same_weights(folder, baseline)
 
 
-def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict) -> None:
-    proc = run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
+def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
+    proc = run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
                      "restart.max_restarts=1")
     folder = run_dir(tmp_path, "r")
     assert proc.returncode != 0
@@ -73,7 +73,7 @@ def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_pat
     assert summary(folder)["status"] == "failed"
     assert not [p for p in (folder / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     # once the disk has room again, the same command finishes the run exactly
-    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", check=True)
+    run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", check=True)
     assert_same_weights(folder, baseline)
 
 
@@ -115,7 +115,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, ba
     assert_same_weights(folder, baseline)
 
 
-def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baseline: dict) -> None:
+def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
     folder = finished_copy(baseline, tmp_path)
     ckpt = newest(folder)
     marker = tmp_path / "pwned"
@@ -131,7 +131,7 @@ def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baselin
 
     manifest["files"]["model.bin"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    run_train(tmp_path, *QUICK, "run.name=copy", check=True)
+    run_train(tmp_path, *QUICK, *backend, "run.name=copy", check=True)
     assert not marker.exists()
     assert "not a steadfast tensor file" in event_of(folder, "checkpoint_invalid")["error"]
     assert_same_weights(folder, baseline)
@@ -179,8 +179,8 @@ def test_second_launch_on_a_busy_folder_refuses_and_a_dead_lock_holder_does_not_
     assert_same_weights(folder, baseline)
 
 
-def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: dict) -> None:
-    run_train(tmp_path, *QUICK, *STEPS, "checkpoint.async_save=true", "run.name=r", "fault=kill_rank", "fault.at_step=31", check=True)
+def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
+    run_train(tmp_path, *QUICK, *backend, *STEPS, "checkpoint.async_save=true", "run.name=r", "fault=kill_rank", "fault.at_step=31", check=True)
     folder = run_dir(tmp_path, "r")
     assert event_of(folder, "checkpoint_snapshot") is not None
     assert event_of(folder, "resumed")["step"] in (24, 30)  # step 30 may still have been writing

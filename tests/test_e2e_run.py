@@ -1,4 +1,4 @@
-"""End to end through the real launcher: 2 torchrun workers, real signals, real checkpoint files."""
+"""End to end through the real launcher: 2 workers, real signals, real checkpoint files."""
 from __future__ import annotations
 
 import hashlib
@@ -25,10 +25,10 @@ def test_default_two_worker_run_completes_with_records(baseline: dict) -> None:
     assert rows and all('"step"' in r and '"restart"' in r for r in rows)
 
 
-def test_sigkill_after_first_checkpoint_restarts_and_finishes_exactly(tmp_path: Path, baseline: dict) -> None:
+def test_sigkill_after_first_checkpoint_restarts_and_finishes_exactly(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
     # Rank 1 stops making progress at step 40 (after the first epoch's checkpoint at step 16);
     # this test then SIGKILLs it from outside, as a crash would.
-    proc = start_train(tmp_path, *QUICK, "run.name=killed", "fault=hang_rank", "fault.rank=1", "fault.at_step=40")
+    proc = start_train(tmp_path, *QUICK, *backend, "run.name=killed", "fault=hang_rank", "fault.rank=1", "fault.at_step=40")
     folder = run_dir(tmp_path, "killed")
     try:
         hung = wait_for(lambda: event_of(folder, "fault_fired"), 120, "rank 1 to reach step 40", proc)
