@@ -3,7 +3,7 @@
 Save (rank 0 writes; every rank contributes its own RNG state):
   1. write every object's file into `.tmp-step_N-<id>/`, fsync each;
   2. write `manifest.json` last (step, epoch, position, world size, training config, size and
-     sha256 of every file), fsync it and the folder;
+     checksum of every file), fsync it and the folder;
   3. rename the folder to `step_N` (atomic) and fsync the parent; a leftover `step_N` from an
      earlier crash is moved aside first and removed after;
   4. only then apply retention, which never touches the newest committed checkpoint.
@@ -56,15 +56,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _to_host(tree: Any) -> Any:
-    """A private copy of the state in host memory, so training can go on while it is written."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _to_host(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_host(v) for v in tree)
-    return tree
+class HostSnapshot:
+    """Copies of the state in host memory, reused from one asynchronous save to the next.
+
+    Fresh allocations cost more than the copy itself (page faults); the buffers are free to reuse
+    because a new snapshot is only taken after the previous save has been written.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: List[torch.Tensor] = []
+
+    def copy(self, tree: Any) -> Any:
+        self._next = 0
+        out = self._copy(tree)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
+        return out
+
+    def _copy(self, tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            i, self._next = self._next, self._next + 1
+            src = tree.detach()
+            if i == len(self.buffers):
+                self.buffers.append(torch.empty(0))
+            buf = self.buffers[i]
+            if buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = self.buffers[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            return buf.copy_(src, non_blocking=src.is_cuda)
+        if isinstance(tree, dict):
+            return {k: self._copy(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._copy(v) for v in tree)
+        return tree
 
 
 class CheckpointManager:
@@ -86,6 +109,7 @@ class CheckpointManager:
         self.full_config = full_config or {}
         self.hooks = hooks  # fault injection: during_save(step, files_written), after_commit(step, path)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_save else None
+        self._snapshot = HostSnapshot()
         self._pending: Optional[Future] = None
         self.last_saved_step: Optional[int] = None
         if comm.rank == 0:
@@ -107,7 +131,7 @@ class CheckpointManager:
         if self._pool is None:
             self._write_and_commit(step, states, meta, started)
         else:
-            states = _to_host(states)
+            states = self._snapshot.copy(states)
             self.on_event("checkpoint_snapshot", step=step, blocked_seconds=round(time.perf_counter() - started, 4))
             self._pending = self._pool.submit(self._write_and_commit, step, states, meta, started)
 
@@ -132,7 +156,7 @@ class CheckpointManager:
             files = {}
             for name, tree in states.items():
                 size, digest = tensorfile.save(tree, tmp / f"{name}.bin")
-                files[f"{name}.bin"] = {"bytes": size, "sha256": digest}
+                files[f"{name}.bin"] = {"bytes": size, "checksum": digest}
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
             manifest = {
@@ -247,7 +271,7 @@ class CheckpointManager:
             try:
                 manifest = mf.read(path)
                 states = {
-                    name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["sha256"])
+                    name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"])
                     for name, spec in manifest["files"].items()
                 }
             except (OSError, ValueError, KeyError) as exc:

@@ -127,9 +127,9 @@ def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baselin
     payload = pickle.dumps({"state": Payload()})
     (ckpt / "model.bin").write_bytes(payload)
     manifest = json.loads((ckpt / "manifest.json").read_text())  # the attacker fixes the checksums too
-    import hashlib
+    import xxhash
 
-    manifest["files"]["model.bin"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"]["model.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     run_train(tmp_path, *QUICK, *backend, "run.name=copy", check=True)
     assert not marker.exists()
@@ -158,7 +158,7 @@ def test_missing_key_in_a_verified_checkpoint_names_file_and_key(tmp_path: Path,
     del state["net.1.bias"]
     size, digest = tensorfile.save({k: v.clone() for k, v in state.items()}, ckpt / "model.bin")
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["model.bin"] = {"bytes": size, "sha256": digest}
+    manifest["files"]["model.bin"] = {"bytes": size, "checksum": digest}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none")
     assert proc.returncode != 0
