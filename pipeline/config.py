@@ -244,7 +244,7 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     return out
 
 
-def _not_writable(folder: "Path") -> Optional[str]:
+def _not_writable(folder: Any) -> Optional[str]:
     """Checked before any worker starts, so a run cannot train for hours and then fail to save."""
     import os
     import tempfile

@@ -8,11 +8,9 @@ import json
 import os
 import pickle
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
 from pipeline import tensorfile
