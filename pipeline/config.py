@@ -34,6 +34,7 @@ class TrainerConfig:
     scheduler: str = "none"  # none | cosine | step
     log_every_n_steps: int = 10
     num_threads: Optional[int] = None  # torch threads per worker; default: cores / local workers
+    objective: str = "val_loss"  # what the job returns to Hydra (and to sweepers such as Optuna): see OBJECTIVES
 
 
 @dataclass
@@ -124,23 +125,96 @@ class TrainConfig:
 # Keys that do not change what is trained, so they do not change the derived run name:
 # running again with more epochs or another cadence continues the same run.
 NAME_NEUTRAL = ("run.", "resume", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads",
-                "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor", "backend.start_timeout")
+                "trainer.objective", "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor",
+                "backend.start_timeout")
 MAX_NAME = 80
+SWEEPS = "sweeps"  # sweeps get their own folder under the output root: <root>/sweeps/<sweep name>/<run name>
 
 
-def run_name(overrides: Sequence[str]) -> str:
-    """A folder name derived from the job's overrides: same command, same folder (no timestamps)."""
-    kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(NAME_NEUTRAL))
-    if not kept:
-        return "default"
-    name = ",".join(re.sub(r"[^A-Za-z0-9_.=+-]", "-", o) for o in kept)
+def _folder_name(items: Sequence[str], empty: str) -> str:
+    if not items:
+        return empty
+    name = ",".join(re.sub(r"[^A-Za-z0-9_.=+-]", "-", o) for o in items)
     if len(name) > MAX_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:10]
         name = f"{name[: MAX_NAME - 11]}-{digest}"
     return name
 
 
+def run_name(overrides: Sequence[str]) -> str:
+    """A folder name derived from the job's overrides: same command, same folder (no timestamps)."""
+    return _folder_name(sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(NAME_NEUTRAL)), "default")
+
+
+def sweep_name(overrides: Sequence[str], sweeper: Optional[str] = None, params: Any = None) -> str:
+    """A sweep's folder name, from its command line as typed (sweep syntax included) and its sweeper.
+
+    Like run_name, keys that do not change what is trained are left out unless the sweep varies
+    them, so `-m trainer.lr=0.1,0.01 trainer.max_epochs=40` continues `-m trainer.lr=0.1,0.01`.
+    What the sweep varies comes first, so a long name keeps it readable (the rest is hashed).
+    """
+    from hydra_plugins.steadfast_launcher._sweep import is_sweep
+
+    swept = sorted(o.lstrip("+~") for o in overrides if is_sweep([o]))
+    fixed = sorted(o.lstrip("+~") for o in overrides if not is_sweep([o]) and not o.lstrip("+~").startswith(NAME_NEUTRAL))
+    searched = sorted(f"{k}={v}" for k, v in (params or {}).items())
+    prefix = [str(sweeper)] if sweeper not in (None, "", "basic") else []
+    return _folder_name(prefix + swept + searched + fixed, "default")
+
+
+def sweep_dir(root: str, overrides: Sequence[str], sweeper: Optional[str] = None, params: Any = None) -> str:
+    """`root` for one job (so a plain run keeps `<root>/<run name>`); `<root>/sweeps/<sweep name>` for a sweep."""
+    from hydra_plugins.steadfast_launcher._sweep import is_sweep
+
+    overrides = [str(o) for o in overrides]
+    if isinstance(params, DictConfig):
+        params = OmegaConf.to_container(params)
+    if not is_sweep(overrides, sweeper, params):
+        return str(root)
+    return f"{root}/{SWEEPS}/{sweep_name(overrides, sweeper, params)}"
+
+
+def help_groups(choices: Any) -> str:
+    """The app's config groups and their options for `--help` (the typed schema_* entries hidden)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    loader = GlobalHydra.instance().config_loader()
+    choices = dict(choices or {})
+    lines: List[str] = []
+
+    def walk(parent: str) -> None:
+        for group in sorted(loader.list_groups(parent)):
+            full = f"{parent}/{group}" if parent else group
+            if full == "hydra" or full.startswith("hydra/"):
+                continue
+            options = [o for o in loader.get_group_options(full, results_filter=ObjectType.CONFIG) if not o.startswith("schema")]
+            if options:
+                default = choices.get(full)
+                shown = ", ".join(f"{o} (default)" if o == default else o for o in options)
+                how = GROUP_HELP.get(full, "")
+                if full not in choices:
+                    how = f"{how}; optional: +{full}=NAME" if how else f"optional: +{full}=NAME"
+                lines.append(f"  {full}: {shown}" + (f"\n      {how}" if how else ""))
+            walk(full)
+
+    walk("")
+    return "\n".join(lines)
+
+
+GROUP_HELP = {
+    "backend": "how the workers start: torch elastic (torchrun), Horovod, or in this process",
+    "restart": "what happens when a worker fails: restart.max_restarts, restart.monitor_interval",
+    "checkpoint": "when checkpoints are written and how many are kept",
+    "model": "the network; model._target_=my.module.MyNet plugs in your own",
+    "data": "the dataset; data._target_ plugs in your own",
+    "fault": "fault injection, to rehearse recovery",
+    "experiment": "committed presets (conf/experiment/)",
+}
+
 OmegaConf.register_new_resolver("steadfast_run_name", lambda overrides: run_name(list(overrides)), replace=True)
+OmegaConf.register_new_resolver("steadfast_sweep_dir", sweep_dir, replace=True)
+OmegaConf.register_new_resolver("steadfast_help_groups", help_groups, replace=True)
 
 
 def typed(cfg: DictConfig) -> TrainConfig:
@@ -163,6 +237,7 @@ def _backend_schema(name: str) -> type:
 MODEL_SCHEMAS = {"mlp": MLPConfig, "cnn": CNNConfig}
 DATA_SCHEMAS = {"digits": DigitsConfig, "synthetic": SyntheticConfig}
 OPTIMIZERS = ("sgd", "adam", "adamw")
+OBJECTIVES = ("val_loss", "val_accuracy", "best_val_loss", "final_loss")  # keys of the trainer's result
 SCHEDULERS = ("none", "cosine", "step")
 
 
@@ -192,6 +267,8 @@ def preflight(job_cfg: DictConfig) -> List[str]:
         positive("trainer.num_threads", t.num_threads)
     if t.optimizer not in OPTIMIZERS:
         out.append(bad("trainer.optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}"))
+    if t.objective not in OBJECTIVES:
+        out.append(bad("trainer.objective", t.objective, f"one of {', '.join(OBJECTIVES)}"))
     if t.scheduler not in SCHEDULERS:
         out.append(bad("trainer.scheduler", t.scheduler, f"one of {', '.join(SCHEDULERS)}"))
     if t.weight_decay < 0:

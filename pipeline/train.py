@@ -17,7 +17,8 @@ def main(cfg: DictConfig) -> Any:
     from .trainer import Trainer  # torch is imported by the workers, not by Hydra's start-up
 
     result = Trainer(cfg).fit()
-    return result["val_loss"]
+    # The job's return value goes back to Hydra (and to a sweeper such as Optuna): the chosen metric.
+    return result[cfg.trainer.get("objective") or "val_loss"]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

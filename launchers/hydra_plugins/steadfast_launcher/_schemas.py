@@ -188,6 +188,27 @@ class SteadfastLauncherConf:
     # "package.module:function" called with each job's config in the launcher process before
     # any worker starts; it returns a list of problems (empty when the config can run).
     preflight: Optional[str] = None
+    # Sweep-level settings (read from the sweep's config, not per job):
+    # How many jobs run at once. Above 1, each job runs in its own launcher process and jobs
+    # are packed by the worker processes they need (backend.procs_per_node) into max_procs.
+    max_parallel_jobs: int = 1
+    # Worker processes the machine runs at once. Default: its GPUs if it has any, else the CPU
+    # cores this process may use; then each parallel job is also pinned to its own cores/GPUs.
+    max_procs: Optional[int] = None
+    # Stop the sweep at the first failed job (running jobs are stopped, resumable); default:
+    # run every job, report the failures at the end and exit non-zero.
+    fail_fast: bool = False
+    # Re-running a sweep returns a completed job's recorded result (sweep ledger) instead of
+    # launching it again; failed and interrupted jobs are launched again (and resume).
+    skip_completed: bool = True
+
+    def problems(self) -> List[str]:
+        out = []
+        if self.max_parallel_jobs < 1:
+            out.append(bad("hydra.launcher.max_parallel_jobs", self.max_parallel_jobs, "an integer >= 1"))
+        if self.max_procs is not None and self.max_procs < 1:
+            out.append(bad("hydra.launcher.max_procs", self.max_procs, "an integer >= 1, or null (this machine's GPUs or CPU cores)"))
+        return out
 
 
 def backend_from(node: Any) -> BackendConf:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from . import contract
-from ._core import Job, WorkerFailure
+from ._core import Interrupted, Job, WorkerFailure
 from ._worker import run_rank
 from ._schemas import RestartConf, TorchrunBackendConf
 
@@ -73,6 +73,7 @@ def root_cause(err: Any) -> str:
 
 
 def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -88,6 +89,8 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
         results = elastic_launch(config, run_rank)(payload)
     except ChildFailedError as err:
         raise WorkerFailure(root_cause(err), restarts=job.restart.max_restarts) from None
+    except SignalException as err:  # the agent was asked to stop (and has stopped its workers): not a failure
+        raise Interrupted(f"torch elastic agent stopped by {err.sigval.name}", signum=int(err.sigval)) from None
     except Exception as err:  # rendezvous and agent errors
         raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
     finally:

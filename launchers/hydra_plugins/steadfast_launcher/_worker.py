@@ -19,6 +19,7 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
         Singleton.set_state(hydra_state)
         setup_globals()
         HydraConfig.instance().set_config(job_cfg)
+    _record_rendezvous()
     try:
         return task_function(task_cfg)
     except Exception as exc:
@@ -28,6 +29,23 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
 
 def current_rank() -> int:
     return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
+
+
+def _record_rendezvous() -> None:
+    """Rank 0 records where this launch's workers met (address:port, run id): sweep jobs never share them."""
+    if current_rank() != 0:
+        return
+    env = os.environ
+    fields = {"world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1), "restart": contract.restart_count()}
+    port = env.get("MASTER_PORT") or env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if port:
+        fields["endpoint"] = f"{env.get('MASTER_ADDR') or env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{port}"
+    if env.get("TORCHELASTIC_RUN_ID"):
+        fields["run_id"] = env["TORCHELASTIC_RUN_ID"]
+    try:
+        contract.append_event(contract.run_dir(), "rendezvous", **fields)
+    except Exception:  # recording must never stop the job
+        pass
 
 
 def _record_failure(exc: BaseException) -> None:
