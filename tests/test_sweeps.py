@@ -170,6 +170,30 @@ def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, ba
         assert summary(sweep / rec["run_dir"])["model_sha256"] == baseline["summary"]["model_sha256"]
 
 
+def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> None:
+    """Two jobs at once, each paused at step 40: SIGTERM to the launcher reaches both (each runs in
+    its own launcher process), both are recorded interrupted, exit code 75."""
+    args = ["-m", *QUICK, "backend.nproc_per_node=1", "trainer.seed=0,1", "fault=hang_rank", "fault.rank=0",
+            "fault.at_step=40", "fault.hang_s=3", "hydra.launcher.max_parallel_jobs=2"]
+    proc = start_train(tmp_path, *args)
+    try:
+        def both_paused() -> Any:
+            found = [p for p in (tmp_path / "outputs" / "sweeps").glob("*/*")
+                     if p.is_dir() and any(e["event"] == "fault_fired" for e in events(p))]
+            return found if len(found) == 2 else None
+
+        wait_for(both_paused, 180, "both jobs to reach step 40", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        out = stop(proc)
+    assert code == 75, out
+    jobs = ledger(sweep_folder(tmp_path))
+    assert [r["status"] for r in jobs.values()] == ["interrupted", "interrupted"], jobs
+    rows = table_rows(out)
+    assert len(rows) == 2 and all(" interrupted " in r for r in rows), rows
+
+
 def test_optuna_sweeper_optimises_the_returned_objective(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e .[optuna]")
     args = ["-m", *SHORT, "backend.nproc_per_node=1", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
