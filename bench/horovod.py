@@ -1,0 +1,92 @@
+"""Horovod vs torchrun on the same job: training steps/s and time to first step.
+
+    python -m bench.horovod [--rounds 3] [--quick | --tiny] [--json PATH]
+
+`python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller) and the default
+torchrun backend, alternated, on the hot-loop job (bench.common.HOT, 3 epochs); steps/s as in
+bench.hot_loop (median logged interval after warm-up, epoch ends left out), time to first step
+from the command.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .common import (HOT, RESULTS, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, log, machine, median,
+                     ratio, run_ours, spread, steady_rate, write_json)
+
+
+def horovod_available() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception:  # an ImportError, or a build without the torch extension
+        return False
+    return True
+
+
+def measure(job: Job, rounds: int, timeout: float = 300) -> Dict[str, Any]:
+    warm = min(30, job.steps_per_epoch() // 2)
+    extra = ["checkpoint.every_n_epochs=1000"]
+    with Workdir() as work:
+        makers = [("torchrun", lambda: run_ours(work, "torchrun", job.overrides("torchrun") + extra, timeout)),
+                  ("horovod", lambda: run_ours(work, "horovod", job.overrides("horovod") + extra, timeout))]
+
+        def show(name: str, r: int, run: Run) -> None:
+            check(run, f"horovod bench {name}")
+            log(f"  round {r + 1} {name:<9} steps/s {fmt(steady_rate(run, warm), 1):>7}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s")
+
+        runs = alternate(rounds, makers, show)
+    rates = {k: [steady_rate(r, warm) for r in v] for k, v in runs.items()}
+    ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
+    return {
+        "job": job.describe(), "rounds": rounds, "warmup_steps": warm,
+        "steps_per_s": {k: spread(v) for k, v in rates.items()},
+        "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
+        "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
+        "foreign_load": {k: foreign(v) for k, v in runs.items()},
+        "ratios": {"horovod/torchrun steps_per_s": ratio(median(rates["horovod"]), median(rates["torchrun"])),
+                   "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
+                   "horovod/torchrun wall": ratio(median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]]))},
+    }
+
+
+def report(res: Dict[str, Any]) -> None:
+    if res.get("skipped"):
+        print(f"\nHorovod: skipped ({res['skipped']})")
+        return
+    print(f"\nHorovod vs torchrun ({res['rounds']} rounds)")
+    for k in ("torchrun", "horovod"):
+        print(f"  {k:<9} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
+              f"  wall {fmt(res['wall_s'][k]['median'], 1)} s")
+    for k, v in res["ratios"].items():
+        print(f"  {k:<32} {fmt(v)}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="2 rounds")
+    p.add_argument("--tiny", action="store_true", help="1 round of a tiny job (smoke test)")
+    p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
+    args = p.parse_args(argv)
+    job, rounds = dataclasses.replace(HOT, epochs=3), args.rounds
+    if args.quick:
+        rounds = 2
+    if args.tiny:
+        job, rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=2, log_every=2), 1
+    out: Dict[str, Any] = {"benchmark": "horovod", "command": command_line("bench.horovod", argv), "machine": machine()}
+    if not horovod_available():
+        out["skipped"] = "horovod.torch cannot be imported (STEADFAST_WITHOUT_HOROVOD=1 setup?)"
+    else:
+        log(f"horovod vs torchrun: {rounds} rounds")
+        out.update(measure(job, rounds))
+    report(out)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

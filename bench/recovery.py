@@ -1,0 +1,190 @@
+"""Recovery: from the SIGKILL of one worker to the next completed training step after the automatic
+resume, vs the cold time to first step, for several restart.monitor_interval values.
+
+    python -m bench.recovery [--intervals 0.1,0.5,2,5] [--kills 3] [--default-kills 20] [--quick | --tiny] [--json PATH]
+
+Each run is the tiny synthetic job with a checkpoint every 20 steps and the built-in fault
+`fault=kill_rank fault.rank=1 fault.at_step=25 fault.times=K`: rank 1 SIGKILLs itself when it
+completes step 25, K times over the run (the count survives restarts), so every restart resumes
+from step 20 and is killed again at step 25 until K kills have fired. Recovery time of restart r
+is the "first_step" event of restart r minus the "fault_fired" event that ended restart r-1
+(written by the killed worker just before it kills itself). The cold time to first step is the
+same run's first attempt, from just before the command's process was created.
+
+The default interval's run has --default-kills kills (the 20-of-20 success figure). A restart
+succeeds if the restarted group reaches a training step; the run must end with exit code 0 and
+exactly K restarts (an extra restart is a failed rendezvous or a crash that was not injected).
+
+All recovery runs are traced (bench/trace, opt-in): the trace splits each recovery into
+detection (kill -> agent sees FAILED), agent restart (stop + rendezvous + start), worker
+start-up (spawn, imports), init_process_group, model/DDP, checkpoint load and the first step.
+The 'fork' variant (backend.start_method=fork) and 'fork+preimport' (fork, with torch and
+torch._dynamo imported by the launcher in the background: a proposed change, emulated by the
+tracer) are measured at the default interval.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .common import (RESULTS, TINY, Run, Workdir, command_line, fmt, log, machine, median, ratio, read_jsonl, run_ours,
+                     spread, write_json)
+
+TARGET = ("<=", 0.5)
+DEFAULT_INTERVAL = 0.5  # conf/restart/default.yaml
+CKPT_EVERY, KILL_AT = 20, 25
+JOB = dataclasses.replace(TINY, epochs=2)
+PREIMPORT = "torch.distributed.launcher.api,torch.distributed.elastic.multiprocessing.errors,torch._dynamo"
+
+
+def overrides(interval: float, kills: int, extra: List[str]) -> List[str]:
+    return JOB.overrides() + [
+        "checkpoint=every_n_steps", f"checkpoint.every_n_steps={CKPT_EVERY}",
+        "fault=kill_rank", "fault.rank=1", f"fault.at_step={KILL_AT}", f"fault.times={kills}",
+        f"restart.max_restarts={kills + 3}", f"restart.monitor_interval={interval}", *extra]
+
+
+def _after(recs: List[Dict[str, Any]], what: str, since: float, until: float, pids: Optional[set] = None, last: bool = False) -> Optional[float]:
+    times = [r["t"] for r in recs if r["what"] == what and since < r["t"] <= until and (pids is None or r["pid"] in pids)]
+    if not times:
+        return None
+    return max(times) if last else min(times)
+
+
+def split_recovery(trace: List[Dict[str, Any]], launcher: int, kill: float, back: float) -> Dict[str, Optional[float]]:
+    """Where one recovery's time went, from the trace (seconds)."""
+    new_workers = {r["pid"] for r in trace if r.get("ppid") == launcher and kill < r["t"] <= back}  # spawned or forked
+    marks = [
+        ("detect (kill -> agent sees FAILED)", _after(trace, "agent_monitor:FAILED", kill, back, {launcher})),
+        ("agent: stop, rendezvous, start workers", _after(trace, "agent_restart_workers:end", kill, back, {launcher})),
+        ("workers: spawn + imports", _after(trace, "import:torch", kill, back, new_workers, last=True)
+         or _after(trace, "worker_run_rank:start", kill, back, new_workers, last=True)),
+        ("workers: to init_process_group end", _after(trace, "init_process_group:end", kill, back, new_workers, last=True)),
+        ("data + model + DDP init", _after(trace, "ddp_init:end", kill, back, new_workers, last=True)),
+        ("checkpoint load (resume)", _after(trace, "trainer_resume:end", kill, back, new_workers, last=True)),
+        ("first step", back),
+    ]
+    out: Dict[str, Optional[float]] = {}
+    prev = kill
+    for label, t in marks:
+        if t is None:
+            out[label] = None
+            continue
+        out[label] = t - prev
+        prev = t
+    return out
+
+
+def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]:
+    fired = sorted((e for e in run.events if e.get("event") == "fault_fired"), key=lambda e: e["time"])
+    recoveries, parts = [], []
+    for e in fired:
+        r = int(e.get("restart", 0))
+        back = run.first_step_time(r + 1)
+        if back is None:
+            continue
+        recoveries.append(back - e["time"])
+        if trace:
+            parts.append(split_recovery(trace, run.pid, e["time"], back))
+    restarts = max([int(e.get("restart", 0)) for e in run.events] or [0])
+    resumed = [e.get("step") for e in run.events if e.get("event") == "resumed"]
+    monitor = [r for r in trace if r["what"] == "agent_monitor:stats" and r["pid"] == run.pid]
+    succeeded = len(recoveries)
+    return {
+        "kills": len(fired), "recovered": succeeded, "restarts": restarts, "exit_code": run.returncode,
+        "all_succeeded": run.ok and len(fired) == kills and succeeded == kills and restarts == kills,
+        "resumed_from_steps": sorted(set(resumed)), "cold_ttfs_s": run.ttfs(), "recovery_s": recoveries,
+        "recovery_median_s": median(recoveries),
+        "split_median_s": {k: median([p[k] for p in parts]) for k in (parts[0] if parts else {})},
+        "agent_poll": {"calls": monitor[0]["calls"], "seconds_per_call": monitor[0]["seconds"] / max(1, monitor[0]["calls"])} if monitor else None,
+        "wall_s": run.wall,
+    }
+
+
+def one(work: Workdir, label: str, interval: float, kills: int, extra: List[str], env: Optional[Dict[str, str]] = None,
+        timeout: float = 600) -> Dict[str, Any]:
+    trace = work.path / f"trace-{label}-{work.count + 1}.jsonl"
+    run = run_ours(work, label, overrides(interval, kills, extra), timeout, trace=trace, extra_env=env)
+    res = analyse(run, read_jsonl(trace), kills)
+    res.update(monitor_interval=interval, variant=label)
+    if not run.ok:
+        res["output_tail"] = run.tail(2000)
+    log(f"  {label:<16} interval {interval:<4} kills {res['kills']:>2} recovered {res['recovered']:>2} restarts {res['restarts']:>2}"
+        f"  recovery median {fmt(res['recovery_median_s'], 2)} s  cold ttfs {fmt(res['cold_ttfs_s'], 2)} s  exit {run.returncode}")
+    return res
+
+
+def measure(intervals: List[float], kills: int, default_kills: int, variants: bool) -> Dict[str, Any]:
+    results: List[Dict[str, Any]] = []
+    with Workdir() as work:
+        for interval in intervals:
+            k = default_kills if interval == DEFAULT_INTERVAL else kills
+            results.append(one(work, f"interval-{interval}", interval, k, []))
+        if variants:
+            results.append(one(work, "fork", DEFAULT_INTERVAL, kills, ["backend.start_method=fork"]))
+            results.append(one(work, "fork+preimport", DEFAULT_INTERVAL, kills, ["backend.start_method=fork"],
+                               {"STEADFAST_BENCH_PREIMPORT": PREIMPORT}))
+    cold_all = [r["cold_ttfs_s"] for r in results if r["variant"].startswith("interval-")]
+    cold = median(cold_all)
+    by_interval = {}
+    for r in results:
+        key = str(r["monitor_interval"]) if r["variant"].startswith("interval-") else f"{r['monitor_interval']} ({r['variant']})"
+        by_interval[key] = {
+            "recovery_median_s": r["recovery_median_s"],
+            "recovery/cold_ttfs": ratio(r["recovery_median_s"], cold),
+            "succeeded": f"{r['recovered']}/{r['kills']}" + ("" if r["all_succeeded"] else " (run did not end cleanly)"),
+            "detect_median_s": r["split_median_s"].get("detect (kill -> agent sees FAILED)"),
+        }
+    base = next((r for r in results if r["variant"] == f"interval-{min(intervals)}"), None)
+    estimate_30 = None
+    if base and base["recovery_median_s"] is not None:
+        # The kill lands at a uniformly random phase of the agent's poll: mean detection delay = interval / 2.
+        estimate_30 = base["recovery_median_s"] + (30 - base["monitor_interval"]) / 2
+    return {"job": JOB.describe(), "checkpoint_every_n_steps": CKPT_EVERY, "kill_at_step": KILL_AT,
+            "cold_ttfs_s": spread(cold_all), "runs": results, "summary": by_interval,
+            "estimated_interval_30": {"recovery_s": estimate_30, "recovery/cold_ttfs": ratio(estimate_30, cold),
+                                      "how": f"recovery at {min(intervals)} s + (30 - {min(intervals)})/2 s mean detection delay"}}
+
+
+def report(res: Dict[str, Any]) -> None:
+    print(f"\nRecovery (cold ttfs median {fmt(res['cold_ttfs_s']['median'], 2)} s over {res['cold_ttfs_s']['n']} runs)")
+    print(f"  {'monitor_interval':<24}{'recovery s':>11}{'/cold':>8}{'detect s':>10}  succeeded")
+    for k, v in res["summary"].items():
+        print(f"  {k:<24}{fmt(v['recovery_median_s'], 2):>11}{fmt(v['recovery/cold_ttfs']):>8}{fmt(v['detect_median_s'], 2):>10}  {v['succeeded']}")
+    e = res["estimated_interval_30"]
+    print(f"  {'30 (estimated)':<24}{fmt(e['recovery_s'], 2):>11}{fmt(e['recovery/cold_ttfs']):>8}")
+    for r in res["runs"]:
+        if r["split_median_s"]:
+            print(f"  where the time goes ({r['variant']}): " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in r["split_median_s"].items()))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--intervals", default="0.1,0.5,2,5")
+    p.add_argument("--kills", type=int, default=3, help="kills per run for the non-default intervals and the variants")
+    p.add_argument("--default-kills", type=int, default=20, help=f"kills in the run at the default interval ({DEFAULT_INTERVAL} s)")
+    p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--quick", action="store_true", help="intervals 0.1,0.5,2; 2 kills; 8 at the default")
+    p.add_argument("--tiny", action="store_true", help="one run at the default interval with 1 kill (smoke test)")
+    p.add_argument("--json", type=Path, default=RESULTS / "recovery.json")
+    args = p.parse_args(argv)
+    intervals = [float(x) for x in args.intervals.split(",")]
+    kills, default_kills, variants = args.kills, args.default_kills, not args.no_variants
+    if args.quick:
+        intervals, kills, default_kills = [0.1, 0.5, 2.0], 2, 8
+    if args.tiny:
+        intervals, kills, default_kills, variants = [DEFAULT_INTERVAL], 1, 1, False
+    log(f"recovery: intervals {intervals}, {default_kills} kills at {DEFAULT_INTERVAL} s, {kills} elsewhere")
+    res = measure(intervals, kills, default_kills, variants)
+    res["target"] = {"recovery/cold_ttfs": TARGET, "restarts succeeded": "20/20"}
+    out = {"benchmark": "recovery", "command": command_line("bench.recovery", argv), "machine": machine(), **res}
+    report(out)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

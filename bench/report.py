@@ -1,0 +1,263 @@
+"""BENCHMARKS.md from bench/results/*.json: `python -m bench.report` (run_all calls it)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .common import RESULTS, ROOT
+
+OUT = ROOT / "BENCHMARKS.md"
+
+
+def load(results: Path, name: str) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads((results / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def f(x: Any, digits: int = 2, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}f}{unit}"
+    return str(x)
+
+
+def status(value: Optional[float], op: str, goal: float) -> str:
+    if value is None:
+        return "not measured"
+    ok = value >= goal if op == ">=" else value <= goal
+    return "**met**" if ok else "**missed**"
+
+
+def table(header: List[str], rows: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *["| " + " | ".join(r) + " |" for r in rows], ""]
+
+
+def foreign_note(*loads: Optional[Dict[str, Any]]) -> str:
+    shares = [l["median"] for l in loads if l and l.get("median") is not None]
+    if not shares:
+        return ""
+    return f" Other tenants used a median {max(shares) * 100:.0f}% of the machine during these runs."
+
+
+def recommend_interval(rec: Dict[str, Any]) -> Tuple[Optional[float], str]:
+    """The largest interval whose recovery is within 10% of the best one, if polling costs < 0.5% of a core."""
+    runs = [r for r in rec.get("runs", []) if r["variant"].startswith("interval-") and r["recovery_median_s"] is not None]
+    if not runs:
+        return None, "no recovery figures"
+    best = min(r["recovery_median_s"] for r in runs)
+    polls = [r["agent_poll"]["seconds_per_call"] for r in rec["runs"] if r.get("agent_poll")]
+    poll = max(polls) if polls else None
+    ok = [r for r in runs if r["recovery_median_s"] <= best * 1.10
+          and (poll is None or poll / r["monitor_interval"] < 0.005)]
+    pick = max(ok, key=lambda r: r["monitor_interval"]) if ok else min(runs, key=lambda r: r["recovery_median_s"])
+    why = (f"recovery {pick['recovery_median_s']:.2f} s vs best {best:.2f} s; one agent poll costs "
+           f"{poll * 1e3:.2f} ms, {poll / pick['monitor_interval'] * 100:.2f}% of a core at this interval" if poll else
+           f"recovery {pick['recovery_median_s']:.2f} s vs best {best:.2f} s")
+    return pick["monitor_interval"], why
+
+
+def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
+    run_all = load(results, "run_all") or {}
+    hot, st, rec, gp, ck, hv, sc = (load(results, n) for n in
+                                    ("hot_loop", "startup", "recovery", "goodput", "checkpoint_io", "horovod", "scaling"))
+    m = run_all.get("machine") or next((x["machine"] for x in (hot, st, rec, gp, ck, hv, sc) if x and "machine" in x), {})
+    lines: List[str] = ["# Benchmarks", ""]
+    git = run_all.get("git", {})
+    dirty = git.get("uncommitted_changes_in") or []
+    lines += [
+        f"Reproduce with `{run_all.get('command', 'make bench')}` (= `.venv/bin/{run_all.get('equivalent', 'python -m bench.run_all')}`);"
+        f" the suite took {f(run_all.get('total_s'), 0)} s (budget {f(run_all.get('budget_s'), 0)} s)."
+        f" Each script also runs alone (`python -m bench.<name> --help`); the raw figures are in `bench/results/*.json`.",
+        "",
+        f"Machine: {m.get('cpu_count')} x {m.get('cpu_model')}, torch {m.get('torch')}, Python {m.get('python')},"
+        f" {m.get('platform')}. Run {run_all.get('started', '?')} at commit {git.get('commit', '?')}"
+        + (f" with uncommitted changes in {len(dirty)} file(s) of pipeline/, launchers/, conf/." if dirty else "."),
+        "",
+        "Every figure is a ratio against a baseline measured in the same run, the two alternated in a"
+        " rotated order, medians reported. The machine is shared with other test runs and noisy: each"
+        " benchmark's JSON records, per run, how much CPU other tenants used (`foreign_share`).",
+        "",
+    ]
+    forms = {k: v.get("form") for k, v in run_all.get("benchmarks", {}).items()}
+    if any(v != "full" for v in forms.values()):
+        lines += ["Forms that ran (quick/tiny forms have fewer rounds): " + ", ".join(f"{k} {v}" for k, v in forms.items()), ""]
+    errors = {k: v["error"] for k, v in run_all.get("benchmarks", {}).items() if v.get("error")}
+    for k, v in errors.items():
+        lines += [f"**{k} failed**: `{v.splitlines()[0][:300]}`", ""]
+
+    # ---- the summary table -------------------------------------------------------------------
+    rows: List[List[str]] = []
+    if hot:
+        r = hot["ratios"]
+        v = r.get("ours/baseline steps_per_s")
+        rows.append(["1", "hot loop: steps/s, ours / hand-written DDP", f(v, 3), ">= 0.99", status(v, ">=", 0.99)])
+        every = hot.get("checkpoint_every_n_steps")
+        for kind in ("sync", "async"):
+            key = f"{kind} ckpt every {every} steps / no ckpt steps_per_s"
+            if key in r:
+                rows.append(["1", f"steps/s with a {kind} checkpoint every {every} steps / without", f(r[key], 3), "-", "reported"])
+        if hot.get("projected"):
+            pj = hot["projected"]
+            rows.append(["1", f"the same at the default cadence (every 10 epochs = {pj['default_cadence_steps']} steps), sync / async (projected from the per-save cost)",
+                         f"{f(pj['sync ckpt every 10 epochs / no ckpt steps_per_s'], 4)} / {f(pj['async ckpt every 10 epochs / no ckpt steps_per_s'], 4)}", "-", "reported"])
+    if st:
+        v = st["ratios"].get("ours/baseline ttfs")
+        rows.append(["2", "time to first step, ours / torchrun + hand-written script", f(v, 2), "<= 1.10", status(v, "<=", 1.10)])
+        if "ours_fork/baseline ttfs" in st["ratios"]:
+            v2 = st["ratios"]["ours_fork/baseline ttfs"]
+            rows.append(["2", "the same with `backend.start_method=fork` (a config option, not the default)", f(v2, 2), "<= 1.10", status(v2, "<=", 1.10)])
+    if rec:
+        d = rec["summary"].get("0.5") or next(iter(rec["summary"].values()), None)
+        if d:
+            rows.append(["3", "recovery (SIGKILL to next step) / cold time to first step, monitor_interval 0.5 s", f(d["recovery/cold_ttfs"], 2), "<= 0.5", status(d["recovery/cold_ttfs"], "<=", 0.5)])
+            ok = d["succeeded"].split(" ")[0]
+            a, b = (int(x) for x in ok.split("/"))
+            rows.append(["3", "restarts that succeeded", d["succeeded"], "20/20", "**met**" if a == b >= 20 else "**missed**" if a < b else f"{a}/{b}: fewer than 20 measured"])
+    if gp:
+        for r in gp["runs"]:
+            target = r["period_s"] == 30
+            rows.append(["4", f"goodput, a worker killed every {r['period_s']:g} s, {r['cadence']}", f(r["goodput"], 2),
+                         ">= 0.90" if target else "-", status(r["goodput"], ">=", 0.90) if target else "reported"])
+    if ck:
+        for case in ck.get("results", []):
+            rr = case["ratios"]
+            tag = case["case"].split(":")[0]
+            rows.append(["5", f"checkpoint {tag}: project sync save / raw fsync write, throughput", f(rr.get("project_sync/raw_fsync_write throughput"), 2), ">= 0.9", status(rr.get("project_sync/raw_fsync_write throughput"), ">=", 0.9)])
+            rows.append(["5", f"checkpoint {tag}: async save, time blocked / sync save time", f(rr.get("async_blocked/sync_save time"), 3), "<= 0.05", status(rr.get("async_blocked/sync_save time"), "<=", 0.05)])
+            rows.append(["5", f"checkpoint {tag}: restore (load + verify) / raw read, throughput (warm)", f(rr.get("restore/raw_read throughput (warm)"), 2), "-", "reported"])
+    if hv and not hv.get("skipped"):
+        rows.append(["6", "Horovod / torchrun: steps/s", f(hv["ratios"]["horovod/torchrun steps_per_s"], 2), "-", "reported"])
+        rows.append(["6", "Horovod / torchrun: time to first step", f(hv["ratios"]["horovod/torchrun ttfs"], 2), "-", "reported"])
+    if sc:
+        for k, v in sc.get("workers", {}).items():
+            rows.append(["7", f"{k} worker(s): steps/s ours / baseline" + (" (oversubscribed)" if v.get("note") else ""), f(v["ours/baseline steps_per_s"], 3), "-", "reported"])
+        for k, v in sc.get("model_size", {}).items():
+            rows.append(["7", f"{k} model ({v['job']['parameter_MB']} MB of parameters): steps/s ours / baseline; time to first step", f"{f(v['ours/baseline steps_per_s'], 3)}; {f(v['ours/baseline ttfs'], 2)}", "-", "reported"])
+    lines += ["## Figures against the targets", ""]
+    lines += table(["#", "figure", "measured", "target", ""], rows)
+
+    # ---- sections ------------------------------------------------------------------------------
+    if hot:
+        lines += ["## 1. Hot loop", "",
+                  f"`python -m pipeline.train` vs `bench/baseline_ddp.py` under `torchrun --standalone --nproc_per_node {hot['job']['workers']}`,"
+                  f" same model (MLP {hot['job']['hidden']}, {hot['job']['parameter_MB']} MB), data (synthetic, {hot['job']['num_features']} features),"
+                  f" batch {hot['job']['batch_size']} per worker, {hot['job']['epochs']} epochs; {hot['rounds']} alternated rounds"
+                  f" ({hot.get('checkpoint_rounds', 0)} with the checkpoint variants). Steps/s: the median logged 10-step interval after"
+                  f" {hot['warmup_steps']} warm-up steps, intervals spanning an epoch end (the trainer validates there) or a checkpoint left out."
+                  + foreign_note(*(hot.get("foreign_load") or {}).values()), ""]
+        sp = hot["steps_per_s (median interval)"]
+        lines += table(["run", "steps/s (median)", "min", "max", "time to first step (s)"],
+                       [[k, f(v["median"], 1), f(v["min"], 1), f(v["max"], 1), f(hot["ttfs_s"][k]["median"], 2)] for k, v in sp.items()])
+        if hot.get("checkpoint_costs"):
+            c = hot["checkpoint_costs"]
+            lines += [f"Checkpoint cost per save ({hot['checkpoint_every_n_steps']}-step cadence): sync {f(c['sync_save_seconds'], 4)} s blocking;"
+                      f" async {f(c['async_blocked_seconds'], 4)} s blocking (snapshot) and {f(c['async_save_to_commit_seconds'], 4)} s to commit in the background."
+                      " The slowdowns above compare, within each run, the mean speed over all intervals with the median interval (so a"
+                      " run-to-run speed difference cancels), against the same ratio of the runs without checkpoints.", ""]
+    if st:
+        lines += ["## 2. Time to first step", "",
+                  f"From just before the command's process is created to the end of the first training step, tiny job"
+                  f" ({st['job']['parameter_MB']} MB MLP, synthetic data), 2 workers, {st['rounds']} alternated rounds." +
+                  foreign_note(*(st.get("foreign_load") or {}).values()), ""]
+        lines += table(["command", "time to first step (s), median", "min", "max", "/ baseline"],
+                       [[k, f(v["median"], 2), f(v["min"], 2), f(v["max"], 2), f(st["ratios"].get(f"{k}/baseline ttfs"), 2) if k != "baseline" else "1"]
+                        for k, v in st["ttfs_s"].items()])
+        lines += ["`ours_fork`: `backend.start_method=fork`. `ours_dash_m`: `python -m pipeline.train -m` (Hydra skips the compose it"
+                  " otherwise does only to read `hydra.mode`).", ""]
+        b = st.get("breakdown")
+        if b:
+            lines += ["Where the time goes (traced runs: `bench/trace/sitecustomize.py`, enabled only for these runs through"
+                      " `PYTHONPATH` and `STEADFAST_BENCH_TRACE`; no project code changed). Each row ends at a milestone on the"
+                      " critical path (the later worker for worker rows); `preimport` emulates importing torch in a background"
+                      " thread as soon as Hydra builds the launcher.", ""]
+            labels = list(b["ours"]["segments_s"])
+            rows = [[lab, f(b["baseline"]["segments_s"][lab], 3), f(b["ours"]["segments_s"][lab], 3), f(b["extra_s"][lab], 3),
+                     f(b["ours_preimport"]["segments_s"][lab], 3)] for lab in labels]
+            rows.append(["**time to first step (traced)**", f(b["baseline"]["ttfs_s"], 3), f(b["ours"]["ttfs_s"], 3),
+                         f(b["ours"]["ttfs_s"] - b["baseline"]["ttfs_s"], 3), f(b["ours_preimport"]["ttfs_s"], 3)])
+            lines += table(["segment (s, median)", "baseline", "ours", "extra", "ours + preimport"], rows)
+            d = b["ours"]["details"]
+            lines += [f"Inside: Hydra composes the config {f(d['hydra_compose_calls'], 0)} times ({f(d['hydra_compose_s'], 3)} s in all),"
+                      f" plugin discovery {f(d['plugin_scan_s'], 3)} s, pre-flight checks {f(d['preflight_s'], 3)} s, torch import in the"
+                      f" launcher {f(d['launcher_torch_import_s'], 2)} s, in the slower worker Hydra {f(d['worker_hydra_import_s (slowest)'], 3)} s"
+                      f" and torch {f(d['worker_torch_import_s (slowest)'], 2)} s, DDP construction {f(d['ddp_init_s (slowest)'], 2)} s"
+                      f" (it imports torch._dynamo, for the baseline too), checkpoint discovery {f(d['checkpoint_discovery_s (slowest)'], 3)} s.", ""]
+    if rec:
+        cold = rec["cold_ttfs_s"]
+        lines += ["## 3. Recovery", "",
+                  f"`fault=kill_rank fault.rank=1 fault.at_step={rec['kill_at_step']} fault.times=K` with a checkpoint every"
+                  f" {rec['checkpoint_every_n_steps']} steps: rank 1 SIGKILLs itself K times, each restart resumes from step"
+                  f" {rec['checkpoint_every_n_steps']}. Recovery = the restarted group's first step minus the kill. Cold time to first step"
+                  f" of the same runs: median {f(cold['median'], 2)} s. All recovery runs are traced (the tracer costs milliseconds).", ""]
+        rows = [[k, f(v["recovery_median_s"], 2), f(v["recovery/cold_ttfs"], 2), f(v["detect_median_s"], 2), v["succeeded"]] for k, v in rec["summary"].items()]
+        e = rec["estimated_interval_30"]
+        rows.append(["30 (estimated)", f(e["recovery_s"], 2), f(e["recovery/cold_ttfs"], 2), "~15", "-"])
+        lines += table(["restart.monitor_interval (s)", "recovery (s, median)", "/ cold start", "detection (s)", "succeeded"], rows)
+        splits = [(r["variant"], r["split_median_s"]) for r in rec["runs"] if r["split_median_s"]]
+        if splits:
+            labels = list(splits[0][1])
+            lines += table(["recovery segment (s, median)", *[v for v, _ in splits]],
+                           [[lab, *[f(s.get(lab), 2) for _, s in splits]] for lab in labels])
+        pick, why = recommend_interval(rec)
+        lines += [f"Recommended `restart.monitor_interval`: **{f(pick, 1)} s** ({why}). The 30 s figure is estimated, not run:"
+                  f" {e['how']}.", ""]
+    if gp:
+        ref = gp["reference"]
+        lines += ["## 4. Goodput under failure", "",
+                  f"The hot-loop job trained for a fixed number of epochs (60 s of failure-free training at T = 30 s, 30 s at T = 10 s"
+                  f" in the full form) while the benchmark SIGKILLs a worker every T seconds from the first step on."
+                  f" Failure-free speed {f(ref['steps_per_s'], 1)} steps/s; one sync save costs {f(ref['save_cost_s'], 4)} s."
+                  f" The default cadence (every 10 epochs) is {f(gp['default_cadence']['seconds_of_training'], 1)} s of training here."
+                  " Goodput = steps trained / failure-free speed, over the wall time from the first step to the end (the one cold"
+                  " start is in section 2); `incl. start` counts from the command. Predicted: (1 - C/tau) (1 - (R + tau/2)/T).", ""]
+        rows = [[f"{r['period_s']:g}", r["cadence"], f(r["goodput"], 2), f(r["goodput_incl_start"], 2), f(r["predicted_goodput"], 2),
+                 str(r["kills"]), f(r["recomputed_steps_median"], 0), f(r["recovery_median_s"], 2),
+                 "yes" if r["finished"] else "no (stopped at the cap)"] for r in gp["runs"]]
+        lines += table(["T (s)", "checkpoint cadence", "goodput", "incl. start", "predicted", "kills", "steps recomputed per failure",
+                        "recovery (s)", "finished"], rows)
+    if ck:
+        lines += ["## 5. Checkpoint throughput", "", f"`{ck['command']}` ({ck.get('reads', '')}); medians of {ck['results'][0]['repeats']} rotated repeats.", ""]
+        for case in ck["results"]:
+            lines += [f"{case['case']} ({case['payload_bytes'] / 2**20:.1f} MiB):", ""]
+            lines += table(["method", "median s", "MiB/s"], [[k, f(v["median_s"], 4), f(v["MiB_per_s"], 0)] for k, v in case["methods"].items()])
+    if hv:
+        lines += ["## 6. Horovod vs torchrun", ""]
+        if hv.get("skipped"):
+            lines += [f"Skipped: {hv['skipped']}.", ""]
+        else:
+            lines += [f"The hot-loop job, 3 epochs, `backend=horovod` (Gloo controller) vs the default torchrun backend, {hv['rounds']} alternated rounds."
+                      + foreign_note(*(hv.get("foreign_load") or {}).values()), ""]
+            lines += table(["backend", "steps/s", "time to first step (s)", "wall (s)"],
+                           [[k, f(hv["steps_per_s"][k]["median"], 1), f(hv["ttfs_s"][k]["median"], 2), f(hv["wall_s"][k]["median"], 1)] for k in ("torchrun", "horovod")])
+    if sc:
+        lines += ["## 7. Scaling", "", "Ours / baseline at other sizes (2 workers and the hot-loop job: section 1)."
+                  " 4 workers on 2 cores are oversubscribed (2 processes per core): that row shows the cost under contention.", ""]
+        rows = []
+        for k, v in sc.get("workers", {}).items():
+            rows.append([f"{k} worker(s), hot-loop job", f(v["steps_per_s"]["ours"]["median"], 1), f(v["steps_per_s"]["baseline"]["median"], 1),
+                         f(v["ours/baseline steps_per_s"], 3), f(v["ttfs_s"]["ours"]["median"], 2), f(v["ttfs_s"]["baseline"]["median"], 2), f(v["ours/baseline ttfs"], 2)])
+        for k, v in sc.get("model_size", {}).items():
+            rows.append([f"{k} model, {v['job']['parameter_MB']} MB", f(v["steps_per_s"]["ours"]["median"], 2), f(v["steps_per_s"]["baseline"]["median"], 2),
+                         f(v["ours/baseline steps_per_s"], 3), f(v["ttfs_s"]["ours"]["median"], 2), f(v["ttfs_s"]["baseline"]["median"], 2), f(v["ours/baseline ttfs"], 2)])
+        lines += table(["case", "ours steps/s", "baseline steps/s", "ratio", "ours ttfs (s)", "baseline ttfs (s)", "ratio"], rows)
+        bc = sc.get("big_checkpoint_and_recovery")
+        if bc:
+            slow = bc.get(next((k for k in bc if k.startswith("ckpt every")), ""))
+            lines += [f"Big model with a sync checkpoint every {bc['checkpoint_every_n_steps']} steps ({f((bc['checkpoint_bytes'] or 0) / 1e6, 0)} MB each):"
+                      f" {f(bc['sync_save_s'], 2)} s per save; steps/s with checkpoints / without (same run) {f(slow, 3)};"
+                      f" recovery after a kill {f(bc['recovery_s'], 2)} s vs cold start {f(bc['cold_ttfs_s'], 2)} s"
+                      f" = {f(bc['recovery/cold_ttfs'], 2)}.", ""]
+    notes = Path(__file__).with_name("NOTES.md")
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    print(write_report(Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS))

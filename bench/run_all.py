@@ -1,0 +1,110 @@
+"""Every benchmark, one after the other, then BENCHMARKS.md: `make bench` (= python -m bench.run_all).
+
+    python -m bench.run_all [--quick | --tiny] [--only hot_loop,startup,...] [--budget 840] [--no-report]
+
+Each benchmark writes bench/results/<name>.json. The suite keeps to a time budget (default 14
+minutes): before each benchmark it compares its expected duration with what is left, and runs a
+benchmark in its --quick form when the full one would not fit (the JSON and BENCHMARKS.md say
+which form ran). A benchmark that fails is recorded and the others still run; the exit status
+is then non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .common import RESULTS, ROOT, log, machine, write_json
+
+# name, module, [arguments]: expected seconds on the 2-core reference machine (full, quick).
+SUITE: List[tuple] = [
+    ("checkpoint_io", "bench.checkpoint_io", ["--mb", "128", "--repeats", "3"], (25, 12)),
+    ("hot_loop", "bench.hot_loop", [], (170, 60)),
+    ("startup", "bench.startup", [], (150, 70)),
+    ("recovery", "bench.recovery", [], (170, 70)),
+    ("goodput", "bench.goodput", [], (260, 130)),
+    ("horovod", "bench.horovod", [], (70, 45)),
+    ("scaling", "bench.scaling", [], (150, 70)),
+]
+QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"]}
+TINY_ARGS = {"checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"]}
+
+
+def git_state() -> Dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "pipeline", "launchers", "conf").splitlines()]
+    return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes_in": dirty}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="every benchmark in its --quick form")
+    p.add_argument("--tiny", action="store_true", help="every benchmark in its --tiny form (seconds; figures meaningless)")
+    p.add_argument("--only", default="", help="comma-separated benchmark names")
+    p.add_argument("--budget", type=float, default=840.0, help="seconds for the whole suite (quick forms when short)")
+    p.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    only = {x for x in args.only.split(",") if x}
+    suite = [s for s in SUITE if not only or s[0] in only]
+    unknown = only - {s[0] for s in SUITE}
+    if unknown:
+        p.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}; known: {', '.join(s[0] for s in SUITE)}")
+
+    started = time.time()
+    record: Dict[str, Any] = {"command": "make bench" + (f" ARGS='{' '.join(argv if argv is not None else sys.argv[1:])}'" if (argv if argv is not None else sys.argv[1:]) else ""),
+                              "equivalent": " ".join(["python", "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])]),
+                              "machine": machine(), "git": git_state(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "budget_s": args.budget, "benchmarks": {}}
+    failed = []
+    for i, (name, module, extra, (full_s, quick_s)) in enumerate(suite):
+        left = args.budget - (time.time() - started)
+        after = sum(s[3][1] for s in suite[i + 1:])  # what the rest needs at least (quick forms)
+        form = "tiny" if args.tiny else "quick" if args.quick or left - after < full_s else "full"
+        if args.tiny:
+            margs = TINY_ARGS.get(name, ["--tiny"])
+        elif form == "quick":
+            margs = QUICK_ARGS.get(name, ["--quick"])
+        else:
+            margs = list(extra)
+        out = args.results / f"{name}.json"
+        margs = [*margs, "--json", str(out)]
+        log(f"=== {name} ({form}): python -m {module} {' '.join(margs)}  [{left:.0f} s of the budget left]")
+        t0 = time.time()
+        entry: Dict[str, Any] = {"form": form, "args": margs}
+        try:
+            rc = importlib.import_module(module).main(margs)
+            entry["exit_code"] = rc
+            if rc:
+                failed.append(name)
+        except Exception as exc:  # keep going: the other figures are still worth having
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+            failed.append(name)
+        entry["seconds"] = round(time.time() - t0, 1)
+        record["benchmarks"][name] = entry
+        log(f"=== {name}: {entry['seconds']} s")
+    record["total_s"] = round(time.time() - started, 1)
+    record["failed"] = failed
+    write_json(args.results / "run_all.json", record)
+    if not args.no_report:
+        from .report import write_report
+
+        path = write_report(args.results)
+        log(f"wrote {path}")
+    log(f"suite: {record['total_s']:.0f} s" + (f", FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Time to first step: `python -m pipeline.train` vs `torchrun --standalone --nproc_per_node 2` on the
+hand-written baseline, where our extra time goes, and what the candidate fixes would save.
+
+    python -m bench.startup [--rounds 4] [--traced 2] [--quick | --tiny] [--json PATH]
+
+Time to first step (TTFS) is measured from just before the command's process is created to the
+wall-clock time of the first completed training step (the trainer's "first_step" event; the
+baseline writes its own). The tiny synthetic job, so start-up is not diluted by work.
+
+The breakdown comes from separate traced runs: bench/trace/sitecustomize.py (opt-in, on
+PYTHONPATH only for those runs) records when each process was created, when watched modules
+finish importing and when the launcher's, the agent's and the trainer's steps start and end.
+The untraced runs give the headline ratio. Variants, alternated with the same rounds:
+  fork       backend.start_method=fork: workers inherit the launcher's imported torch
+  dash_m     `python -m pipeline.train -m`: Hydra skips the compose that only reads hydra.mode
+  preimport  (traced) torch imported in a background thread from the launcher's setup(): emulates
+             a proposed 3-line change in launcher.py, without editing it
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .common import (RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, aborted_at_exit, log, machine, median, ratio,
+                     read_jsonl, run_baseline, run_ours, spread, write_json)
+
+TARGET = ("<=", 1.10)
+PREIMPORT = "torch.distributed.launcher.api,torch.distributed.elastic.multiprocessing.errors"
+
+
+def ours_overrides(job: Job) -> List[str]:
+    return job.overrides() + ["checkpoint.every_n_epochs=1000"]
+
+
+# ---- the breakdown ------------------------------------------------------------------------------
+def _by_pid(trace: List[Dict[str, Any]]) -> Dict[int, List[Dict[str, Any]]]:
+    out: Dict[int, List[Dict[str, Any]]] = {}
+    for r in trace:
+        out.setdefault(r["pid"], []).append(r)
+    return out
+
+
+def _first(recs: List[Dict[str, Any]], what: str, key: str = "t") -> Optional[float]:
+    for r in recs:
+        if r["what"] == what:
+            return float(r[key])
+    return None
+
+
+def _total(recs: List[Dict[str, Any]], what: str) -> Tuple[float, int]:
+    durations = [r["t"] - r["start"] for r in recs if r["what"] == what and "start" in r]
+    return sum(durations), len(durations)
+
+
+def milestones(run: Run, trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Optional[float]]:
+    """Seconds from the command to each milestone on the critical path (the later worker for worker steps)."""
+    pids = _by_pid(trace)
+    main = pids.get(launcher_pid, [])
+    workers = [recs for pid, recs in pids.items() if recs[0].get("ppid") == launcher_pid and
+               any(r["what"] == "init_process_group:start" for r in recs)]
+
+    def latest(what: str) -> Optional[float]:
+        times = [_first(w, what) for w in workers]
+        return max(t for t in times if t is not None) if times and all(t is not None for t in times) else None
+
+    t0 = run.started
+    m = {
+        "interpreter_up": _first(main, "process"),
+        "hydra_imported": _first(main, "import:hydra"),
+        "launch_start": _first(main, "launcher_run_job:start"),
+        "adapter_start": _first(main, "torchrun_adapter_run:start"),
+        "launcher_torch_imported": _first(main, "import:torch"),
+        "workers_started": _first(main, "agent_start_workers:end"),
+        "workers_torch_imported": latest("import:torch"),
+        "workers_init_pg_start": latest("init_process_group:start"),
+        "workers_init_pg_end": latest("init_process_group:end"),
+        "workers_ddp_end": latest("ddp_init:end"),
+        "workers_resume_end": latest("trainer_resume:end"),
+        "first_step": run.first_step_time(),
+    }
+    return {k: (v - t0 if v is not None else None) for k, v in m.items()}
+
+
+# (label, from milestone, to milestone); a segment whose milestones a side lacks is 0 for it.
+SEGMENTS = [
+    ("python start-up (exec, site)", None, "interpreter_up"),
+    ("Hydra + app imports", "interpreter_up", "hydra_imported"),
+    ("Hydra compose x N, plugin discovery, pre-flight", "hydra_imported", "launch_start"),
+    ("run lock, config freeze, payload pickle", "launch_start", "adapter_start"),
+    ("torch import in the launcher / torchrun", "adapter_start", "launcher_torch_imported"),
+    ("agent rendezvous + worker start", "launcher_torch_imported", "workers_started"),
+    ("workers: spawn + imports (Python, Hydra, torch)", "workers_started", "workers_torch_imported"),
+    ("workers: Hydra state, trainer import, wait for peers", "workers_torch_imported", "workers_init_pg_start"),
+    ("init_process_group", "workers_init_pg_start", "workers_init_pg_end"),
+    ("data + model + DDP init (DDP imports torch._dynamo)", "workers_init_pg_end", "workers_ddp_end"),
+    ("checkpoint discovery (resume=auto)", "workers_ddp_end", "workers_resume_end"),
+    ("to the end of the first step", "workers_resume_end", "first_step"),
+]
+
+
+def segments(ms: Dict[str, Optional[float]]) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    prev_known = 0.0
+    for label, a, b in SEGMENTS:
+        end = ms.get(b)
+        if end is None:
+            out[label] = 0.0
+            continue
+        start = ms.get(a) if a else 0.0
+        start = prev_known if start is None else start
+        out[label] = max(0.0, end - start)
+        prev_known = end
+    return out
+
+
+def details(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Any]:
+    main = [r for r in trace if r["pid"] == launcher_pid]
+    workers = [r for r in trace if r.get("ppid") == launcher_pid]
+    compose, n = _total(main, "hydra_compose:end")
+    scan, _ = _total(main, "hydra_plugin_scan:end")
+    worker_imports = {name: max([r["t"] - r["start"] for r in workers if r["what"] == f"import:{name}"] or [0.0])
+                      for name in ("hydra", "torch")}
+    return {"hydra_compose_calls": n, "hydra_compose_s": compose, "plugin_scan_s": scan,
+            "preflight_s": _total(main, "launcher_preflight:end")[0],
+            "launcher_torch_import_s": max([r["t"] - r["start"] for r in main if r["what"] == "import:torch"] or [0.0]),
+            "worker_hydra_import_s (slowest)": worker_imports["hydra"], "worker_torch_import_s (slowest)": worker_imports["torch"],
+            "ddp_init_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "ddp_init:end"] or [0.0]),
+            "checkpoint_discovery_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "trainer_resume:end"] or [0.0]),
+            "preimport_s": _total(main, "preimport:end")[0]}
+
+
+def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Optional[Dict[str, str]] = None) -> Tuple[Run, Dict[str, Any]]:
+    path = work.path / f"trace-{work.count + 1}.jsonl"
+    if kind == "baseline":
+        run = run_baseline(work, "traced-baseline", job, timeout, trace=path)
+    else:
+        run = run_ours(work, "traced-ours", ours_overrides(job), timeout, trace=path, extra_env=extra_env)
+    check(run, f"traced {kind}")
+    trace = read_jsonl(path)
+    launcher = run.pid
+    if not any(r["pid"] == launcher for r in trace):
+        raise RuntimeError(f"traced {kind}: the launcher process left no trace (is bench/trace on PYTHONPATH?)")
+    ms = milestones(run, trace, launcher)
+    return run, {"milestones_s": ms, "segments_s": segments(ms), "details": details(trace, launcher)}
+
+
+def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, preimport: bool = True) -> Dict[str, Any]:
+    samples: Dict[str, List[Dict[str, Any]]] = {"baseline": [], "ours": []}
+    makers = [("baseline", lambda: traced(work, "baseline", job, timeout)),
+              ("ours", lambda: traced(work, "ours", job, timeout))]
+    if preimport:
+        samples["ours_preimport"] = []
+        makers.append(("ours_preimport", lambda: traced(work, "ours", job, timeout, {"STEADFAST_BENCH_PREIMPORT": PREIMPORT})))
+
+    def keep(name: str, r: int, item: Any) -> None:
+        run, info = item
+        samples[name].append(info)
+        log(f"  traced round {r + 1} {name:<15} ttfs {fmt(run.ttfs(), 2)} s")
+
+    alternate(rounds, makers, keep)  # type: ignore[arg-type]
+    out: Dict[str, Any] = {}
+    for name, infos in samples.items():
+        labels = [s[0] for s in SEGMENTS]
+        out[name] = {
+            "segments_s": {lab: median([i["segments_s"][lab] for i in infos]) for lab in labels},
+            "milestones_s": {k: median([i["milestones_s"][k] for i in infos]) for k in infos[0]["milestones_s"]},
+            "details": {k: median([i["details"][k] for i in infos]) for k in infos[0]["details"]},
+            "ttfs_s": median([i["milestones_s"]["first_step"] for i in infos]),
+        }
+    out["extra_s"] = {lab: out["ours"]["segments_s"][lab] - out["baseline"]["segments_s"][lab] for lab, _, _ in SEGMENTS}
+    return out
+
+
+def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, timeout: float = 180) -> Dict[str, Any]:
+    """`rounds` untraced rounds give the headline; with rounds=0 (smoke test) the traced runs do."""
+    if rounds == 0:
+        with Workdir() as work:
+            b = breakdown(work, job, traced_rounds, timeout, preimport=False)
+        return {"job": job.describe(), "rounds": 0, "traced_only": True,
+                "ttfs_s": {k: spread([b[k]["ttfs_s"]]) for k in ("baseline", "ours")},
+                "ratios": {"ours/baseline ttfs": ratio(b["ours"]["ttfs_s"], b["baseline"]["ttfs_s"])}, "breakdown": b}
+    with Workdir() as work:
+        makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout)),
+                  ("ours", lambda: run_ours(work, "ours", ours_overrides(job), timeout))]
+        if variants:
+            makers += [("ours_fork", lambda: run_ours(work, "fork", ours_overrides(job) + ["backend.start_method=fork"], timeout)),
+                       ("ours_dash_m", lambda: run_ours(work, "dashm", ours_overrides(job), timeout, cli_flags=["-m"]))]
+
+        def show(name: str, r: int, run: Run) -> None:
+            check(run, f"startup {name}")
+            log(f"  round {r + 1} {name:<12} ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s")
+
+        runs = alternate(rounds, makers, show)
+        ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
+        base = median(ttfs["baseline"])
+        out: Dict[str, Any] = {
+            "job": job.describe(), "rounds": rounds,
+            "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
+            "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
+            "foreign_load": {k: foreign(v) for k, v in runs.items()},
+        "baseline_aborted_at_exit": aborted_at_exit(runs["baseline"]),
+            "ratios": {f"{k}/baseline ttfs": ratio(median(v), base) for k, v in ttfs.items() if k != "baseline"},
+        }
+        out["ratios"]["ours/baseline ttfs (median of paired rounds)"] = median(
+            [ratio(o, b) for o, b in zip(ttfs["ours"], ttfs["baseline"])])
+        if traced_rounds:
+            out["breakdown"] = breakdown(work, job, traced_rounds, timeout)
+    return out
+
+
+def report(res: Dict[str, Any]) -> None:
+    print(f"\nTime to first step ({res['rounds']} rounds" + (", traced runs only" if res.get("traced_only") else "") + ")")
+    for k, v in res["ttfs_s"].items():
+        print(f"  {k:<14} median {fmt(v['median'], 2)} s  (min {fmt(v['min'], 2)}, max {fmt(v['max'], 2)})")
+    for k, v in res["ratios"].items():
+        print(f"  {k:<50} {fmt(v)}")
+    b = res.get("breakdown")
+    if b:
+        pre = b.get("ours_preimport")
+        print(f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}{'preimport' if pre else '':>10}")
+        for lab, _, _ in SEGMENTS:
+            print(f"  {lab:<55}{b['baseline']['segments_s'][lab]:>9.3f}{b['ours']['segments_s'][lab]:>9.3f}"
+                  f"{b['extra_s'][lab]:>9.3f}" + (f"{pre['segments_s'][lab]:>10.3f}" if pre else ""))
+        print(f"  {'time to first step (traced)':<55}{b['baseline']['ttfs_s']:>9.3f}{b['ours']['ttfs_s']:>9.3f}"
+              f"{b['ours']['ttfs_s'] - b['baseline']['ttfs_s']:>9.3f}" + (f"{pre['ttfs_s']:>10.3f}" if pre else ""))
+        for k, v in b["ours"]["details"].items():
+            print(f"    ours {k}: {fmt(v)}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--traced", type=int, default=2, help="rounds of traced runs for the breakdown (0: none)")
+    p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--quick", action="store_true", help="3 rounds, 1 traced round")
+    p.add_argument("--tiny", action="store_true", help="1 traced round only, no variants (smoke test)")
+    p.add_argument("--json", type=Path, default=RESULTS / "startup.json")
+    args = p.parse_args(argv)
+    rounds, traced_rounds, variants = args.rounds, args.traced, not args.no_variants
+    if args.quick:
+        rounds, traced_rounds = 3, 1
+    if args.tiny:
+        rounds, traced_rounds, variants = 0, 1, False
+    log(f"time to first step: {rounds} rounds, {traced_rounds} traced")
+    res = measure(TINY, rounds, traced_rounds, variants)
+    res["target"] = {"ours/baseline ttfs": TARGET}
+    out = {"benchmark": "startup", "command": command_line("bench.startup", argv), "machine": machine(), **res}
+    report(out)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
