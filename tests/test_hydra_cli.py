@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import env
+from helpers import ROOT, env
 
-PRESETS = ("classic", "digits", "digits_quick", "horovod")
+PRESETS = tuple(sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
 
 
 def cli(cwd: Path, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
