@@ -35,6 +35,10 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     num_threads: Optional[int] = None  # torch threads per worker; default: cores / local workers
     objective: str = "val_loss"  # what the job returns to Hydra (and to sweepers such as Optuna): see OBJECTIVES
+    # Ranks agree every this many steps whether to stop (SIGTERM/SIGINT): a tiny all-reduce.
+    stop_check_every_n_steps: int = 1
+    # Stop (after a checkpoint) when any rank's peak resident memory passes this many MB; null: off.
+    max_rss_mb: Optional[float] = None
 
 
 @dataclass
@@ -107,6 +111,16 @@ class FaultConfig:
     at_step: int = 1
     times: int = 1  # over the whole run, restarts included; 0 = every time
     hang_s: float = 3600.0
+    hang_until_stop: bool = False  # a hang ends when the process is asked to stop (places a signal exactly)
+
+
+@dataclass
+class LoggerConfig:
+    """What a person sees: the progress display on rank 0, and optional TensorBoard logging."""
+
+    progress: str = "auto"  # auto (a bar on a terminal, plain lines otherwise) | bar | lines | none
+    progress_every_s: float = 10.0  # seconds between plain progress lines (and lines in the log file)
+    tensorboard: bool = False  # also write metrics as TensorBoard events under <run folder>/tensorboard
 
 
 @dataclass
@@ -120,13 +134,14 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     resume: Resume = Resume.auto
     fault: FaultConfig = field(default_factory=FaultConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 # Keys that do not change what is trained, so they do not change the derived run name:
 # running again with more epochs or another cadence continues the same run.
 NAME_NEUTRAL = ("run.", "resume", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads",
-                "trainer.objective", "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor",
-                "backend.start_timeout")
+                "trainer.objective", "trainer.stop_check_every_n_steps", "trainer.max_rss_mb", "logger",
+                "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor", "backend.start_timeout")
 MAX_NAME = 80
 SWEEPS = "sweeps"  # sweeps get their own folder under the output root: <root>/sweeps/<sweep name>/<run name>
 
@@ -209,6 +224,7 @@ GROUP_HELP = {
     "model": "the network; model._target_=my.module.MyNet plugs in your own",
     "data": "the dataset; data._target_ plugs in your own",
     "fault": "fault injection, to rehearse recovery",
+    "logger": "progress display and TensorBoard logging (logger=tensorboard)",
     "experiment": "committed presets (conf/experiment/)",
 }
 
@@ -239,6 +255,7 @@ DATA_SCHEMAS = {"digits": DigitsConfig, "synthetic": SyntheticConfig}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 OBJECTIVES = ("val_loss", "val_accuracy", "best_val_loss", "final_loss")  # keys of the trainer's result
 SCHEDULERS = ("none", "cosine", "step")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 
 def preflight(job_cfg: DictConfig) -> List[str]:
@@ -269,6 +286,8 @@ def preflight(job_cfg: DictConfig) -> List[str]:
         out.append(bad("trainer.optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}"))
     if t.objective not in OBJECTIVES:
         out.append(bad("trainer.objective", t.objective, f"one of {', '.join(OBJECTIVES)}"))
+    positive("trainer.stop_check_every_n_steps", t.stop_check_every_n_steps)
+    positive("trainer.max_rss_mb", t.max_rss_mb, allow_none=True)
     if t.scheduler not in SCHEDULERS:
         out.append(bad("trainer.scheduler", t.scheduler, f"one of {', '.join(SCHEDULERS)}"))
     if t.weight_decay < 0:
@@ -309,8 +328,19 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
-        if f.kind in ("crash_in_save", "save_error", "corrupt_checkpoint") and f.rank != 0:
+        if f.kind in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind} (only rank 0 writes checkpoints)"))
+    lg = c.logger
+    if lg.progress not in PROGRESS_MODES:
+        out.append(bad("logger.progress", lg.progress, f"one of {', '.join(PROGRESS_MODES)}"))
+    if lg.progress_every_s < 0:
+        out.append(bad("logger.progress_every_s", lg.progress_every_s, "seconds >= 0"))
+    if lg.tensorboard:
+        from importlib.util import find_spec
+
+        if find_spec("tensorboard") is None:
+            out.append("logger.tensorboard=true: the tensorboard package is not installed. Install it with "
+                       "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none")
     out += _resume_problems(job_cfg, cfg, c)
     if c.backend.name == "horovod":
         from importlib.util import find_spec
@@ -368,6 +398,7 @@ cs = ConfigStore.instance()
 cs.store(name="schema_train", node=TrainConfig)
 cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
 cs.store(group="fault", name="schema", node=FaultConfig)
+cs.store(group="logger", name="schema", node=LoggerConfig)
 cs.store(group="model", name="schema_mlp", node=MLPConfig)
 cs.store(group="model", name="schema_cnn", node=CNNConfig)
 cs.store(group="data", name="schema_digits", node=DigitsConfig)

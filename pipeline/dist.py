@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 from hydra_plugins.steadfast_launcher import contract
@@ -19,6 +19,18 @@ def pick_device(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class Pending:
+    """A collective in flight; `wait()` returns its result (once)."""
+
+    def __init__(self, finish: Any) -> None:
+        self._finish, self._result = finish, None
+
+    def wait(self) -> List[float]:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result  # type: ignore[return-value]
 
 
 class Comm:
@@ -47,6 +59,17 @@ class Comm:
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on any rank."""
         return flag
+
+    def max_each(self, values: Sequence[float]) -> List[float]:
+        """Element-wise maximum over the ranks, on every rank: the control agreement (stop
+        requests, time-based saves). A few floats on the CPU, so it never waits for a GPU."""
+        return self.start_max_each(values).wait()
+
+    def start_max_each(self, values: Sequence[float]) -> "Pending":
+        """`max_each` without waiting: the result is read later with `.wait()`, so the collective
+        overlaps the next step instead of adding its latency to this one. Every rank must start
+        and wait in the same order, like any collective."""
+        return Pending(lambda: [float(v) for v in values])
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         """Every rank's object, in rank order, on rank 0 (None elsewhere)."""
@@ -80,6 +103,9 @@ class TorchDistComm(Comm):
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
         dist.init_process_group(**kwargs)
+        # Control messages go over Gloo on CPU tensors: with NCCL, reading a device tensor's value
+        # every step would make the host wait for the GPU's queue.
+        self.control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -98,6 +124,16 @@ class TorchDistComm(Comm):
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def start_max_each(self, values: Sequence[float]) -> Pending:
+        t = torch.tensor(values, dtype=torch.float64)
+        work = self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control, async_op=True)
+
+        def finish() -> List[float]:
+            work.wait()
+            return t.tolist()
+
+        return Pending(finish)
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         out: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None

@@ -1,12 +1,12 @@
 """Horovod (over Gloo): the Comm behind `backend=horovod`. Imported only when that backend runs."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .dist import Comm, pick_device
+from .dist import Comm, Pending, pick_device
 
 
 class HorovodComm(Comm):
@@ -49,6 +49,12 @@ class HorovodComm(Comm):
     def any(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])
         return bool(self.hvd.allreduce(t, op=self.hvd.Max).item())
+
+    def start_max_each(self, values: Sequence[float]) -> Pending:
+        # Horovod runs a collective only at its next cycle (HOROVOD_CYCLE_TIME): waiting for it
+        # at once would cost a cycle every step; started now, it rides with the next gradients.
+        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max, name="steadfast.control")
+        return Pending(lambda: self.hvd.synchronize(handle).tolist())
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         gathered = self.hvd.allgather_object(obj)  # Horovod has no gather to one rank

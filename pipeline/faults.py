@@ -1,9 +1,22 @@
 """Fault injection: rehearse recovery before a long run (`fault=kill_rank`, `fault=hang_rank`, ...).
 
-A fault fires on rank `fault.rank` when it completes step `fault.at_step` (the save faults: in the
-first checkpoint written at or after that step; only rank 0 writes), at most `fault.times`
-times over the whole run: the count is kept in the run folder, so it survives restarts.
-Every firing is recorded in events.jsonl before it happens.
+A fault fires on rank `fault.rank` when it completes step `fault.at_step` (`hang_in_backward`:
+in the backward pass of that step; the save faults: in the first checkpoint written at or after
+that step; only rank 0 writes), at most `fault.times` times over the whole run: the count is kept
+in the run folder, so it survives restarts. Every firing is recorded in events.jsonl before it
+happens.
+
+kill            SIGKILL, as a crash or the OOM killer would
+hang            alive but stuck for `hang_s` (the launcher's watchdog finds it: restart.hang_timeout_s)
+hang_in_backward, hang_in_save   the same, in the middle of the backward pass / of writing a checkpoint
+exception       an exception in the training step
+sigterm         SIGTERM to itself, as a scheduler's preemption notice: save, stop, exit code 75
+crash_in_save   SIGKILL in the middle of writing a checkpoint
+save_error      writing a checkpoint fails with ENOSPC (disk full)
+corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it is written
+
+With `fault.hang_until_stop=true` a hang ends as soon as the process is asked to stop
+(SIGTERM/SIGINT): tests use it to deliver a real signal at an exact moment.
 """
 from __future__ import annotations
 
@@ -14,9 +27,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-KINDS = ("none", "kill", "hang", "exception", "sigterm", "crash_in_save", "save_error", "corrupt_checkpoint")
-SAVE_KINDS = ("crash_in_save", "save_error")
+KINDS = ("none", "kill", "hang", "hang_in_backward", "hang_in_save", "exception", "sigterm", "crash_in_save",
+         "save_error", "corrupt_checkpoint")
+SAVE_KINDS = ("crash_in_save", "save_error", "hang_in_save")
 STEP_KINDS = ("kill", "hang", "exception", "sigterm")
+HANG_KINDS = ("hang", "hang_in_backward", "hang_in_save")
 
 
 class InjectedFault(RuntimeError):
@@ -29,8 +44,17 @@ class FaultInjector:
         self.active = cfg is not None and cfg.kind != "none" and cfg.rank == rank
         self.counter = run_dir / "faults" / f"{cfg.kind}-rank{rank}-step{cfg.at_step}.count" if self.active else None
 
+    @property
+    def wants_backward_hook(self) -> bool:
+        return self.active and self.cfg.kind == "hang_in_backward"
+
     def after_step(self, step: int) -> None:
         if self.active and step == self.cfg.at_step and self.cfg.kind in STEP_KINDS and self._claim():
+            self._fire(step)
+
+    def in_backward(self, step: int) -> None:
+        """Called from a gradient hook while step `step` runs its backward pass."""
+        if self.active and step == self.cfg.at_step and self.cfg.kind == "hang_in_backward" and self._claim():
             self._fire(step)
 
     def during_save(self, step: int, files_written: int) -> None:
@@ -70,7 +94,11 @@ class FaultInjector:
             raise OSError(errno.ENOSPC, f"No space left on device (injected by fault=save_error at step {step})")
         elif kind == "exception":
             raise InjectedFault(f"fault=exception injected at step {step} on rank {self.rank}")
-        elif kind == "hang":
+        elif kind in HANG_KINDS:
+            from hydra_plugins.steadfast_launcher.contract import stop_requested
+
             deadline = time.monotonic() + self.cfg.hang_s
             while time.monotonic() < deadline:  # alive but making no progress
-                time.sleep(0.05)
+                if self.cfg.hang_until_stop and stop_requested() is not None:
+                    break
+                time.sleep(0.01)

@@ -5,10 +5,11 @@ import logging
 import os
 import random
 import resource
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -24,11 +25,12 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .data import ResumableSampler, build_data
 from .faults import FaultInjector
 from .models import build_model
+from .progress import ProgressDisplay
 from .records import RunRecord, model_sha256, setup_logging
 
 log = logging.getLogger("pipeline")
 
-CONTROL_EVERY = 10  # steps between the ranks' agreement on time-based events
+CONTROL_EVERY = 10  # steps between the ranks' agreement on time-based checkpoints
 
 
 @dataclass
@@ -100,17 +102,48 @@ class Trainer:
         self.cfg = schema.typed(raw_cfg)
         self.run_dir = contract.run_dir()
         self.started = float(os.environ.get(contract.ENV_LAUNCH_TIME, time.time()))
-        self.comm = dist.init()
+        self.heartbeat = contract.heartbeat()  # None when not started by the launcher's workers
+        self.comm = dist.init(self.cfg.restart.collective_timeout_s)
         self.record = RunRecord(self.run_dir, self.comm.rank)
         self._log_handler = setup_logging(self.run_dir, self.comm.rank)
+        self._step = -1
+        self._tb: Any = None
+        self.beat(-1, "init")
 
     def fit(self) -> Dict[str, Any]:
         try:
             return self._fit()
         finally:
+            if self._tb is not None:
+                self._tb.close()
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()
             self.comm.shutdown()
+
+    def beat(self, step: Optional[int] = None, phase: str = "train") -> None:
+        """Progress for the launcher's hang watchdog (one small pwrite)."""
+        if step is not None:
+            self._step = step
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self._step, phase)
+
+    def metrics(self, **row: Any) -> None:
+        """A row of metrics.jsonl (rank 0), and the same numbers to TensorBoard with logger=tensorboard."""
+        self.record.metrics(**row)
+        if self.comm.rank == 0 and self.cfg.logger.tensorboard:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            step = row["step"]
+            for key, value in row.items():
+                if key in ("time", "step", "epoch", "wall") or isinstance(value, bool):
+                    continue
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{'train' if 'loss' == key else 'epoch' if key.startswith(('train_', 'val_')) else 'system'}/{key}", value, step)
+                elif isinstance(value, list) and key.endswith("_per_rank"):
+                    for r, v in enumerate(value):
+                        self._tb.add_scalar(f"system/{key[:-9]}/rank{r}", v, step)
 
     def _fit(self) -> Dict[str, Any]:
         cfg, comm = self.cfg, self.comm
@@ -131,16 +164,20 @@ class Trainer:
         restarts = contract.restart_count()
         faults = FaultInjector(cfg.fault, comm.rank, self.run_dir,
                                lambda event, **f: contract.append_event(self.run_dir, event, restart=restarts, **f))
+        if faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
+            next(model.parameters()).register_hook(lambda grad: faults.in_backward(progress.global_step + 1))
         resolved = OmegaConf.to_container(self.raw_cfg, resolve=True)
         ckpt = CheckpointManager(
             Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints",
             comm, cfg.checkpoint.keep_last, manifest.training_config(resolved), self.record.event,
             async_save=cfg.checkpoint.async_save, keep_every_n_epochs=cfg.checkpoint.keep_every_n_epochs,
-            full_config=dict(manifest.flatten(resolved)), hooks=faults,
+            full_config=dict(manifest.flatten(resolved)), hooks=_SaveHooks(faults, self),
         )
         self.record.event("attempt_started", world_size=comm.world_size, device=str(comm.device))
+        self.beat(-1, "restore")
         resumed = self._resume(ckpt, objects, per_rank)
         comm.broadcast_state(model, optimizer)
+        self.beat(progress.global_step, "train")
 
         sampler = ResumableSampler(len(data.train), comm.world_size, comm.rank, cfg.data.batch_size, cfg.trainer.seed)
         loader_rng = torch.Generator()  # keeps the DataLoader from drawing on the global RNG
@@ -154,10 +191,86 @@ class Trainer:
 
         def save() -> None:
             nonlocal last_save_time
+            self.beat(progress.global_step, "save")
             ckpt.save(progress.global_step, objects, per_rank,
                       {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "global_step": progress.global_step})
             last_save_time = time.monotonic()
+            self.beat(progress.global_step, "train")
+            display.restart_rate()
 
+        def stop(reason: str, signum: Optional[int], message: str, exit_code: int) -> None:
+            """Every rank, at the same step: commit this step, record why, and leave (contract.StopRun)."""
+            drain()
+            if ckpt.last_saved_step != progress.global_step:
+                save()
+            self.beat(progress.global_step, "stop")
+            ckpt.close()  # an asynchronous save must be committed before we report it
+            display.close()
+            step = progress.global_step
+            asked = contract.stop_requested_at()
+            fields = {"step": step, "epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "saved": True,
+                      "checkpoint": str(ckpt.folder / manifest.step_dir_name(step))}
+            if reason == contract.PREEMPTED:
+                fields.update(signal=contract.signal_name(signum), signal_number=signum)
+                if asked is not None:
+                    fields["signal_to_commit_s"] = round(time.time() - asked, 3)
+            self.record.event(reason, **fields)
+            self.record.summary({
+                "status": reason, "epochs_completed": progress.epoch, "global_step": step, "stop_step": step,
+                "stop_saved": True, "final_loss": progress.train_loss, "val_loss": progress.val_loss,
+                "restarts": restarts, "resumed_from_step": resumed, "world_size": comm.world_size,
+                "wall_seconds": round(time.time() - self.started, 3), "run_dir": str(self.run_dir),
+                **({"stop_signal": contract.signal_name(signum)} if reason == contract.PREEMPTED else {"error": message}),
+            })
+            log.warning("%s", message)
+            raise contract.StopRun(reason, step, True, message, exit_code, signum)
+
+        def local_flags(time_check: bool) -> List[float]:
+            local = contract.stop_requested()
+            if local is not None and not announced:
+                announced.append(local)
+                log.warning("%s received: stopping at a step boundary agreed with the other ranks", contract.signal_name(local))
+            time_due = time_check and comm.rank == 0 and time.monotonic() - last_save_time >= (ck.every_n_seconds or 0)
+            return [float(local or 0), 1.0 if time_due else 0.0]
+
+        def agree(time_check: bool = False) -> tuple[Optional[int], bool]:
+            """The control agreement, pipelined: this boundary acts on what every rank reported at the
+            previous check (one tiny all-reduce started then, finished by now), and starts the next
+            one. (stop signal or None, a time-based save is due): the same on every rank."""
+            nonlocal pending
+            agreed = pending.wait() if pending is not None else [0.0, 0.0]
+            pending = comm.start_max_each(local_flags(time_check))
+            return (int(agreed[0]) or None), agreed[1] > 0
+
+        def agree_now() -> Optional[int]:
+            """The same, waited for at once (at epoch ends, where a stop may have come during validation)."""
+            nonlocal pending
+            earlier = pending.wait() if pending is not None else [0.0, 0.0]
+            pending = None
+            now = comm.max_each(local_flags(False))
+            return int(max(earlier[0], now[0])) or None
+
+        def drain() -> None:
+            nonlocal pending
+            if pending is not None:
+                pending.wait()
+                pending = None
+
+        def preempt(signum: int) -> None:
+            stop(contract.PREEMPTED, signum,
+                 f"{contract.signal_name(signum)}: stopped at step {progress.global_step} (epoch {progress.epoch + 1}, "
+                 f"batch {progress.batch_in_epoch}), checkpoint committed. Run the same command again to continue.",
+                 contract.EXIT_PREEMPTED)
+
+        announced: list = []
+        pending: Any = None  # the control all-reduce in flight
+        stop_every = cfg.trainer.stop_check_every_n_steps
+        max_rss = cfg.trainer.max_rss_mb
+        ws = comm.world_size
+        cuda = comm.device.type == "cuda"
+        total_steps = cfg.trainer.max_epochs * sampler.batches_per_epoch
+        display = ProgressDisplay(cfg.logger.progress, cfg.logger.progress_every_s, total_steps, cfg.trainer.max_epochs,
+                                  enabled=comm.rank == 0)
         first_step = True
         while progress.epoch < cfg.trainer.max_epochs:
             epoch = progress.epoch
@@ -180,19 +293,46 @@ class Trainer:
                 if first_step:
                     first_step = False
                     self.record.event("first_step", step=progress.global_step, seconds_since_launch=round(time.time() - self.started, 3))
+                over_memory = None
                 if progress.global_step % cfg.trainer.log_every_n_steps == 0:
-                    mean = comm.all_reduce_sum(window.clone())
-                    self.record.metrics(step=progress.global_step, epoch=epoch, loss=round(float(mean[0] / mean[1]), 6),
-                                        lr=optimizer.param_groups[0]["lr"], wall=round(time.time() - self.started, 3),
-                                        restart=restarts, rss_mb=_peak_rss_mb())
+                    # one all-reduce: the loss, and every rank's peak memory in its own slot
+                    packed = torch.zeros(2 + ws * (2 if cuda else 1), dtype=torch.float64)
+                    packed[:2] = window
+                    packed[2 + comm.rank] = _peak_rss_mb()
+                    if cuda:
+                        packed[2 + ws + comm.rank] = torch.cuda.max_memory_allocated(comm.device) / 2**20
+                    packed = comm.all_reduce_sum(packed.to(comm.device)).cpu()
+                    loss_mean = float(packed[0] / packed[1])
+                    rss = [round(v, 1) for v in packed[2 : 2 + ws].tolist()]
+                    extra = {"cuda_mb_per_rank": [round(v, 1) for v in packed[2 + ws :].tolist()]} if cuda else {}
+                    self.metrics(step=progress.global_step, epoch=epoch, loss=round(loss_mean, 6),
+                                 lr=optimizer.param_groups[0]["lr"], wall=round(time.time() - self.started, 3),
+                                 restart=restarts, rss_mb=_peak_rss_mb(), rss_mb_per_rank=rss, rss_mb_max=max(rss), **extra)
                     window.zero_()
+                    display.update(progress.global_step, epoch, loss_mean)
+                    if max_rss and max(rss) > max_rss:  # every rank sees the same numbers: the same decision
+                        over_memory = (rss.index(max(rss)), max(rss))
+                else:
+                    display.update(progress.global_step, epoch)
+                self.beat(progress.global_step)
                 faults.after_step(progress.global_step)
                 due = bool(ck.every_n_steps and progress.global_step % ck.every_n_steps == 0)
-                if ck.every_n_seconds and progress.global_step % CONTROL_EVERY == 0:
-                    due |= comm.any(comm.rank == 0 and time.monotonic() - last_save_time >= ck.every_n_seconds)
+                time_check = bool(ck.every_n_seconds and progress.global_step % CONTROL_EVERY == 0)
+                if time_check or progress.global_step % stop_every == 0:
+                    signum, time_due = agree(time_check)
+                    due |= time_due
+                    if signum is not None:
+                        preempt(signum)
+                if over_memory is not None:
+                    rank, mb = over_memory
+                    stop("memory_limit", None,
+                         f"peak resident memory of rank {rank} reached {mb:.0f} MB > trainer.max_rss_mb={max_rss:g} at step "
+                         f"{progress.global_step}; checkpoint step {progress.global_step} committed. Lower the memory use "
+                         "(data.batch_size, the model) or raise trainer.max_rss_mb, then run the same command again to continue",
+                         1)
                 if due:
                     save()
-            totals = comm.all_reduce_sum(epoch_loss)
+            totals = comm.all_reduce_sum(epoch_loss.to(comm.device)).cpu()
             scheduler.step()
             progress.epoch, progress.batch_in_epoch = epoch + 1, 0
             if totals[1] > 0:
@@ -200,7 +340,7 @@ class Trainer:
             progress.val_loss, progress.val_accuracy = self._validate(model, data.val)
             if progress.best_val_loss is None or progress.val_loss < progress.best_val_loss:
                 progress.best_val_loss = progress.val_loss
-            self.record.metrics(step=progress.global_step, epoch=epoch, train_loss=progress.train_loss,
+            self.metrics(step=progress.global_step, epoch=epoch, train_loss=progress.train_loss,
                                 val_loss=progress.val_loss, val_accuracy=progress.val_accuracy,
                                 wall=round(time.time() - self.started, 3), restart=restarts, rss_mb=_peak_rss_mb())
             log.info("epoch %d/%d  step %d  train_loss %.4f  val_loss %.4f  val_acc %.3f", progress.epoch,
@@ -208,6 +348,13 @@ class Trainer:
                      progress.val_loss, progress.val_accuracy)
             if ck.every_n_epochs and progress.epoch % ck.every_n_epochs == 0:
                 save()
+            display.restart_rate()  # validation and the save are not training speed
+            if progress.epoch < cfg.trainer.max_epochs:  # a stop requested during validation or a save: act now
+                signum = agree_now()
+                if signum is not None:
+                    preempt(signum)
+        drain()
+        display.close()
         if ckpt.last_saved_step != progress.global_step:
             save()  # the end of the run is always committed, so running it again trains nothing
         ckpt.close()
@@ -255,6 +402,7 @@ class Trainer:
         totals = torch.zeros(3, dtype=torch.float64)
         with torch.no_grad():
             for start in range(0, len(idx), 256):
+                self.beat(phase="validate")
                 x, y = dataset[idx[start : start + 256]]
                 x, y = x.to(self.comm.device), y.to(self.comm.device)
                 out = model(x)
@@ -267,3 +415,18 @@ class Trainer:
 
 def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+class _SaveHooks:
+    """What the checkpoint writer calls while it writes: a heartbeat per file, and the save faults."""
+
+    def __init__(self, faults: FaultInjector, trainer: Trainer) -> None:
+        self.faults, self.trainer = faults, trainer
+
+    def during_save(self, step: int, files_written: int) -> None:
+        if threading.current_thread() is threading.main_thread():  # an asynchronous save's thread does not beat:
+            self.trainer.beat(phase="save")  # if it hangs, training soon waits for it and stops beating
+        self.faults.during_save(step, files_written)
+
+    def after_commit(self, step: int, path: Path) -> None:
+        self.faults.after_commit(step, path)

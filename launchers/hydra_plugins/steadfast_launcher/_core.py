@@ -212,7 +212,9 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
                 contract.append_event(run_dir, "relaunch", attempt=attempt, cause=last.args[0])
                 log.warning("Relaunching %s (restart %d of %d)", job.label, attempt, job.restart.max_restarts)
             try:
-                result = adapter.run(payload, job, env, run_dir)
+                from ._supervise import run_attempt  # stop requests, hang watchdog, stop markers
+
+                result = run_attempt(adapter, payload, job, env, run_dir)
                 contract.append_event(run_dir, "job_completed", relaunches=attempt)
                 job.restarts = attempt
                 return result
@@ -245,7 +247,8 @@ def _adapter(name: str) -> Any:
 
 
 def _first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
-    """The earliest failure a worker recorded in this launch (workers killed by a signal record none)."""
+    """The earliest failure recorded in this launch: a worker's error, a hang the watchdog found,
+    or an injected fault (workers killed by a signal record nothing themselves)."""
     try:
         lines = (run_dir / contract.EVENTS_FILE).read_text().splitlines()
     except OSError:
@@ -255,8 +258,17 @@ def _first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
             event = json.loads(line)
         except ValueError:
             continue
-        if event.get("event") == "worker_failed" and event.get("time", 0) >= since:
+        if event.get("time", 0) < since:
+            continue
+        kind = event.get("event")
+        if kind == "worker_failed":
             return f"rank {event.get('rank')} on {event.get('host')}: {event.get('error')} (at {event.get('where')})"
+        if kind == "hang_detected":
+            return (f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
+                    f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
+                    f"stacks in {contract.STACKS_DIR}/)")
+        if kind == "fault_fired" and event.get("fault") in ("kill", "crash_in_save"):  # hangs: see hang_detected
+            return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
     return None
 
 

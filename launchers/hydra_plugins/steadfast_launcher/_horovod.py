@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from . import contract
-from ._core import Job, WorkerFailure
+from ._core import Interrupted, Job, WorkerFailure
 from ._schemas import HorovodBackendConf
 from ._worker import run_rank
 
@@ -46,18 +46,23 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     # Workers are plain subprocesses (not spawned by multiprocessing), so hand them our sys.path.
     ours = [os.getcwd() if p == "" else p for p in sys.path if not p.startswith((sys.prefix, sys.base_prefix))]
     worker_env = {**env, "PYTHONPATH": os.pathsep.join([*ours, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+    # Collectives get a deadline: Horovod shuts down when some ranks have waited this long for others.
+    worker_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2)))))
+    worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(job.restart.collective_timeout_s)))
     saved_env = {k: os.environ.get(k) for k in worker_env}
-    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    # Horovod's runner swaps SIGINT/SIGTERM for an event that stops the workers, after which it
-    # reports an ordinary worker failure; keep its events to tell a stop request from a crash.
-    stops: List[threading.Event] = []
+    saved_signals = {s: signal.getsignal(s) for s in contract.STOP_SIGNALS}
+    # Horovod's runner would swap SIGINT/SIGTERM for an event that terminates the workers after a
+    # fixed 5 s. Instead the launcher's handlers stay (they only set the stop flag), the launcher's
+    # supervisor forwards the signal to the workers, which save and stop, and it sets these events
+    # (Horovod then stops whatever still runs) only after restart.preemption_grace_s.
+    _stop_events.clear()
+
+    def event_without_handlers() -> threading.Event:
+        _stop_events.append(threading.Event())
+        return _stop_events[-1]
+
     register = gloo_run.register_shutdown_event
-
-    def register_and_keep() -> threading.Event:
-        stops.append(register())
-        return stops[-1]
-
-    gloo_run.register_shutdown_event = register_and_keep
+    gloo_run.register_shutdown_event = event_without_handlers
     os.environ.update(worker_env)
     try:
         results = horovod.run(
@@ -78,8 +83,9 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
             executable=sys.executable,
         )
     except Exception as err:
-        if any(e.is_set() for e in stops):
-            raise KeyboardInterrupt("the Horovod job was stopped by a signal") from None
+        if contract.stop_requested() is not None:
+            signum = contract.stop_requested()
+            raise Interrupted(f"the Horovod job was stopped by {contract.signal_name(signum)}", signum=signum) from None
         raise WorkerFailure(root_cause(err, logs)) from None
     finally:
         gloo_run.register_shutdown_event = register
@@ -91,7 +97,21 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    stopped = [v for v in results if isinstance(v, contract.Stopped)]
+    if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
+        return stopped[0]
     return results[0]  # the list is in rank order
+
+
+_stop_events: List[threading.Event] = []
+
+
+def on_grace_expired() -> bool:
+    """Called by the launcher's supervisor when the workers did not stop in time. Horovod's runner
+    stops its middlemen; the supervisor kills the workers at once (Horovod restarts nothing)."""
+    for event in _stop_events:
+        event.set()
+    return False
 
 
 def root_cause(err: Exception, logs: Path) -> str:

@@ -168,6 +168,20 @@ class RestartConf:
 
     max_restarts: int = 3
     monitor_interval: float = 0.5  # seconds between the agent's checks on its workers
+    # SIGTERM/SIGINT: how long the workers get to reach a step boundary, agree, save and exit
+    # before they are killed (the newest committed checkpoint stays intact either way). Keep it
+    # below the scheduler's own notice (Kubernetes and Slurm default to 30 s).
+    preemption_grace_s: float = 25.0
+    # A rank whose progress counter (steps, checkpoint files, validation batches) has not moved
+    # for this long is declared hung: its stacks are written, it is killed, the group restarts.
+    # null: no watchdog. Must exceed the longest legitimate pause (start-up, a restore).
+    hang_timeout_s: Optional[float] = 300.0
+    # The same for a worker that has not reached its first step yet (imports, rendezvous,
+    # restoring a checkpoint), which can legitimately take longer. null: hang_timeout_s.
+    startup_timeout_s: Optional[float] = 900.0
+    # Deadline of every collective and barrier (torch.distributed's timeout, Horovod's stall
+    # shutdown), so the peers of a lost rank never wait forever.
+    collective_timeout_s: float = 600.0
 
     def problems(self, prefix: str = "restart") -> List[str]:
         out = []
@@ -175,6 +189,14 @@ class RestartConf:
             out.append(bad(f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0"))
         if not self.monitor_interval > 0:
             out.append(bad(f"{prefix}.monitor_interval", self.monitor_interval, "seconds > 0"))
+        if not self.preemption_grace_s > 0:
+            out.append(bad(f"{prefix}.preemption_grace_s", self.preemption_grace_s, "seconds > 0"))
+        if self.hang_timeout_s is not None and not self.hang_timeout_s >= 1:
+            out.append(bad(f"{prefix}.hang_timeout_s", self.hang_timeout_s, "seconds >= 1, or null to disable the watchdog"))
+        if self.startup_timeout_s is not None and not self.startup_timeout_s >= 1:
+            out.append(bad(f"{prefix}.startup_timeout_s", self.startup_timeout_s, "seconds >= 1, or null (hang_timeout_s)"))
+        if not self.collective_timeout_s >= 1:
+            out.append(bad(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "seconds >= 1"))
         return out
 
 

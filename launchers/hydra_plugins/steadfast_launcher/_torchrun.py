@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Dict
 
@@ -14,6 +17,8 @@ from ._worker import run_rank
 from ._schemas import RestartConf, TorchrunBackendConf
 
 RESTARTS_ITSELF = True  # the elastic agent restarts the worker group, up to restart.max_restarts
+_AGENT_STOP = signal.SIGUSR2  # what the launcher's supervisor sends the agent when a stop's grace runs out
+AGENT_SIGNALS = f"{_AGENT_STOP.name},SIGQUIT"  # the signals the agent handles itself
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,10 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
         monitor_interval=restart.monitor_interval,
         start_method=backend.start_method,
         local_addr=backend.local_addr,
+        # SIGTERM/SIGINT/SIGHUP to the agent: it forwards the signal to every worker (they save and
+        # stop at their next step boundary) and kills what still runs after this long.
+        shutdown_timeout=int(math.ceil(restart.preemption_grace_s)),
+        signals_to_handle=AGENT_SIGNALS,  # see run(): the agent leaves SIGTERM/SIGINT/SIGHUP to the launcher
     )
     names = {f.name for f in dataclasses.fields(LaunchConfig)}
     if "logs_specs" in names:  # torch >= 2.3
@@ -72,6 +81,16 @@ def root_cause(err: Any) -> str:
     return f"rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {message}{where}"
 
 
+def on_grace_expired() -> bool:
+    """The workers did not stop within restart.preemption_grace_s: have the agent stop them (True),
+    if its handler is in place; otherwise (False) the supervisor kills them."""
+    handler = signal.getsignal(_AGENT_STOP)
+    if not callable(handler) or threading.current_thread() is threading.main_thread():
+        return False
+    signal.pthread_kill(threading.main_thread().ident, _AGENT_STOP)  # type: ignore[arg-type]
+    return True
+
+
 def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -80,11 +99,17 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     assert isinstance(job.backend, TorchrunBackendConf)
     # Restarted workers reading stale keys from a shared rendezvous store fail to connect
     # (pytorch #135712); a store per rendezvous round makes restarts reliable.
-    agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+    # The agent must not take over SIGTERM/SIGINT/SIGHUP: its handler would stop the workers and
+    # never collect what they return, so they would linger until killed at the end of the grace.
+    # The launcher's handlers stay; its supervisor forwards the signal; the workers save and return
+    # normally; the agent sees a clean end. SIGUSR2 stays the agent's: the supervisor sends it to
+    # the agent when the grace runs out, and the agent then stops its workers itself.
+    agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **env}
     saved = {k: os.environ.get(k) for k in agent_env}
     os.environ.update(agent_env)  # spawned workers inherit the agent's environment
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = launch_config(job.backend, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
+    handlers = {s: signal.getsignal(s) for s in (*contract.STOP_SIGNALS, _AGENT_STOP, signal.SIGQUIT)}  # the agent keeps its own
     try:
         results = elastic_launch(config, run_rank)(payload)
     except ChildFailedError as err:
@@ -94,9 +119,13 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     except Exception as err:  # rendezvous and agent errors
         raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
     finally:
+        contract.restore_handlers(handlers)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    stopped = [v for v in results.values() if isinstance(v, contract.Stopped)]
+    if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
+        return stopped[0]
     return results.get(0)  # rank 0's return value (None on a node that does not host rank 0)

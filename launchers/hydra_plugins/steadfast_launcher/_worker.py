@@ -14,6 +14,14 @@ from . import contract
 
 
 def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
+    if restore_hydra:  # a fresh worker process
+        # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
+        # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
+        # ask it for its stacks.
+        contract.install_stop_handlers()
+        folder = contract.run_dir()
+        contract.start_heartbeat(folder, current_rank())
+        contract.enable_stack_dumps(folder, current_rank())
     task_function, task_cfg, job_cfg, hydra_state = cloudpickle.loads(payload)
     if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
         Singleton.set_state(hydra_state)
@@ -22,6 +30,8 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
     _record_rendezvous()
     try:
         return task_function(task_cfg)
+    except contract.StopRun as stop:
+        return stop.marker  # a normal exit: no backend treats it as a failure to restart from
     except Exception as exc:
         _record_failure(exc)
         raise

@@ -1,0 +1,143 @@
+"""The progress display of rank 0: epoch, step, loss, steps/s, ETA.
+
+On a terminal (logger.progress=auto or bar) it is one line, redrawn in place at most 5 times a
+second; log records clear it before they print, and it comes back with the next step. Anywhere
+else (CI, a pipe, Horovod's forwarded output, logger.progress=lines) it is a plain log line every
+`logger.progress_every_s` seconds. The log file (logs/rank0.log) gets the plain lines in both
+cases. Other ranks show nothing. `update` is cheap enough to call every step: a clock read and a
+comparison, unless something is due.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from typing import Any, Deque, Optional, TextIO, Tuple
+
+log = logging.getLogger("pipeline.progress")
+
+REDRAW_S = 0.2  # the terminal line at most this often
+RATE_WINDOW_S = 20.0  # steps/s over about this long
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+class _ClearLine(logging.Filter):
+    """On the console handler: clear the progress line before a record prints; drop file-only records."""
+
+    def __init__(self, display: "ProgressDisplay") -> None:
+        super().__init__()
+        self.display = display
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "progress_file_only", False):
+            return False
+        self.display.clear()
+        return True
+
+
+class ProgressDisplay:
+    def __init__(self, mode: str, every_s: float, total_steps: int, max_epochs: int, enabled: bool = True,
+                 stream: Optional[TextIO] = None) -> None:
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            is_tty = getattr(self.stream, "isatty", lambda: False)()
+            mode = "bar" if is_tty and os.environ.get("TERM") != "dumb" else "lines"
+        self.mode = mode if enabled else "none"
+        self.every_s, self.total, self.max_epochs = every_s, total_steps, max_epochs
+        self.loss: Optional[float] = None
+        self._rate: Optional[float] = None
+        self.visible = False
+        self._samples: Deque[Tuple[float, int]] = deque()
+        self._last_draw = self._last_line = -1e9
+        self._filters: list = []
+        if self.mode == "bar":
+            for handler in logging.getLogger().handlers:
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                    f = _ClearLine(self)
+                    handler.addFilter(f)
+                    self._filters.append((handler, f))
+
+    # ---- what is shown ----------------------------------------------------------------------
+    def rate(self) -> Optional[float]:
+        """Steps per second over the last RATE_WINDOW_S of training (the previous figure right after a pause)."""
+        if len(self._samples) >= 2:
+            (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+            if t1 > t0 and s1 > s0:
+                self._rate = (s1 - s0) / (t1 - t0)
+        return self._rate
+
+    def text(self, step: int, epoch: int) -> str:
+        rate = self.rate()
+        eta = (self.total - step) / rate if rate else None
+        pct = 100.0 * step / self.total if self.total else 0.0
+        loss = f"{self.loss:.4f}" if self.loss is not None else "-"
+        speed = f"{rate:.1f} steps/s" if rate else "- steps/s"
+        return (f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | step {step}/{self.total} ({pct:.0f}%) | "
+                f"loss {loss} | {speed} | ETA {format_duration(eta)}")
+
+    # ---- called by the trainer -------------------------------------------------------------------
+    def update(self, step: int, epoch: int, loss: Optional[float] = None) -> None:
+        if self.mode == "none":
+            return
+        if loss is not None:
+            self.loss = loss
+        now = time.monotonic()
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._samples.append((now, step))
+            while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+                self._samples.popleft()
+        if self.mode == "bar" and now - self._last_draw >= REDRAW_S:
+            self._last_draw = now
+            self._draw(step, epoch)
+        if now - self._last_line >= self.every_s:
+            self._last_line = now
+            # in bar mode only the log file gets the line (the terminal has the bar)
+            log.info("progress: %s", self.text(step, epoch), extra={"progress_file_only": self.mode == "bar"})
+
+    def restart_rate(self) -> None:
+        """Forget the speed measured so far (after a pause that is not training: a save, validation)."""
+        self._samples.clear()
+
+    def _draw(self, step: int, epoch: int) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns
+        text = self.text(step, epoch)
+        bar_width = max(10, min(30, width - len(text) - 4))
+        filled = int(bar_width * step / self.total) if self.total else 0
+        line = f"[{'#' * filled}{'.' * (bar_width - filled)}] {text}"[: max(1, width - 1)]
+        try:
+            self.stream.write("\r\x1b[K" + line)
+            self.stream.flush()
+            self.visible = True
+        except (OSError, ValueError):
+            self.mode = "none"
+
+    def clear(self) -> None:
+        if self.visible:
+            try:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+            self.visible = False
+
+    def close(self) -> None:
+        self.clear()
+        for handler, f in self._filters:
+            handler.removeFilter(f)
+        self._filters.clear()
+
+    def __enter__(self) -> "ProgressDisplay":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
