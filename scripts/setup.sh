@@ -27,7 +27,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # torch first, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
 "${PIP[@]}" "$TORCH_SPEC"
 # compat mode: PEP 660 editable installs hide hydra_plugins from Hydra's plugin scan.
-"${PIP[@]}" -e ".[dev,horovod,optuna]" --config-settings editable_mode=compat
+"${PIP[@]}" -e ".[dev,horovod,optuna,tensorboard]" --config-settings editable_mode=compat
 # setuptools' compat mode puts only the project root on sys.path; the plugin's namespace
 # package lives under launchers/, so add that folder too (Hydra finds hydra_plugins on sys.path).
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -1,0 +1,290 @@
+"""The pieces of preemption, the hang watchdog, the progress display and the report, in isolation.
+
+The supervisor tests use real processes and real signals, but small ones (no torch, no launcher).
+"""
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, env, events, wait_for
+
+from hydra_plugins.steadfast_launcher import contract
+from hydra_plugins.steadfast_launcher._schemas import RestartConf
+from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
+
+
+# ---- the stop flag -----------------------------------------------------------------------------
+def test_stop_signals_only_set_a_flag_and_handlers_are_restored() -> None:
+    before = {s: signal.getsignal(s) for s in contract.STOP_SIGNALS}
+    contract.clear_stop()
+    previous = contract.install_stop_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the test run if it did more than set the flag
+        wait_for(lambda: contract.stop_requested(), 5, "the handler to run")
+        os.kill(os.getpid(), signal.SIGINT)  # a second request does not change the first
+        time.sleep(0.05)
+        assert contract.stop_requested() == signal.SIGTERM
+        assert abs(contract.stop_requested_at() - time.time()) < 5
+    finally:
+        contract.restore_handlers(previous)
+        contract.clear_stop()
+    assert {s: signal.getsignal(s) for s in contract.STOP_SIGNALS} == before
+    assert contract.stop_requested() is None
+
+
+def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -> None:
+    hb = contract.Heartbeat(tmp_path / contract.HEARTBEAT_DIR, 3)
+    started = time.perf_counter()
+    for step in range(2000):
+        hb.beat(step, "train")
+    per_beat = (time.perf_counter() - started) / 2000
+    hb.beat(1999, "save")
+    raw = (tmp_path / contract.HEARTBEAT_DIR / "rank3").read_bytes()
+    assert len(raw) == 320 and raw.endswith(b"\n")
+    record = contract.read_heartbeats(tmp_path)[3]
+    assert record["step"] == 1999 and record["phase"] == "save" and record["beats"] == 2002 and record["pid"] == os.getpid()
+    assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
+
+
+# ---- reading stacks ------------------------------------------------------------------------------
+def test_main_thread_is_found_in_a_faulthandler_dump(tmp_path: Path) -> None:
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    helper.start()
+    path = tmp_path / "dump.txt"
+    with open(path, "w") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+    stop.set()
+    frames = main_thread_frames(path.read_text())
+    assert frames and frames[0][2] == "test_main_thread_is_found_in_a_faulthandler_dump"
+    assert not waits_in_collective(frames)
+    assert waits_in_collective([("/x/site-packages/torch/distributed/distributed_c10d.py", 1, "all_reduce")])
+
+
+# ---- the supervisor, with small real processes ----------------------------------------------------
+WORKER = r'''
+import os, sys, time
+from pathlib import Path
+from hydra_plugins.steadfast_launcher import contract
+run_dir, mode = Path(sys.argv[1]), sys.argv[2]
+contract.install_stop_handlers()
+contract.start_heartbeat(run_dir, 0)
+contract.enable_stack_dumps(run_dir, 0)
+step = 0
+while True:
+    if contract.stop_requested() is not None and mode == "stops":
+        (run_dir / "stopped").write_text(str(contract.stop_requested()))
+        sys.exit(0)
+    if mode == "hangs" and step >= 20:
+        time.sleep(0.01)  # alive, no progress
+        continue
+    step += 1
+    contract.heartbeat().beat(step)
+    time.sleep(0.01)
+'''
+
+
+def _start_worker(run_dir: Path, mode: str, launch_id: str) -> subprocess.Popen:
+    e = env()
+    e[contract.ENV_RUN_DIR], e[contract.ENV_LAUNCH_ID] = str(run_dir), launch_id
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(run_dir), mode], env=e, cwd=ROOT)
+
+
+def test_watchdog_finds_a_stuck_worker_writes_its_stack_and_kills_it(tmp_path: Path) -> None:
+    conf = RestartConf(hang_timeout_s=1.5, startup_timeout_s=30)
+    worker = _start_worker(tmp_path, "hangs", "L1")
+    try:
+        with Supervisor(tmp_path, conf, "L1") as sup:
+            wait_for(lambda: worker.poll() is not None, 30, "the watchdog to kill the stuck worker")
+        assert worker.returncode == -signal.SIGKILL
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    found = [e for e in events(tmp_path) if e["event"] == "hang_detected"]
+    assert len(found) == 1 and found[0]["rank"] == 0 and found[0]["step"] == 20
+    assert 1.0 <= found[0]["seconds_without_progress"] <= 1.5
+    assert "<string>" in found[0]["where"]
+    stacks = (tmp_path / contract.STACKS_DIR / "rank0.txt").read_text()
+    assert "watchdog: rank 0" in stacks and 'File "<string>"' in stacks
+    assert sup.first_hang and "rank 0 hung" in sup.first_hang
+    ended = [e for e in events(tmp_path) if e["event"] == "attempt_ended"]
+    assert ended and ended[0]["last_step"] == 20
+
+
+def test_supervisor_ignores_another_launchs_heartbeats(tmp_path: Path) -> None:
+    worker = _start_worker(tmp_path, "hangs", "someone-else")
+    try:
+        wait_for(lambda: contract.read_heartbeats(tmp_path).get(0, {}).get("step", 0) >= 20, 30, "the worker to run")
+        with Supervisor(tmp_path, RestartConf(hang_timeout_s=1.0), "L2"):
+            time.sleep(2.0)  # longer than the timeout: nothing may happen to a worker that is not ours
+        assert worker.poll() is None
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_stop_request_is_forwarded_and_the_grace_is_enforced(tmp_path: Path) -> None:
+    polite = _start_worker(tmp_path / "a", "stops", "L3")
+    stubborn = _start_worker(tmp_path / "b", "hangs", "L4")  # takes the stop request but never acts on it
+    contract.clear_stop()
+    try:
+        wait_for(lambda: contract.read_heartbeats(tmp_path / "a") and contract.read_heartbeats(tmp_path / "b"), 30, "workers to register")
+        called = []
+        with Supervisor(tmp_path / "a", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L3"), \
+                Supervisor(tmp_path / "b", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L4",
+                           on_grace_expired=lambda: called.append(1) or False):
+            contract.request_stop(signal.SIGTERM)
+            wait_for(lambda: polite.poll() is not None and stubborn.poll() is not None, 30, "both workers to end")
+        assert polite.returncode == 0 and (tmp_path / "a" / "stopped").read_text() == str(int(signal.SIGTERM))
+        assert stubborn.returncode == -signal.SIGKILL and called == [1]
+        assert [e["event"] for e in events(tmp_path / "b") if e["event"] == "preemption_grace_expired"]
+        assert not [e for e in events(tmp_path / "a") if e["event"] == "preemption_grace_expired"]
+    finally:
+        contract.clear_stop()
+        for p in (polite, stubborn):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_new_restart_settings_are_checked() -> None:
+    problems = RestartConf(preemption_grace_s=0, hang_timeout_s=0.5, startup_timeout_s=0, collective_timeout_s=0).problems()
+    assert [p.split("=")[0] for p in problems] == ["restart.preemption_grace_s", "restart.hang_timeout_s",
+                                                   "restart.startup_timeout_s", "restart.collective_timeout_s"]
+    assert RestartConf(hang_timeout_s=None).problems() == []
+
+
+def test_agent_leaves_stop_signals_to_the_launcher_and_waits_the_grace(tmp_path: Path) -> None:
+    from hydra_plugins.steadfast_launcher._schemas import TorchrunBackendConf
+    from hydra_plugins.steadfast_launcher._torchrun import launch_config
+
+    config = launch_config(TorchrunBackendConf(), RestartConf(preemption_grace_s=12.5), "r", tmp_path)
+    assert config.shutdown_timeout == 13
+    assert "SIGTERM" not in config.signals_to_handle and "SIGINT" not in config.signals_to_handle
+
+
+# ---- the progress display ------------------------------------------------------------------------
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn_and_cleared_for_log_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.progress import ProgressDisplay
+
+    monkeypatch.setenv("TERM", "xterm")
+    stream = _Tty()
+    console = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(console)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        display = ProgressDisplay("auto", every_s=0.0, total_steps=100, max_epochs=2, stream=stream)
+        assert display.mode == "bar"
+        for step in range(1, 4):
+            display.update(step, 0, loss=1.5)
+            display._last_draw = -1e9  # draw every update in this test
+            time.sleep(0.26)
+        logging.getLogger("pipeline").info("a log record")
+        display.close()
+    finally:
+        root.removeHandler(console)
+        root.setLevel(old_level)
+    out = stream.getvalue()
+    assert out.count("\r\x1b[K[") >= 3 and "step 3/100 (3%)" in out and "loss 1.5000" in out and "steps/s" in out
+    assert "\r\x1b[Ka log record\n" in out  # the bar is cleared before a record prints
+    assert "progress:" not in out  # the periodic plain lines go to the log file only
+
+
+def test_progress_elsewhere_is_plain_periodic_lines(caplog: pytest.LogCaptureFixture) -> None:
+    from pipeline.progress import ProgressDisplay
+
+    stream = io.StringIO()
+    caplog.set_level(logging.INFO)
+    display = ProgressDisplay("auto", every_s=3600, total_steps=50, max_epochs=1, stream=stream)
+    assert display.mode == "lines"
+    for step in range(1, 51):
+        display.update(step, 0, loss=0.25 if step % 10 == 0 else None)
+    display.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.progress"]
+    assert lines == ["progress: epoch 1/1 | step 1/50 (2%) | loss - | - steps/s | ETA ?"]  # once per every_s
+    assert stream.getvalue() == ""  # nothing written around the logging system
+    off = ProgressDisplay("auto", 0, 50, 1, enabled=False, stream=stream)
+    off.update(1, 0)
+    assert off.mode == "none" and stream.getvalue() == ""
+
+
+# ---- the report, on records written here --------------------------------------------------------
+def _write_run(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    t = 1000.0
+    ev = [
+        dict(time=t, event="launch"),
+        dict(time=t + 5, event="attempt_started", restart=0), dict(time=t + 6, event="first_step", restart=0, step=1),
+        dict(time=t + 7, event="checkpoint_saved", restart=0, step=10, seconds=0.5, pid=1),
+        dict(time=t + 8, event="fault_fired", restart=0, fault="kill", rank=1, step=15),
+        dict(time=t + 9, event="attempt_ended", restart=0, last_step=15),
+        dict(time=t + 14, event="attempt_started", restart=1), dict(time=t + 14.5, event="resumed", restart=1, step=10),
+        dict(time=t + 15, event="first_step", restart=1, step=11),
+        dict(time=t + 16, event="preempted", restart=1, step=18, signal="SIGTERM", saved=True),
+        dict(time=t + 16, event="checkpoint_saved", restart=1, step=18, seconds=0.5, pid=2),
+        dict(time=t + 17, event="attempt_ended", restart=1, last_step=18),
+        dict(time=t + 17.5, event="job_interrupted", signal="SIGTERM"),
+        dict(time=t + 100, event="launch"),
+        dict(time=t + 104, event="attempt_started", restart=0), dict(time=t + 104.5, event="resumed", restart=0, step=18),
+        dict(time=t + 105, event="first_step", restart=0, step=19),
+        dict(time=t + 108, event="checkpoint_saved", restart=0, step=30, seconds=0.5, pid=3),
+        dict(time=t + 108, event="training_completed", restart=0, step=30),
+        dict(time=t + 109, event="attempt_ended", restart=0, last_step=30),
+        dict(time=t + 110, event="job_completed"),
+    ]
+    (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+    rows = [dict(time=t + 6 + 0.1 * s, step=s, loss=2.0 - 0.01 * s, restart=0) for s in range(1, 16)]
+    rows += [dict(time=t + 15 + 0.1 * (s - 11), step=s, loss=2.0 - 0.01 * s, restart=1) for s in range(11, 19)]
+    rows += [dict(time=t + 105 + 0.1 * (s - 19), step=s, loss=2.0 - 0.01 * s, restart=0) for s in range(19, 31)]
+    rows += [dict(time=t + 108, step=30, epoch=0, train_loss=1.8, val_loss=1.9, restart=0)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut by a cra')
+    (folder / "summary.json").write_text(json.dumps({"status": "completed", "global_step": 30, "epochs_completed": 1}))
+
+
+def test_report_counts_attempts_lost_work_and_time_from_the_records(tmp_path: Path) -> None:
+    from pipeline import report
+
+    folder = tmp_path / "run"
+    _write_run(folder)
+    r = report.analyse(folder)
+    assert len(r.launches) == 2 and r.restarts == 1 and len(r.attempts) == 3
+    a0, a1, a2 = r.attempts
+    assert (a0.outcome, a0.resumed_from, a0.last_step, a0.lost_steps) == ("failed", 0, 15, 5)
+    assert a0.cause == "fault=kill on rank 1 at step 15"
+    assert (a1.outcome, a1.resumed_from, a1.last_step, a1.lost_steps) == ("preempted", 10, 18, 0)
+    assert (a2.outcome, a2.resumed_from, a2.last_step) == ("completed", 18, 30)
+    b = r.breakdown
+    assert b["wall"] == pytest.approx(17.5 + 10)
+    assert b["useful"] == pytest.approx(30 * 0.1) and b["redone"] == pytest.approx(5 * 0.1)
+    assert b["checkpoint"] == pytest.approx(1.5) and b["startup"] == pytest.approx(6 + 6 + 5)
+    assert sum(b[k] for k in ("useful", "redone", "checkpoint", "startup", "hung", "other")) == pytest.approx(b["wall"])
+    text = report.format_run(r)
+    assert "restarts 1" in text and "preemptions 1" in text and "fault=kill on rank 1 at step 15" in text
+    png = report.plot_run(r, folder / "report.png")
+    assert png.stat().st_size > 20_000
+    sweep = report.plot_sweep([r, r], tmp_path / "report.png")
+    assert sweep.stat().st_size > 20_000
+
+
+def test_verify_recovery_splits_the_fault_schedule_from_the_job() -> None:
+    from pipeline.verify_recovery import split_overrides
+
+    job, fault = split_overrides(["trainer.lr=0.1", "fault=kill_rank", "fault.at_step=3", "+fault.x=1", "data=synthetic"])
+    assert job == ["trainer.lr=0.1", "data=synthetic"] and fault == ["fault=kill_rank", "fault.at_step=3", "+fault.x=1"]
