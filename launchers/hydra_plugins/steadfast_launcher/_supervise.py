@@ -46,6 +46,7 @@ _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
 # A main thread whose innermost Python frame is in one of these waits for its peers.
 _COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/")
 STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: restart.startup_timeout_s
+OVERDUE_S = 10.0  # after the grace and the backend's own stop, how long before the launcher abandons the launch
 
 
 @dataclass
@@ -114,9 +115,10 @@ def describe_frame(frame: Optional[Tuple[str, int, str]]) -> str:
 
 class Supervisor:
     def __init__(self, run_dir: Path, restart: RestartConf, launch_id: str,
-                 on_grace_expired: Optional[Callable[[], bool]] = None) -> None:
+                 on_grace_expired: Optional[Callable[[], bool]] = None, on_overdue: Optional[Callable[[], None]] = None) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
-        self.on_grace_expired = on_grace_expired
+        self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
+        self._overdue = False
         self.hang_timeout = restart.hang_timeout_s
         self.poll = min(1.0, max(0.1, self.hang_timeout / 20)) if self.hang_timeout else 0.25
         # declared hung when the counter has been still for this long: detection, which also
@@ -222,6 +224,12 @@ class Supervisor:
             for w in live:
                 w.handled = True
                 _kill(w.pid, signal.SIGKILL)
+        if waited >= self.conf.preemption_grace_s + OVERDUE_S and not self._overdue and self.on_overdue is not None:
+            # still not back (the backend waits for something that will not come, e.g. a
+            # rendezvous): the launcher's own main thread gives up the launch
+            self._overdue = True
+            log.error("%s: the launch has not ended %g s after the grace; abandoning it", name, OVERDUE_S)
+            self.on_overdue()
 
     # ---- hangs ----------------------------------------------------------------------------------
     def _handle_hang(self, stuck: List[_Worker], now: float) -> None:
@@ -306,13 +314,16 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
     if env.get(contract.ENV_ATTEMPT, "0") == "0":
         log.info("Logs: %s (launcher), %s (one per rank)%s", _launcher_log(run_dir), run_dir / "logs" / "rank<r>.log",
                  f", {run_dir / 'logs' / 'horovod'} (Horovod's per-rank output)" if job.backend.name == "horovod" else "")
-    previous = contract.install_stop_handlers()
+    handler = _LauncherSignals(run_dir, env[contract.ENV_LAUNCH_ID], in_process=job.backend.name == "local",
+                               interrupted=Interrupted)
+    previous = handler.install()
     launched = time.time()
     result: Any = None
     try:
         if contract.stop_requested() is not None:
             raise KeyboardInterrupt("stop requested before the workers started")
-        supervisor = (Supervisor(run_dir, job.restart, env[contract.ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None))
+        supervisor = (Supervisor(run_dir, job.restart, env[contract.ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None),
+                                 on_overdue=handler.interrupt_main)
                       if job.backend.name != "local" else contextlib.nullcontext())
         with supervisor as sup:
             try:
@@ -339,6 +350,41 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
         raise Interrupted(message, signum=signum)
     finally:
         contract.restore_handlers(previous)
+
+
+class _LauncherSignals:
+    """SIGTERM/SIGINT/SIGHUP in the launcher during a launch. A stop request is passed on to the
+    workers (the supervisor forwards it) and the launcher waits for them to save and stop. The
+    launch is abandoned at once instead (an exception in the main thread, as torch elastic's own
+    handler would do) when there is nothing to wait for: no worker of this launch has registered
+    yet (the agent may be waiting in a rendezvous), on a second signal, or when the supervisor
+    finds the launch overdue. The in-process backend (`local`) is never abandoned on the first
+    signal: its worker is this thread, and it stops at its next step boundary."""
+
+    def __init__(self, run_dir: Path, launch_id: str, in_process: bool, interrupted: Any) -> None:
+        self.run_dir, self.launch_id, self.in_process, self.interrupted = run_dir, launch_id, in_process, interrupted
+        self.count, self.force = 0, False
+
+    def install(self) -> Dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self) for sig in contract.STOP_SIGNALS}
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        contract.request_stop(signum)
+        if self.force or self.count > 1 or (not self.in_process and not self._registered()):
+            raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
+
+    def _registered(self) -> bool:
+        return any(b.get("launch") == self.launch_id and b.get("host") == HOST and _alive(int(b.get("pid", 0)))
+                   for b in contract.read_heartbeats(self.run_dir).values())
+
+    def interrupt_main(self) -> None:
+        import _thread
+
+        self.force = True
+        _thread.interrupt_main(contract.stop_requested() or signal.SIGTERM)
 
 
 def _preempted(run_dir: Path, job: Any, since: float, signum: int) -> str:
