@@ -192,7 +192,8 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
     """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set)."""
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    with _RunLock(run_dir):
+    multi_node = multi_node_identity(job.backend, run_dir)
+    with _RunLock(run_dir, multi_node):
         frozen = OmegaConf.create(OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True))
         _atomic_write(run_dir / contract.CONFIG_FILE, OmegaConf.to_yaml(frozen))
         payload = cloudpickle.dumps((task_function, frozen, job.config, Singleton.get_state()))
@@ -231,8 +232,9 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
             message += f"First failure: {first_failure}. Last failure: {last.args[0]}"
         else:
             message += f"Cause: {last.args[0]}"
-        contract.append_event(run_dir, "job_failed", restarts=restarts, error=message)
-        _record_failure(run_dir, message, restarts, time.time() - started)
+        contract.append_event(run_dir, "job_failed", restarts=restarts, error=message,
+                              **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}))
+        _record_failure(run_dir, message, restarts, time.time() - started, multi_node is not None)
         raise JobFailed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {contract.EVENTS_FILE})", restarts)
 
 
@@ -272,12 +274,16 @@ def _first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
     return None
 
 
-def _record_failure(run_dir: Path, message: str, restarts: int, wall: float) -> None:
+def _record_failure(run_dir: Path, message: str, restarts: int, wall: float, multi_node: bool = False) -> None:
     summary: Dict[str, Any] = {}
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         pass
+    if multi_node and summary.get("status") == "completed" and (run_dir / SUMMARY_FILE).stat().st_mtime >= time.time() - wall:
+        # one node's launcher failing after rank 0 (on another node) completed the job and wrote
+        # the summary must not turn it into a failure: its failure is in events.jsonl
+        return
     summary.update(status="failed", error=message, restarts=restarts, wall_seconds=round(wall, 3))
     _atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
@@ -296,30 +302,75 @@ class _RunLock:
 
     flock is released by the kernel when the holder dies, so a crashed launch never leaves a
     lock that blocks the next one; the file only tells the refused launch who holds it.
+
+    A multi-node job (`backend.nnodes` above 1) runs one launcher per node on the same (shared)
+    folder: its launchers hold the lock *shared*, and the first one records the job's identity
+    (`multi_node_identity`: backend, rendezvous id and endpoint) in the lock file. A later launcher
+    joins only if its identity is the same; a single-node launch (exclusive) or another multi-node
+    job is refused. A short exclusive lock on a second file makes check-and-record atomic.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, multi_node: Optional[str] = None) -> None:
         self.path = run_dir / LOCK_FILE
+        self.multi_node = multi_node  # the job's identity when several launchers share the folder
         self.fd = -1
+        self.shared = False
 
     def __enter__(self) -> "_RunLock":
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        me = f"pid {os.getpid()} on {socket.gethostname()}"
+        gate = os.open(self.path.with_name(LOCK_FILE + ".gate"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(self.fd, 512).decode(errors="replace").strip() or "another process"
-            os.close(self.fd)
-            raise JobFailed(
-                f"Run folder {self.path.parent} is in use by {owner}. "
-                "Wait for that launch to end, or choose another run.name."
-            ) from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        return self
+            fcntl.flock(gate, fcntl.LOCK_EX)  # held for a moment: the check and the record are one step
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(self.fd, 1024, 0).decode(errors="replace").strip() or "another process"
+                joined = False
+                if self.multi_node is not None and owner.startswith(f"multi-node job {self.multi_node}:"):
+                    try:
+                        fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        joined = True
+                    except BlockingIOError:
+                        pass
+                if not joined:
+                    os.close(self.fd)
+                    mine = f" (this launch is multi-node job {self.multi_node})" if self.multi_node else ""
+                    raise JobFailed(
+                        f"Run folder {self.path.parent} is in use by {owner}{mine}. "
+                        "Wait for that launch to end, or choose another run.name. (The launchers of one multi-node "
+                        "job share a folder when they agree on backend.rdzv_backend, backend.rdzv_endpoint and the "
+                        "rendezvous id, backend.rdzv_id or run.name.)"
+                    ) from None
+                self.shared = True
+                log.info("Run folder %s: joining multi-node job %s (%s)", self.path.parent, self.multi_node, owner)
+                return self
+            os.ftruncate(self.fd, 0)
+            if self.multi_node is not None:
+                os.write(self.fd, f"multi-node job {self.multi_node}: first launcher {me}\n".encode())
+                fcntl.flock(self.fd, fcntl.LOCK_SH)  # let the job's other launchers in
+                self.shared = True
+            else:
+                os.write(self.fd, f"{me}\n".encode())
+            return self
+        finally:
+            os.close(gate)
 
     def __exit__(self, *exc: Any) -> None:
-        os.ftruncate(self.fd, 0)
+        if not self.shared:
+            os.ftruncate(self.fd, 0)
         os.close(self.fd)  # closing releases the flock
+
+
+def multi_node_identity(backend: BackendConf, run_dir: Path) -> Optional[str]:
+    """What the launchers of one multi-node job agree on (None for a single-node job)."""
+    if backend.name != "torchrun":
+        return None
+    low, high = backend.node_range()  # type: ignore[attr-defined]
+    if high <= 1:
+        return None
+    rdzv_id = backend.rdzv_id or run_dir.name  # type: ignore[attr-defined]
+    return f"{backend.rdzv_backend}:{rdzv_id}@{backend.rdzv_endpoint}"  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- running the jobs of a sweep
