@@ -51,3 +51,20 @@ def test_two_agents_complete_one_job_and_an_unrelated_launch_is_refused(tmp_path
     s = summary(folder)
     assert s["status"] == "completed" and s["world_size"] == 2 and s["epochs_completed"] == 2
     assert event_of(folder, "rendezvous")["world_size"] == 2
+
+
+def test_a_node_that_sees_another_run_folder_is_refused(tmp_path: Path) -> None:
+    port = free_port()
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n1").mkdir()
+    a = start_train(tmp_path / "n0", *node_args(port, "2", "big", "restart.max_restarts=0"))
+    b = start_train(tmp_path / "n1", *node_args(port, "2", "big", "restart.max_restarts=0"))
+    try:
+        (rc_a, out_a), (rc_b, out_b) = finish(a), finish(b)
+    finally:
+        stop(a), stop(b)
+    assert rc_a != 0 and rc_b != 0
+    both = out_a + out_b
+    assert "not every worker sees the run folder" in both, both[-6000:]
+    assert str(tmp_path / "n1" / "outputs" / "big") in both or str(tmp_path / "n0" / "outputs" / "big") in both
+    assert f"on {socket.gethostname()}" in both
