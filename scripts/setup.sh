@@ -27,13 +27,20 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # torch first, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
 "${PIP[@]}" "$TORCH_SPEC"
 # compat mode: PEP 660 editable installs hide hydra_plugins from Hydra's plugin scan.
-"${PIP[@]}" -e ".[dev,horovod,optuna,tensorboard]" --config-settings editable_mode=compat
+"${PIP[@]}" -e ".[dev,horovod,optuna,tensorboard,etcd]" --config-settings editable_mode=compat
 # setuptools' compat mode puts only the project root on sys.path; the plugin's namespace
 # package lives under launchers/, so add that folder too (Hydra finds hydra_plugins on sys.path).
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$(pwd)/launchers" > "$site/steadfast-launchers.pth"
 if [ "${STEADFAST_WITHOUT_HOROVOD:-0}" != 1 ]; then
   bash scripts/install_horovod.sh "$VENV/bin/python"
+fi
+# An etcd server for the etcd rendezvous tests (best effort: only as root with a working apt;
+# the tests skip with the reason when /usr/bin/etcd is missing).
+if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1; }) \
+    && echo "[setup] installed etcd-server" || echo "[setup] could not install etcd-server (etcd tests will skip)"
 fi
 rm -f "$VENV"/.steadfast-setup-*
 touch "$stamp"
