@@ -367,7 +367,9 @@ def plot_run(r: RunReport, path: Path) -> Path:
     val = sorted(((m["step"], m["val_loss"]) for m in r.metrics if m.get("val_loss") is not None), key=lambda v: v[0])
     if val:
         ax.plot(*zip(*val), "o--", ms=3.5, lw=1, color="black", alpha=0.7, label="val loss (per epoch)")
-    ymax = max([m["loss"] for m in rows] + [v for _, v in val] + [1.0])
+    values = [m["loss"] for m in rows] + [v for _, v in val]
+    log_scale = bool(values) and min(values) > 0 and max(values) / min(values) > 30
+    marked = 0
     for a in r.attempts:
         if a.lost_steps and a.last_step is not None:
             ax.axvspan(a.last_step - a.lost_steps, a.last_step, color="#d62728", alpha=0.12, lw=0)
@@ -376,15 +378,22 @@ def plot_run(r: RunReport, path: Path) -> Path:
             ax.axvline(a.last_step, color=color, ls="--", lw=1.3)
             short = a.cause.split(" (")[0] if a.outcome == "failed" else a.cause.split(" at step")[0]
             label = f"{short}" + (f"\n{a.lost_steps} step(s) redone" if a.lost_steps else "\nno step lost")
-            ax.annotate(label, (a.last_step, ymax), xytext=(4, -4), textcoords="offset points", va="top", fontsize=8, color=color)
+            ax.annotate(label, (a.last_step, 0.97 - 0.14 * (marked % 3)), xycoords=("data", "axes fraction"), xytext=(4, 0),
+                        textcoords="offset points", va="top", fontsize=8, color=color,
+                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
+            marked += 1
     ckpts = sorted({step for a in r.attempts for _, step in a.checkpoints})
     if ckpts:
-        ax.plot(ckpts, [0] * len(ckpts), "^", color="#2ca02c", ms=7, clip_on=False, label="checkpoint committed")
+        ax.plot(ckpts, [0.0] * len(ckpts), "^", color="#2ca02c", ms=7, clip_on=False, transform=ax.get_xaxis_transform(),
+                label="checkpoint committed")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
+    if log_scale:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, ncol=6, frameon=False)
 
     # -- the attempts on a timeline (idle gaps between launches compressed)
     to_x, offsets = _compressed_times(r)
@@ -402,7 +411,7 @@ def plot_run(r: RunReport, path: Path) -> Path:
         mcolor, word = OUTCOME[a.outcome]
         tl.plot(end, 0, "X" if a.outcome == "failed" else "s" if a.outcome in ("preempted", "stopped") else "o",
                 color=mcolor, ms=9, mec="black", mew=0.6)
-        what = "hung" if a.hung else word
+        what = "hung" if a.hung else "killed" if a.cause.startswith("fault=kill") else word
         tl.text((start + end) / 2, 0.42, f"#{a.index} {what}" + (f", from step {a.resumed_from}" if a.resumed_from else ""),
                 ha="center", va="bottom", fontsize=8)
     for (a0, b0, x0), (a1, _, x1) in zip(offsets, offsets[1:]):

@@ -67,6 +67,20 @@ def test_a_hang_on_every_restart_exhausts_the_budget_and_names_the_first(tmp_pat
     assert summary(folder)["status"] == "failed"
 
 
+def test_collective_deadline_frees_the_peers_of_a_hung_rank(tmp_path: Path) -> None:
+    # no watchdog: rank 1 hangs, rank 0 waits for it in the gradient all-reduce until
+    # restart.collective_timeout_s, then fails instead of waiting forever
+    proc = run_train(tmp_path, *QUICK, "fault=hang_rank", "fault.rank=1", "fault.at_step=20", "fault.hang_until_stop=true",
+                     "restart=none", "restart.hang_timeout_s=null", "restart.collective_timeout_s=3", "run.name=r")
+    assert proc.returncode == 1
+    folder = run_dir(tmp_path, "r")
+    fired = event_of(folder, "fault_fired")
+    failed = event_of(folder, "worker_failed", rank=0)
+    assert failed is not None and "timeout" in failed["error"].lower(), proc.stderr[-3000:]
+    assert 3.0 <= failed["time"] - fired["time"] < 15.0
+    assert "First failure: rank 0" in proc.stderr and not event_of(folder, "hang_detected")
+
+
 def test_kill_rank_every_time_up_to_times_counts_across_restarts(tmp_path: Path, baseline: dict) -> None:
     run_train(tmp_path, *QUICK, "fault=kill_rank", "fault.rank=1", "fault.at_step=20", "fault.times=2", "run.name=r", check=True)
     folder = run_dir(tmp_path, "r")

@@ -19,10 +19,11 @@ A worker reports back through:
     the launcher stops the job and, for a preemption, exits with EXIT_PREEMPTED (75);
   - lines appended to EVENTS_FILE in the run folder with `append_event` (one JSON object a line).
 
-Stop requests. SIGTERM and SIGINT, to a worker or to the launcher, only set a flag
+Stop requests. SIGTERM, SIGINT and SIGHUP, to a worker or to the launcher, only set a flag
 (`stop_requested()`); the task polls it at step boundaries, agrees with the other ranks on the
-step to stop at, saves, and raises `StopRun`. The launcher forwards its own SIGTERM/SIGINT to
-the workers and waits up to `restart.preemption_grace_s` before killing them.
+step to stop at, saves, and raises `StopRun`. The launcher forwards its own stop signal to the
+workers that have registered (written their first heartbeat, which run_rank does right after
+installing the handlers) and waits up to `restart.preemption_grace_s` before stopping them.
 
 Liveness. Every worker writes its progress (`Heartbeat.beat`) into HEARTBEAT_DIR/rank<r>: a
 counter that moves with the work (steps, checkpoint files, validation batches), never a clock
