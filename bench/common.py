@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +118,9 @@ class Job:
 
 # Tiny: the synthetic data's defaults (start-up and recovery are not diluted by work).
 TINY = Job()
-# Hot loop: a step takes ~10 ms on this machine, an epoch ~1 s.
-HOT = Job(num_samples=16384, num_features=256, hidden=(512, 512), batch_size=64, epochs=5, log_every=10)
+# Hot loop: a step takes ~10 ms on this machine; one epoch of 512 steps per worker, so the
+# measured window has no epoch end (validation) in it.
+HOT = Job(num_samples=81920, num_features=256, hidden=(512, 512), batch_size=64, epochs=1, log_every=10)
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -200,6 +202,61 @@ def _load(before: Tuple[float, float, float], wall: float) -> Dict[str, float]:
             "foreign_share": round(max(0.0, busy - ours + steal) / capacity, 3)}
 
 
+class CpuSampler(threading.Thread):
+    """Samples the CPU time (user + system) of a process and of its descendants every `period` s.
+
+    Unlike wall-clock speed, CPU seconds per step hardly move when other tenants take the
+    cores: it is the low-noise measure of what each step costs. Processes that end keep their
+    last reading, so the sums only grow.
+    """
+
+    def __init__(self, root: int, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.root, self.period = root, period
+        self.stop = threading.Event()
+        self.samples: List[Tuple[float, float, float]] = []  # (time, root's CPU s, descendants' CPU s)
+        self._last: Dict[int, float] = {}
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def _read(self) -> Tuple[float, float]:
+        tree, frontier = [], [self.root]
+        while frontier:  # walk down /proc/<pid>/task/<tid>/children (cheaper than scanning /proc)
+            pid = frontier.pop()
+            tree.append(pid)
+            try:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    frontier.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                continue
+        for pid in tree:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                cpu = (int(fields[11]) + int(fields[12])) / self._tick
+            except (OSError, ValueError, IndexError):
+                continue
+            self._last[pid] = max(self._last.get(pid, 0.0), cpu)
+        root = self._last.get(self.root, 0.0)
+        return root, sum(v for pid, v in self._last.items() if pid != self.root)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.time()
+            root, rest = self._read()
+            self.samples.append((t, root, rest))
+            self.stop.wait(self.period)
+
+    def at(self, t: float) -> Optional[Tuple[float, float]]:
+        """(root, descendants) CPU seconds at time t, linearly interpolated between samples."""
+        s = self.samples
+        if len(s) < 2 or not s[0][0] <= t <= s[-1][0]:
+            return None
+        for a, b in zip(s, s[1:]):
+            if a[0] <= t <= b[0]:
+                w = (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
+                return a[1] + w * (b[1] - a[1]), a[2] + w * (b[2] - a[2])
+        return None
+
+
 def _communicate(proc: subprocess.Popen, timeout: float) -> Tuple[Optional[int], str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -257,24 +314,33 @@ def start_ours(work: Workdir, name: str, overrides: Sequence[str], trace: Option
 
 
 def finish_ours(proc: subprocess.Popen, started: float, folder: Path, timeout: float, keep: bool = False,
-                counters: Optional[Tuple[float, float, float]] = None) -> Run:
+                counters: Optional[Tuple[float, float, float]] = None, sampler: Optional[CpuSampler] = None) -> Run:
     rc, out = _communicate(proc, timeout)
+    if sampler is not None:
+        sampler.stop.set()
     wall = time.time() - started
     run = Run("ours", started, wall, rc, out, folder, read_jsonl(folder / "events.jsonl"), read_jsonl(folder / "metrics.jsonl"),
               pid=proc.pid)
     if counters is not None:
         run.extra["load"] = _load(counters, wall)
+    if sampler is not None:
+        run.extra["cpu"] = sampler
     if not keep:
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     return run
 
 
-def run_ours(work: Workdir, label: str, overrides: Sequence[str], timeout: float = 300, **kw: Any) -> Run:
+def run_ours(work: Workdir, label: str, overrides: Sequence[str], timeout: float = 300, sample_cpu: bool = False, **kw: Any) -> Run:
     proc, started, folder = start_ours(work, work.name(label), overrides, **kw)
-    return finish_ours(proc, started, folder, timeout, counters=work.counters)
+    sampler = None
+    if sample_cpu:
+        sampler = CpuSampler(proc.pid)
+        sampler.start()
+    return finish_ours(proc, started, folder, timeout, counters=work.counters, sampler=sampler)
 
 
-def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trace: Optional[Path] = None) -> Run:
+def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trace: Optional[Path] = None,
+                 sample_cpu: bool = False) -> Run:
     folder = work.path / "baseline" / work.name(label)
     folder.mkdir(parents=True)
     records = folder / "records.jsonl"
@@ -284,12 +350,19 @@ def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trac
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    sampler = CpuSampler(proc.pid) if sample_cpu else None
+    if sampler:
+        sampler.start()
     rc, out = _communicate(proc, timeout)
+    if sampler:
+        sampler.stop.set()
     wall = time.time() - started
     rows = read_jsonl(records)
     events = [{**r, "restart": 0} for r in rows if "event" in r]
     metrics = [{**r, "loss": r.get("loss", 0.0)} for r in rows if "event" not in r]
     extra: Dict[str, Any] = {"load": _load(counters, wall)}
+    if sampler:
+        extra["cpu"] = sampler
     if rc not in (0, None) and any(e["event"] == "done" for e in events) and "terminate called" in out:
         extra["aborted_at_exit"] = True  # see the end of baseline_ddp.py
     return Run("baseline", started, wall, rc, out, folder, events, metrics, extra=extra, pid=proc.pid)
@@ -330,6 +403,33 @@ def steady_rate(run: Run, warmup_steps: int = 30, exclude_checkpoints: bool = Tr
     if how == "median":
         return statistics.median(rates) if rates else None
     return steps / seconds if seconds > 0 else None
+
+
+def steady_window(run: Run, warmup_steps: int) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """The first logged row at or after warm-up and the last logged row of the same epoch and restart."""
+    rows = sorted(run.step_rows(), key=lambda r: r["step"])
+    start = next((r for r in rows if r["step"] >= warmup_steps), None)
+    if start is None:
+        return None
+    same = [r for r in rows if r.get("epoch") == start.get("epoch") and r.get("restart", 0) == start.get("restart", 0)
+            and r["step"] > start["step"]]
+    return (start, same[-1]) if same else None
+
+
+def cpu_per_step(run: Run, warmup_steps: int = 30) -> Optional[Dict[str, float]]:
+    """CPU seconds per training step over the steady window: the workers', and the launcher's (or torchrun's) own."""
+    sampler = run.extra.get("cpu")
+    window = steady_window(run, warmup_steps)
+    if sampler is None or window is None:
+        return None
+    a, b = window
+    ca, cb = sampler.at(a["time"]), sampler.at(b["time"])
+    if ca is None or cb is None:
+        return None
+    steps, seconds = b["step"] - a["step"], b["time"] - a["time"]
+    return {"workers_cpu_s_per_step": (cb[1] - ca[1]) / steps, "launcher_cpu_s_per_step": (cb[0] - ca[0]) / steps,
+            "total_cpu_s_per_step": (cb[0] + cb[1] - ca[0] - ca[1]) / steps, "launcher_cpu_share": (cb[0] - ca[0]) / seconds,
+            "window_steps": steps, "window_s": seconds}
 
 
 def alternate(rounds: int, makers: Sequence[Tuple[str, Callable[[], Run]]], on_run: Optional[Callable[[str, int, Run], None]] = None) -> Dict[str, List[Run]]:

@@ -2,7 +2,7 @@
 
     python -m bench.goodput [--periods 30,10] [--train-s 60,30] [--quick | --tiny] [--json PATH]
 
-The job is the hot-loop job (bench.common.HOT) with as many epochs as make --train-s seconds of
+The job is the hot-loop model with epochs of ~1 s (bench.goodput.JOB) and as many epochs as make --train-s seconds of
 failure-free training for each period T. First a failure-free reference run (10 epochs, a sync
 checkpoint every 50 steps) measures the failure-free training speed r (steps over training
 time, validation included, checkpoint time left out) and the cost C of one sync save (the
@@ -11,7 +11,7 @@ policy: the project's default checkpoint cadence (every 10 epochs) and the Young
 tau = sqrt(2 * C * T) (checkpoint.every_n_seconds=tau). From the first training step on, the
 benchmark SIGKILLs the newest worker process (rank 1 unless a restart is half-way) every T
 seconds until the run ends; a run that has not ended by --cap-factor x its failure-free time
-is stopped and scored by the progress it had committed.
+(+15 s) is stopped and scored by the progress it had committed.
 
   useful time   = steps trained (or committed, if stopped) / r
   goodput       = useful time / wall time from the first training step to the end of training
@@ -36,6 +36,8 @@ from .common import (HOT, RESULTS, Job, Run, Workdir, command_line, finish_ours,
                      run_ours, start_ours)
 
 TARGET = (">=", 0.90, 30)  # goodput at T = 30 s
+# The hot-loop model and data shape with epochs of ~1 s (103 steps), so the default cadence (every 10 epochs) is ~10 s.
+JOB = dataclasses.replace(HOT, num_samples=16384)
 LOG_EVERY = 5
 
 
@@ -178,7 +180,7 @@ def predicted(rate_tau_s: float, cost: float, recovery: float, period: float) ->
     return (1 / (1 + cost / rate_tau_s)) * max(0.0, 1 - (recovery + rate_tau_s / 2) / period)
 
 
-def measure(periods: List[float], train_s: List[float], cap_factor: float, job: Job = HOT,
+def measure(periods: List[float], train_s: List[float], cap_factor: float, job: Job = JOB,
             given: Optional[Dict[str, float]] = None, cadences_wanted: str = "both", max_kills: Optional[int] = None) -> Dict[str, Any]:
     job = dataclasses.replace(job, log_every=LOG_EVERY)
     out: Dict[str, Any] = {"job": job.describe(), "periods_s": periods}
@@ -203,9 +205,9 @@ def measure(periods: List[float], train_s: List[float], cap_factor: float, job: 
                 cadences = cadences[:1] if cadences_wanted == "default" else cadences[1:]
             for name, ck, interval in cadences:
                 overrides = run_job.overrides() + ck + ["restart.max_restarts=1000"]
-                run = timed_run(work, f"T{period:g}", overrides, period, cap=cap_factor * seconds + 30, max_kills=max_kills)
+                run = timed_run(work, f"T{period:g}", overrides, period, cap=cap_factor * seconds + 15, max_kills=max_kills)
                 res = analyse(run, rate, total)
-                res.update(period_s=period, cadence=name, checkpoint_interval_s=interval, epochs=epochs,
+                res.update(period_s=period, cadence=name, checkpoint_interval_s=interval, epochs=epochs, failure_free_train_s=seconds,
                            predicted_goodput=predicted(interval, cost, res["recovery_median_s"] or 0.0, period))
                 results.append(res)
                 log(f"  T={period:g}s {name:<28} goodput {fmt(res['goodput'])} (predicted {fmt(res['predicted_goodput'])})"
@@ -231,17 +233,17 @@ def report(res: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--periods", default="30,10", help="seconds between kills")
-    p.add_argument("--train-s", default="60,30", help="failure-free training seconds for each period")
-    p.add_argument("--cap-factor", type=float, default=2.5, help="stop a run after this many times its failure-free time (+30 s)")
-    p.add_argument("--quick", action="store_true", help="T=30 with 40 s, T=10 with 20 s of training")
+    p.add_argument("--train-s", default="45,25", help="failure-free training seconds for each period")
+    p.add_argument("--cap-factor", type=float, default=2.0, help="stop a run after this many times its failure-free time (+15 s)")
+    p.add_argument("--quick", action="store_true", help="T=30 with 35 s, T=10 with 15 s of training")
     p.add_argument("--tiny", action="store_true", help="one run of a tiny job, one kill (smoke test; reference figures given, not measured)")
     p.add_argument("--json", type=Path, default=RESULTS / "goodput.json")
     args = p.parse_args(argv)
     periods = [float(x) for x in args.periods.split(",")]
     train_s = [float(x) for x in args.train_s.split(",")]
-    job = HOT
+    job = JOB
     if args.quick:
-        train_s = [40.0, 20.0]
+        train_s = [35.0, 15.0]
     given, cadences, max_kills = None, "both", None
     if args.tiny:  # one run, one kill: the reference figures are given, not measured
         periods, train_s, cadences, max_kills = [1.5], [3.0], "young_daly", 1

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (HOT, RESULTS, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, log, machine, median,
+from .common import (HOT, RESULTS, Job, Run, Workdir, alternate, check, command_line, cpu_per_step, fmt, foreign, log, machine, median,
                      ratio, run_ours, spread, steady_rate, write_json)
 
 
@@ -31,8 +31,8 @@ def measure(job: Job, rounds: int, timeout: float = 300) -> Dict[str, Any]:
     warm = min(30, job.steps_per_epoch() // 2)
     extra = ["checkpoint.every_n_epochs=1000"]
     with Workdir() as work:
-        makers = [("torchrun", lambda: run_ours(work, "torchrun", job.overrides("torchrun") + extra, timeout)),
-                  ("horovod", lambda: run_ours(work, "horovod", job.overrides("horovod") + extra, timeout))]
+        makers = [("torchrun", lambda: run_ours(work, "torchrun", job.overrides("torchrun") + extra, timeout, sample_cpu=True)),
+                  ("horovod", lambda: run_ours(work, "horovod", job.overrides("horovod") + extra, timeout, sample_cpu=True))]
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"horovod bench {name}")
@@ -40,14 +40,17 @@ def measure(job: Job, rounds: int, timeout: float = 300) -> Dict[str, Any]:
 
         runs = alternate(rounds, makers, show)
     rates = {k: [steady_rate(r, warm) for r in v] for k, v in runs.items()}
+    cpu = {k: [(cpu_per_step(r, warm) or {}).get("total_cpu_s_per_step") for r in v] for k, v in runs.items()}
     ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
     return {
         "job": job.describe(), "rounds": rounds, "warmup_steps": warm,
         "steps_per_s": {k: spread(v) for k, v in rates.items()},
+        "cpu_s_per_step": {k: spread(v) for k, v in cpu.items()},
         "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
         "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
         "foreign_load": {k: foreign(v) for k, v in runs.items()},
         "ratios": {"horovod/torchrun steps_per_s": ratio(median(rates["horovod"]), median(rates["torchrun"])),
+                   "horovod/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu["horovod"])),
                    "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
                    "horovod/torchrun wall": ratio(median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]]))},
     }
@@ -72,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="1 round of a tiny job (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
-    job, rounds = dataclasses.replace(HOT, epochs=3), args.rounds
+    job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds
     if args.quick:
         rounds = 2
     if args.tiny:

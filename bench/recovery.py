@@ -16,11 +16,12 @@ succeeds if the restarted group reaches a training step; the run must end with e
 exactly K restarts (an extra restart is a failed rendezvous or a crash that was not injected).
 
 All recovery runs are traced (bench/trace, opt-in): the trace splits each recovery into
-detection (kill -> agent sees FAILED), agent restart (stop + rendezvous + start), worker
-start-up (spawn, imports), init_process_group, model/DDP, checkpoint load and the first step.
-The 'fork' variant (backend.start_method=fork) and 'fork+preimport' (fork, with torch and
-torch._dynamo imported by the launcher in the background: a proposed change, emulated by the
-tracer) are measured at the default interval.
+detection (kill -> agent sees FAILED), agent restart (stop + rendezvous + start of the
+workers), worker start-up (spawn, imports), init_process_group, model/DDP, checkpoint load and
+the first step. Variants at the default interval: 'fork' (backend.start_method=fork, a config
+option), 'zlib' (the job payload handed to the workers compressed) and 'forkserver'
+(backend.start_method=forkserver with torch and the worker module preloaded in the
+forkserver); the last two are proposed launcher changes, emulated by the tracer.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ TARGET = ("<=", 0.5)
 DEFAULT_INTERVAL = 0.5  # conf/restart/default.yaml
 CKPT_EVERY, KILL_AT = 20, 25
 JOB = dataclasses.replace(TINY, epochs=2)
-PREIMPORT = "torch.distributed.launcher.api,torch.distributed.elastic.multiprocessing.errors,torch._dynamo"
+FORKSERVER_PRELOAD = "torch,torch._dynamo,torch.nn.parallel,hydra_plugins.steadfast_launcher._worker"
 
 
 def overrides(interval: float, kills: int, extra: List[str]) -> List[str]:
@@ -59,7 +60,7 @@ def split_recovery(trace: List[Dict[str, Any]], launcher: int, kill: float, back
     new_workers = {r["pid"] for r in trace if r.get("ppid") == launcher and kill < r["t"] <= back}  # spawned or forked
     marks = [
         ("detect (kill -> agent sees FAILED)", _after(trace, "agent_monitor:FAILED", kill, back, {launcher})),
-        ("agent: stop, rendezvous, start workers", _after(trace, "agent_restart_workers:end", kill, back, {launcher})),
+        ("agent: stop workers, rendezvous", _after(trace, "agent_rendezvous:end", kill, back, {launcher})),
         ("workers: spawn + imports", _after(trace, "import:torch", kill, back, new_workers, last=True)
          or _after(trace, "worker_run_rank:start", kill, back, new_workers, last=True)),
         ("workers: to init_process_group end", _after(trace, "init_process_group:end", kill, back, new_workers, last=True)),
@@ -92,6 +93,13 @@ def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]
     restarts = max([int(e.get("restart", 0)) for e in run.events] or [0])
     resumed = [e.get("step") for e in run.events if e.get("event") == "resumed"]
     monitor = [r for r in trace if r["what"] == "agent_monitor:stats" and r["pid"] == run.pid]
+    gaps = []  # per restart: seconds between the creation of the first and the last spawned worker
+    for e in fired:
+        created = sorted(r["created"] for r in trace if r["what"] == "process" and r.get("ppid") == run.pid
+                         and "--multiprocessing-fork" in r.get("argv", []) and r["created"] > e["time"])[:2]
+        if len(created) == 2:
+            gaps.append(created[1] - created[0])
+    payload = next((r["bytes"] for r in trace if r["what"] == "payload" and r["pid"] == run.pid), None)
     succeeded = len(recoveries)
     return {
         "kills": len(fired), "recovered": succeeded, "restarts": restarts, "exit_code": run.returncode,
@@ -100,7 +108,7 @@ def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]
         "recovery_median_s": median(recoveries),
         "split_median_s": {k: median([p[k] for p in parts]) for k in (parts[0] if parts else {})},
         "agent_poll": {"calls": monitor[0]["calls"], "seconds_per_call": monitor[0]["seconds"] / max(1, monitor[0]["calls"])} if monitor else None,
-        "wall_s": run.wall,
+        "wall_s": run.wall, "payload_bytes": payload, "workers_created_apart_median_s": median(gaps), "load": run.extra.get("load"),
     }
 
 
@@ -117,24 +125,28 @@ def one(work: Workdir, label: str, interval: float, kills: int, extra: List[str]
     return res
 
 
-def measure(intervals: List[float], kills: int, default_kills: int, variants: bool) -> Dict[str, Any]:
+def measure(intervals: List[float], kills: int, default_kills: int, variants: bool, fork_kills: int = 8) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     with Workdir() as work:
         for interval in intervals:
             k = default_kills if interval == DEFAULT_INTERVAL else kills
             results.append(one(work, f"interval-{interval}", interval, k, []))
         if variants:
-            results.append(one(work, "fork", DEFAULT_INTERVAL, kills, ["backend.start_method=fork"]))
-            results.append(one(work, "fork+preimport", DEFAULT_INTERVAL, kills, ["backend.start_method=fork"],
-                               {"STEADFAST_BENCH_PREIMPORT": PREIMPORT}))
+            results.append(one(work, "fork", DEFAULT_INTERVAL, fork_kills, ["backend.start_method=fork"]))
+            results.append(one(work, "zlib", DEFAULT_INTERVAL, kills, [], {"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}))
+            results.append(one(work, "forkserver", DEFAULT_INTERVAL, fork_kills // 2, ["backend.start_method=forkserver"],
+                               {"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}))
     cold_all = [r["cold_ttfs_s"] for r in results if r["variant"].startswith("interval-")]
     cold = median(cold_all)
     by_interval = {}
     for r in results:
         key = str(r["monitor_interval"]) if r["variant"].startswith("interval-") else f"{r['monitor_interval']} ({r['variant']})"
+        own = r["variant"].startswith("interval-")
         by_interval[key] = {
             "recovery_median_s": r["recovery_median_s"],
-            "recovery/cold_ttfs": ratio(r["recovery_median_s"], cold),
+            # interval runs: against the median cold start of all interval runs; a variant: against its own
+            "recovery/cold_ttfs": ratio(r["recovery_median_s"], cold if own else r["cold_ttfs_s"]),
+            "cold_ttfs_s": cold if own else r["cold_ttfs_s"],
             "succeeded": f"{r['recovered']}/{r['kills']}" + ("" if r["all_succeeded"] else " (run did not end cleanly)"),
             "detect_median_s": r["split_median_s"].get("detect (kill -> agent sees FAILED)"),
         }
@@ -164,7 +176,8 @@ def report(res: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--intervals", default="0.1,0.5,2,5")
-    p.add_argument("--kills", type=int, default=3, help="kills per run for the non-default intervals and the variants")
+    p.add_argument("--kills", type=int, default=2, help="kills per run for the non-default intervals and the zlib variant")
+    p.add_argument("--fork-kills", type=int, default=8, help="kills in the backend.start_method=fork run")
     p.add_argument("--default-kills", type=int, default=20, help=f"kills in the run at the default interval ({DEFAULT_INTERVAL} s)")
     p.add_argument("--no-variants", action="store_true")
     p.add_argument("--quick", action="store_true", help="intervals 0.1,0.5,2; 2 kills; 8 at the default")
@@ -174,11 +187,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     intervals = [float(x) for x in args.intervals.split(",")]
     kills, default_kills, variants = args.kills, args.default_kills, not args.no_variants
     if args.quick:
-        intervals, kills, default_kills = [0.1, 0.5, 2.0], 2, 8
+        intervals, kills, default_kills, args.fork_kills = [0.1, 0.5, 2.0], 2, 8, 4
     if args.tiny:
         intervals, kills, default_kills, variants = [DEFAULT_INTERVAL], 1, 1, False
     log(f"recovery: intervals {intervals}, {default_kills} kills at {DEFAULT_INTERVAL} s, {kills} elsewhere")
-    res = measure(intervals, kills, default_kills, variants)
+    res = measure(intervals, kills, default_kills, variants, args.fork_kills)
     res["target"] = {"recovery/cold_ttfs": TARGET, "restarts succeeded": "20/20"}
     out = {"benchmark": "recovery", "command": command_line("bench.recovery", argv), "machine": machine(), **res}
     report(out)

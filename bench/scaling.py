@@ -3,7 +3,7 @@ MB of parameters, and from 1 to 2 to 4 workers; checkpoint cost and recovery for
 
     python -m bench.scaling [--rounds 2] [--workers 1,4] [--big-hidden 8192,8192] [--quick | --tiny] [--json PATH]
 
-Workers: the hot-loop job (bench.common.HOT, 3 epochs) with 1 and 4 workers, ours vs the
+Workers: the hot-loop job with half its data (bench.common.HOT, 256 steps at 2 workers) with 1 and 4 workers, ours vs the
 baseline alternated (2 workers is bench.hot_loop's figure). 4 workers on this 2-core machine
 are oversubscribed (two processes per core, one torch thread each): that figure shows the
 framework's cost under contention, not a speed-up.
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import (HOT, RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, aborted_at_exit, log, machine,
+from .common import (HOT, RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, cpu_per_step, fmt, foreign, aborted_at_exit, log, machine,
                      median, ratio, run_baseline, run_ours, spread, steady_rate, write_json)
 
 BIG = Job(num_samples=640, num_features=256, hidden=(8192, 8192), batch_size=16, epochs=1, log_every=1)
@@ -32,8 +32,8 @@ BIG = Job(num_samples=640, num_features=256, hidden=(8192, 8192), batch_size=16,
 def pair(work: Workdir, job: Job, rounds: int, label: str, timeout: float = 400) -> Dict[str, Any]:
     warm = max(2, min(30, job.steps_per_epoch() // 3))
     extra = ["checkpoint.every_n_epochs=1000"]
-    makers = [("baseline", lambda: run_baseline(work, f"{label}-baseline", job, timeout)),
-              ("ours", lambda: run_ours(work, f"{label}-ours", job.overrides() + extra, timeout))]
+    makers = [("baseline", lambda: run_baseline(work, f"{label}-baseline", job, timeout, sample_cpu=True)),
+              ("ours", lambda: run_ours(work, f"{label}-ours", job.overrides() + extra, timeout, sample_cpu=True))]
 
     def show(name: str, r: int, run: Run) -> None:
         check(run, f"scaling {label} {name}")
@@ -41,6 +41,7 @@ def pair(work: Workdir, job: Job, rounds: int, label: str, timeout: float = 400)
 
     runs = alternate(rounds, makers, show)
     rates = {k: [steady_rate(r, warm) for r in v] for k, v in runs.items()}
+    cpu = {k: [(cpu_per_step(r, warm) or {}).get("total_cpu_s_per_step") for r in v] for k, v in runs.items()}
     ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
     return {"job": job.describe(), "rounds": rounds, "warmup_steps": warm,
             "steps_per_s": {k: spread(v) for k, v in rates.items()},
@@ -48,7 +49,9 @@ def pair(work: Workdir, job: Job, rounds: int, label: str, timeout: float = 400)
             "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
             "foreign_load": {k: foreign(v) for k, v in runs.items()},
         "baseline_aborted_at_exit": aborted_at_exit(runs["baseline"]),
+            "cpu_s_per_step": {k: spread(v) for k, v in cpu.items()},
             "ours/baseline steps_per_s": ratio(median(rates["ours"]), median(rates["baseline"])),
+            "ours/baseline steps per CPU-second": ratio(median(cpu["baseline"]), median(cpu["ours"])),
             "ours/baseline ttfs": ratio(median(ttfs["ours"]), median(ttfs["baseline"]))}
 
 
@@ -73,7 +76,7 @@ def big_checkpoint_and_recovery(work: Workdir, job: Job, every: int = 5, kill_at
 
 
 def measure(rounds: int, workers: List[int], big: Job, with_big_ckpt: bool, with_tiny: bool = True) -> Dict[str, Any]:
-    hot = dataclasses.replace(HOT, epochs=3)
+    hot = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2)
     out: Dict[str, Any] = {"workers": {}, "model_size": {}}
     with Workdir() as work:
         for w in workers:
@@ -81,7 +84,7 @@ def measure(rounds: int, workers: List[int], big: Job, with_big_ckpt: bool, with
             if w > (os.cpu_count() or 1):
                 out["workers"][str(w)]["note"] = f"oversubscribed: {w} workers on {os.cpu_count()} cores"
         if with_tiny:
-            out["model_size"]["tiny"] = pair(work, dataclasses.replace(TINY, epochs=2), rounds, "tiny")
+            out["model_size"]["tiny"] = pair(work, dataclasses.replace(TINY, epochs=3), rounds, "tiny")
         out["model_size"]["big"] = pair(work, big, rounds, "big")
         if with_big_ckpt:
             out["big_checkpoint_and_recovery"] = big_checkpoint_and_recovery(work, big)

@@ -10,24 +10,30 @@ baseline writes its own). The tiny synthetic job, so start-up is not diluted by 
 The breakdown comes from separate traced runs: bench/trace/sitecustomize.py (opt-in, on
 PYTHONPATH only for those runs) records when each process was created, when watched modules
 finish importing and when the launcher's, the agent's and the trainer's steps start and end.
-The untraced runs give the headline ratio. Variants, alternated with the same rounds:
-  fork       backend.start_method=fork: workers inherit the launcher's imported torch
-  dash_m     `python -m pipeline.train -m`: Hydra skips the compose that only reads hydra.mode
-  preimport  (traced) torch imported in a background thread from the launcher's setup(): emulates
-             a proposed 3-line change in launcher.py, without editing it
+The untraced runs give the headline ratio. Variants:
+  fork       (untraced, alternated with the headline runs) backend.start_method=fork: the
+             workers inherit the launcher's imported torch instead of importing it again
+  zlib       (traced) the job payload handed to the workers zlib-compressed: emulates a
+             proposed launcher change (a payload over the 64 KiB pipe buffer makes
+             multiprocessing start the workers one after the other)
+  forkserver (traced) backend.start_method=forkserver with torch, torch._dynamo and the
+             launcher's worker module preloaded in the forkserver: emulates a proposed launcher
+             change (multiprocessing.set_forkserver_preload before the agent starts)
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .common import (RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, aborted_at_exit, log, machine, median, ratio,
                      read_jsonl, run_baseline, run_ours, spread, write_json)
 
 TARGET = ("<=", 1.10)
 PREIMPORT = "torch.distributed.launcher.api,torch.distributed.elastic.multiprocessing.errors"
+# What a forkserver would preload: generic (torch, what DDP imports, the launcher's worker module), not the app's own modules.
+FORKSERVER_PRELOAD = "torch,torch._dynamo,torch.nn.parallel,hydra_plugins.steadfast_launcher._worker"
 
 
 def ours_overrides(job: Job) -> List[str]:
@@ -72,7 +78,8 @@ def milestones(run: Run, trace: List[Dict[str, Any]], launcher_pid: int) -> Dict
         "launch_start": _first(main, "launcher_run_job:start"),
         "adapter_start": _first(main, "torchrun_adapter_run:start"),
         "launcher_torch_imported": _first(main, "import:torch"),
-        "workers_started": _first(main, "agent_start_workers:end"),
+        "workers_started": min((float(w[0]["created"]) for w in workers if w[0]["what"] == "process"), default=None)
+        or _first(main, "agent_start_workers:end"),  # the first worker created (forked workers leave no "process" record)
         "workers_torch_imported": latest("import:torch"),
         "workers_init_pg_start": latest("init_process_group:start"),
         "workers_init_pg_end": latest("init_process_group:end"),
@@ -90,7 +97,7 @@ SEGMENTS = [
     ("Hydra compose x N, plugin discovery, pre-flight", "hydra_imported", "launch_start"),
     ("run lock, config freeze, payload pickle", "launch_start", "adapter_start"),
     ("torch import in the launcher / torchrun", "adapter_start", "launcher_torch_imported"),
-    ("agent rendezvous + worker start", "launcher_torch_imported", "workers_started"),
+    ("agent rendezvous, first worker created", "launcher_torch_imported", "workers_started"),
     ("workers: spawn + imports (Python, Hydra, torch)", "workers_started", "workers_torch_imported"),
     ("workers: Hydra state, trainer import, wait for peers", "workers_torch_imported", "workers_init_pg_start"),
     ("init_process_group", "workers_init_pg_start", "workers_init_pg_end"),
@@ -128,15 +135,25 @@ def details(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Any]:
             "worker_hydra_import_s (slowest)": worker_imports["hydra"], "worker_torch_import_s (slowest)": worker_imports["torch"],
             "ddp_init_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "ddp_init:end"] or [0.0]),
             "checkpoint_discovery_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "trainer_resume:end"] or [0.0]),
-            "preimport_s": _total(main, "preimport:end")[0]}
+            "preimport_s": _total(main, "preimport:end")[0],
+            "payload_bytes": next((r["bytes"] for r in main if r["what"] == "payload"), None),
+            "workers_created_apart_s": _spawn_gap(trace, launcher_pid)}
 
 
-def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Optional[Dict[str, str]] = None) -> Tuple[Run, Dict[str, Any]]:
+def _spawn_gap(trace: List[Dict[str, Any]], launcher_pid: int) -> Optional[float]:
+    """Seconds between the creation of the first and the last worker (spawned workers only)."""
+    created = [r["created"] for r in trace if r["what"] == "process" and r.get("ppid") == launcher_pid
+               and "--multiprocessing-fork" in r.get("argv", [])]
+    return max(created) - min(created) if len(created) > 1 else None
+
+
+def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Optional[Dict[str, str]] = None,
+           extra_overrides: Sequence[str] = ()) -> Tuple[Run, Dict[str, Any]]:
     path = work.path / f"trace-{work.count + 1}.jsonl"
     if kind == "baseline":
         run = run_baseline(work, "traced-baseline", job, timeout, trace=path)
     else:
-        run = run_ours(work, "traced-ours", ours_overrides(job), timeout, trace=path, extra_env=extra_env)
+        run = run_ours(work, "traced-ours", ours_overrides(job) + list(extra_overrides), timeout, trace=path, extra_env=extra_env)
     check(run, f"traced {kind}")
     trace = read_jsonl(path)
     launcher = run.pid
@@ -146,13 +163,18 @@ def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Option
     return run, {"milestones_s": ms, "segments_s": segments(ms), "details": details(trace, launcher)}
 
 
-def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, preimport: bool = True) -> Dict[str, Any]:
+# Traced variants: extra environment (the tracer emulates the change), extra overrides.
+VARIANTS = {"ours_zlib": ({"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}, []),
+            "ours_forkserver": ({"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}, ["backend.start_method=forkserver"])}
+
+
+def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True) -> Dict[str, Any]:
     samples: Dict[str, List[Dict[str, Any]]] = {"baseline": [], "ours": []}
     makers = [("baseline", lambda: traced(work, "baseline", job, timeout)),
               ("ours", lambda: traced(work, "ours", job, timeout))]
-    if preimport:
-        samples["ours_preimport"] = []
-        makers.append(("ours_preimport", lambda: traced(work, "ours", job, timeout, {"STEADFAST_BENCH_PREIMPORT": PREIMPORT})))
+    for name, (extra, overrides) in VARIANTS.items() if variants else ():
+        samples[name] = []
+        makers.append((name, lambda extra=extra, overrides=overrides: traced(work, "ours", job, timeout, extra, overrides)))
 
     def keep(name: str, r: int, item: Any) -> None:
         run, info = item
@@ -177,7 +199,7 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
     """`rounds` untraced rounds give the headline; with rounds=0 (smoke test) the traced runs do."""
     if rounds == 0:
         with Workdir() as work:
-            b = breakdown(work, job, traced_rounds, timeout, preimport=False)
+            b = breakdown(work, job, traced_rounds, timeout, variants=False)
         return {"job": job.describe(), "rounds": 0, "traced_only": True,
                 "ttfs_s": {k: spread([b[k]["ttfs_s"]]) for k in ("baseline", "ours")},
                 "ratios": {"ours/baseline ttfs": ratio(b["ours"]["ttfs_s"], b["baseline"]["ttfs_s"])}, "breakdown": b}
@@ -185,8 +207,7 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
         makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout)),
                   ("ours", lambda: run_ours(work, "ours", ours_overrides(job), timeout))]
         if variants:
-            makers += [("ours_fork", lambda: run_ours(work, "fork", ours_overrides(job) + ["backend.start_method=fork"], timeout)),
-                       ("ours_dash_m", lambda: run_ours(work, "dashm", ours_overrides(job), timeout, cli_flags=["-m"]))]
+            makers.append(("ours_fork", lambda: run_ours(work, "fork", ours_overrides(job) + ["backend.start_method=fork"], timeout)))
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"startup {name}")
@@ -206,7 +227,7 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
         out["ratios"]["ours/baseline ttfs (median of paired rounds)"] = median(
             [ratio(o, b) for o, b in zip(ttfs["ours"], ttfs["baseline"])])
         if traced_rounds:
-            out["breakdown"] = breakdown(work, job, traced_rounds, timeout)
+            out["breakdown"] = breakdown(work, job, traced_rounds, timeout, variants)
     return out
 
 
@@ -218,20 +239,20 @@ def report(res: Dict[str, Any]) -> None:
         print(f"  {k:<50} {fmt(v)}")
     b = res.get("breakdown")
     if b:
-        pre = b.get("ours_preimport")
-        print(f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}{'preimport' if pre else '':>10}")
+        var = [k for k in VARIANTS if k in b]
+        print(f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}" + "".join(f"{k[5:]:>11}" for k in var))
         for lab, _, _ in SEGMENTS:
             print(f"  {lab:<55}{b['baseline']['segments_s'][lab]:>9.3f}{b['ours']['segments_s'][lab]:>9.3f}"
-                  f"{b['extra_s'][lab]:>9.3f}" + (f"{pre['segments_s'][lab]:>10.3f}" if pre else ""))
+                  f"{b['extra_s'][lab]:>9.3f}" + "".join(f"{b[k]['segments_s'][lab]:>11.3f}" for k in var))
         print(f"  {'time to first step (traced)':<55}{b['baseline']['ttfs_s']:>9.3f}{b['ours']['ttfs_s']:>9.3f}"
-              f"{b['ours']['ttfs_s'] - b['baseline']['ttfs_s']:>9.3f}" + (f"{pre['ttfs_s']:>10.3f}" if pre else ""))
+              f"{b['ours']['ttfs_s'] - b['baseline']['ttfs_s']:>9.3f}" + "".join(f"{b[k]['ttfs_s']:>11.3f}" for k in var))
         for k, v in b["ours"]["details"].items():
             print(f"    ours {k}: {fmt(v)}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--traced", type=int, default=2, help="rounds of traced runs for the breakdown (0: none)")
     p.add_argument("--no-variants", action="store_true")
     p.add_argument("--quick", action="store_true", help="3 rounds, 1 traced round")

@@ -8,8 +8,12 @@ this module, when watched modules start and finish importing, and when watched f
 start/stop, init_process_group, the trainer's set-up and checkpoint discovery, ...) start and
 end. bench/startup.py turns the records into a breakdown. Without the variable this does nothing.
 
-STEADFAST_BENCH_PREIMPORT (with tracing on) emulates a proposed launcher change without editing
-it: those modules are imported in a background thread as soon as the launcher is set up.
+Two proposed launcher changes can be emulated (tracing on) without editing the launcher:
+STEADFAST_BENCH_PREIMPORT=mod1,mod2 imports those modules in a background thread as soon as
+Hydra builds the launcher (joined before the workers start); STEADFAST_BENCH_ZLIB_PAYLOAD=1
+hands the workers the job payload zlib-compressed (and decompresses it in the worker);
+STEADFAST_BENCH_FORKSERVER_PRELOAD=mod1,mod2 (with backend.start_method=forkserver) has the
+forkserver import those modules once, so every worker, first or restarted, forks from it warm.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 
 _PATH = os.environ.get("STEADFAST_BENCH_TRACE")
 
@@ -95,7 +100,12 @@ def _preimport() -> None:
         record("preimport:end", start=start, modules=names)
 
     if names:
-        threading.Thread(target=work, name="bench-preimport", daemon=True).start()
+        global _preimport_thread
+        _preimport_thread = threading.Thread(target=work, name="bench-preimport", daemon=True)
+        _preimport_thread.start()
+
+
+_preimport_thread = None
 
 
 def _wrap(label: str, fn):  # type: ignore[no-untyped-def]
@@ -104,6 +114,20 @@ def _wrap(label: str, fn):  # type: ignore[no-untyped-def]
         start = time.time()
         if label == "hydra_instantiate_launcher":
             _preimport()  # the launcher is about to be set up
+        if label == "torchrun_adapter_run" and os.environ.get("STEADFAST_BENCH_FORKSERVER_PRELOAD"):
+            import multiprocessing  # emulates a proposed fix: start_method=forkserver with the worker's imports preloaded
+
+            multiprocessing.set_forkserver_preload(os.environ["STEADFAST_BENCH_FORKSERVER_PRELOAD"].split(","))
+        if label in ("torchrun_adapter_run", "horovod_adapter_run") and _preimport_thread is not None:
+            _preimport_thread.join()  # never start (let alone fork) workers while a thread is importing
+            record("preimport:joined", start=start)
+        if label in ("torchrun_adapter_run", "horovod_adapter_run") and args and isinstance(args[0], (bytes, bytearray)):
+            record("payload", bytes=len(args[0]))  # what every worker unpickles
+            if os.environ.get("STEADFAST_BENCH_ZLIB_PAYLOAD"):  # emulates a proposed fix: a compressed payload
+                args = (b"ZLIB" + zlib.compress(bytes(args[0])),) + tuple(args[1:])
+                record("payload_compressed", bytes=len(args[0]))
+        if label == "worker_run_rank" and args and isinstance(args[0], (bytes, bytearray)) and args[0][:4] == b"ZLIB":
+            args = (zlib.decompress(args[0][4:]),) + tuple(args[1:])
         if label not in QUIET:
             record(label + ":start")
         try:
