@@ -223,8 +223,13 @@ class CheckpointManager:
 
     # ---- restoring ----------------------------------------------------------------------
     def restore(self, objects: Dict[str, Stateful], per_rank: Dict[str, Stateful], allow_config_change: bool,
-                fresh_start_if_unusable: bool = False) -> Optional[Restored]:
-        """Collective: load the newest checkpoint that verifies into `objects`; None if there is none."""
+                fresh_start_if_unusable: bool = False,
+                new_rank: Optional[Callable[[int], None]] = None) -> Optional[Restored]:
+        """Collective: load the newest checkpoint that verifies into `objects`; None if there is none.
+
+        A checkpoint saved by another number of workers is refused unless `new_rank` is given (an
+        elastic job): then ranks the checkpoint has keep their saved per-rank state, and a rank it
+        does not have calls `new_rank(step)` to seed its state deterministically."""
         decision: Dict[str, Any] = {}
         states: Optional[Dict[str, Any]] = None
         if self.comm.rank == 0:
@@ -247,8 +252,9 @@ class CheckpointManager:
         if states is None:  # other ranks: rank 0 verified the checksums; check sizes while reading
             states = {name[:-4]: tensorfile.load(path / name, spec["bytes"]) for name, spec in manifest["files"].items()}
         ranks = states["ranks"]["ranks"]
-        if len(ranks) != self.comm.world_size:
-            raise CheckpointError(f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size}")
+        if len(ranks) != self.comm.world_size and new_rank is None:
+            raise CheckpointError(f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size} "
+                                  "(trainer.on_world_size_change=refuse)")
         for name, obj in objects.items():
             if name not in states:
                 raise CheckpointError(f"{path}: no {name}.bin in this checkpoint")
@@ -257,6 +263,10 @@ class CheckpointManager:
             except Exception as exc:
                 raise CheckpointError(f"{path / (name + '.bin')}: cannot restore {name}: {exc}") from exc
         for name, obj in per_rank.items():
+            if self.comm.rank >= len(ranks):
+                assert new_rank is not None
+                new_rank(manifest["step"])
+                break
             try:
                 obj.load_state_dict(ranks[self.comm.rank][name])
             except Exception as exc:

@@ -39,6 +39,16 @@ class TrainerConfig:
     stop_check_every_n_steps: int = 1
     # Stop (after a checkpoint) when any rank's peak resident memory passes this many MB; null: off.
     max_rss_mb: Optional[float] = None
+    # What a resume does when the number of workers differs from the checkpoint's (an elastic job,
+    # backend.nnodes=MIN:MAX, that lost or regained a node; or a relaunch on another machine):
+    #   keep_global_batch: the global batch (data.batch_size x the reference world size: an elastic job's
+    #                      full size, backend.nnodes MAX x nproc_per_node, else the first launch's) stays;
+    #                      each worker's batch becomes global / workers (rounded up); lr unchanged.
+    #   scale_lr:          each worker keeps data.batch_size, so the global batch changes; the
+    #                      learning rate is scaled by workers / the reference world size (linear rule).
+    #   refuse:            a checkpoint saved by another number of workers is not resumed.
+    # Either way the data position is kept in samples: the resumed epoch neither repeats nor skips data.
+    on_world_size_change: str = "keep_global_batch"
 
 
 @dataclass
@@ -124,6 +134,24 @@ class LoggerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """cluster=none (default): run here. cluster=slurm: submit each job to Slurm (see _slurm.py)."""
+
+    name: str = "none"
+    nodes: int = 1  # one torch elastic agent per node (srun --ntasks-per-node=1)
+    min_nodes: Optional[int] = None  # elastic: backend.nnodes=min_nodes:nodes (null: exactly nodes)
+    time_min: int = 60  # the job's time limit (sbatch --time, minutes)
+    partition: Optional[str] = None
+    gpus_per_node: Optional[int] = None
+    cpus_per_node: Optional[int] = None  # sbatch --cpus-per-task (one task per node)
+    requeue: bool = True  # --requeue, and `scontrol requeue` after a stop before the time limit
+    signal_grace_s: int = 120  # --signal=TERM@<this>: SIGTERM this long before the time limit
+    rdzv_port: int = 29400  # the c10d rendezvous port on the allocation's first node
+    extra_sbatch_args: List[str] = field(default_factory=list)  # e.g. ["--account=proj", "--qos=high"]
+    submit: bool = True  # false: only write <run folder>/slurm/job.sbatch
+
+
+@dataclass
 class TrainConfig:
     backend: BackendConf = MISSING
     restart: RestartConf = MISSING
@@ -135,13 +163,14 @@ class TrainConfig:
     resume: Resume = Resume.auto
     fault: FaultConfig = field(default_factory=FaultConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # Keys that do not change what is trained, so they do not change the derived run name:
 # running again with more epochs or another cadence continues the same run.
 NAME_NEUTRAL = ("run.", "resume", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads",
                 "trainer.objective", "trainer.stop_check_every_n_steps", "trainer.max_rss_mb", "logger",
-                "checkpoint", "restart", "hydra.", "backend.rdzv", "backend.monitor", "backend.start_timeout")
+                "checkpoint", "restart", "hydra.", "cluster", "backend.rdzv", "backend.monitor", "backend.start_timeout")
 MAX_NAME = 80
 SWEEPS = "sweeps"  # sweeps get their own folder under the output root: <root>/sweeps/<sweep name>/<run name>
 
@@ -255,6 +284,7 @@ DATA_SCHEMAS = {"digits": DigitsConfig, "synthetic": SyntheticConfig}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 OBJECTIVES = ("val_loss", "val_accuracy", "best_val_loss", "final_loss")  # keys of the trainer's result
 SCHEDULERS = ("none", "cosine", "step")
+WORLD_SIZE_POLICIES = ("keep_global_batch", "scale_lr", "refuse")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 
@@ -290,6 +320,8 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     positive("trainer.max_rss_mb", t.max_rss_mb, allow_none=True)
     if t.scheduler not in SCHEDULERS:
         out.append(bad("trainer.scheduler", t.scheduler, f"one of {', '.join(SCHEDULERS)}"))
+    if t.on_world_size_change not in WORLD_SIZE_POLICIES:
+        out.append(bad("trainer.on_world_size_change", t.on_world_size_change, f"one of {', '.join(WORLD_SIZE_POLICIES)}"))
     if t.weight_decay < 0:
         out.append(bad("trainer.weight_decay", t.weight_decay, "a number >= 0"))
     for key in ("every_n_epochs", "every_n_steps", "every_n_seconds"):
@@ -399,6 +431,7 @@ cs.store(name="schema_train", node=TrainConfig)
 cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
 cs.store(group="fault", name="schema", node=FaultConfig)
 cs.store(group="logger", name="schema", node=LoggerConfig)
+cs.store(group="cluster", name="schema", node=ClusterConfig)
 cs.store(group="model", name="schema_mlp", node=MLPConfig)
 cs.store(group="model", name="schema_cnn", node=CNNConfig)
 cs.store(group="data", name="schema_digits", node=DigitsConfig)

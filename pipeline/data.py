@@ -65,36 +65,52 @@ def build_data(cfg: Any) -> Datasets:
 
 
 class ResumableSampler(Sampler[int]):
-    """DistributedSampler's order, able to start at any batch of an epoch.
+    """DistributedSampler's order, able to start at any sample of an epoch, for any world size.
 
-    Each epoch is a permutation seeded by (seed, epoch), cut to a multiple of the world size so
-    every rank has the same number of batches (DDP would hang otherwise); rank r takes every
-    world_size-th index. `start(epoch, batch)` skips the first `batch` batches of this rank's shard
-    without drawing anything, so a resumed run sees exactly the batches the interrupted one would.
+    Each epoch is one global permutation seeded by (seed, epoch). The position in an epoch is the
+    number of samples of that permutation already consumed by all ranks together: after b batches
+    of size B on W ranks, rank r has read order[r::W][:b*B], so together they read order[:b*B*W].
+    `start(epoch, sample)` deals the rest, order[sample:], over this run's ranks (rank r takes every
+    world_size-th index, cut to a multiple of the world size so every rank has the same number of
+    batches; DDP would hang otherwise). A resume with another world size or batch size therefore
+    neither repeats nor skips data (at most world_size - 1 samples at an epoch's end are dropped,
+    as DistributedSampler drops them). With the same world size it is exactly the batches the
+    interrupted run would have read.
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int) -> None:
         self.total = num_samples
-        self.num_samples = num_samples - num_samples % world_size
         self.world_size, self.rank, self.batch_size, self.seed = world_size, rank, batch_size, seed
-        self.epoch, self.first_batch = 0, 0
-        if self.num_samples == 0:
+        self.epoch, self.first_sample = 0, 0
+        if num_samples - num_samples % world_size == 0:
             raise ValueError(f"{num_samples} training samples cannot be split over {world_size} workers")
+
+    def _per_rank(self, first_sample: int) -> int:
+        left = max(0, self.total - first_sample)
+        return left // self.world_size
 
     @property
     def batches_per_epoch(self) -> int:
-        return -(-(self.num_samples // self.world_size) // self.batch_size)
+        return -(-self._per_rank(0) // self.batch_size)
 
-    def start(self, epoch: int, batch: int = 0) -> None:
-        self.epoch, self.first_batch = epoch, batch
+    @property
+    def batches_left(self) -> int:
+        return -(-self._per_rank(self.first_sample) // self.batch_size)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples all ranks consume together in one full step."""
+        return self.batch_size * self.world_size
+
+    def start(self, epoch: int, sample: int = 0) -> None:
+        self.epoch, self.first_sample = epoch, sample
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator()
         g.manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(self.total, generator=g)[: self.num_samples]
-        shard = order[self.rank :: self.world_size]
-        return iter(shard[self.first_batch * self.batch_size :].tolist())
+        rest = torch.randperm(self.total, generator=g)[self.first_sample :]
+        rest = rest[: len(rest) - len(rest) % self.world_size]
+        return iter(rest[self.rank :: self.world_size].tolist())
 
     def __len__(self) -> int:
-        return max(0, self.num_samples // self.world_size - self.first_batch * self.batch_size)
-
+        return self._per_rank(self.first_sample)

@@ -22,8 +22,8 @@ TRASH_PREFIX = ".trash-"
 # Keys that may change between a checkpoint and the run that resumes it: they do not change
 # what is being trained. Every other key must match (the world size is compared on its own).
 SAFE_TO_CHANGE = ("trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads", "trainer.objective",
-                  "trainer.stop_check_every_n_steps", "trainer.max_rss_mb",
-                  "checkpoint.", "restart.", "run.", "resume", "backend.", "data.num_workers", "fault.", "logger.")
+                  "trainer.stop_check_every_n_steps", "trainer.max_rss_mb", "trainer.on_world_size_change",
+                  "checkpoint.", "restart.", "run.", "resume", "backend.", "data.num_workers", "fault.", "logger.", "cluster.")
 
 
 def step_dir_name(step: int) -> str:

@@ -39,6 +39,9 @@ class Progress:
 
     epoch: int = 0  # epochs completed
     batch_in_epoch: int = 0  # batches completed in the current epoch
+    sample_in_epoch: int = 0  # samples of the epoch's order consumed by all ranks together (data.ResumableSampler)
+    first_world_size: Optional[int] = None  # workers of the run's first launch: the reference for on_world_size_change
+    lr_scale: float = 1.0  # the learning rate's factor under trainer.on_world_size_change=scale_lr
     global_step: int = 0
     train_loss: Optional[float] = None  # mean over the last completed epoch
     val_loss: Optional[float] = None
@@ -220,10 +223,11 @@ class Trainer:
         resumed = self._resume(ckpt, objects, per_rank)
         comm.broadcast_state(model, optimizer)
         self.beat(progress.global_step, "train")
+        batch_size = self._adapt_to_world_size(progress, optimizer, scheduler, resumed)
 
-        sampler = ResumableSampler(len(data.train), comm.world_size, comm.rank, cfg.data.batch_size, cfg.trainer.seed)
+        sampler = ResumableSampler(len(data.train), comm.world_size, comm.rank, batch_size, cfg.trainer.seed)
         loader_rng = torch.Generator()  # keeps the DataLoader from drawing on the global RNG
-        loader = DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
+        loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler,
                             num_workers=cfg.data.num_workers, generator=loader_rng)
         ck = cfg.checkpoint
         last_save_time = time.monotonic()
@@ -235,7 +239,8 @@ class Trainer:
             nonlocal last_save_time
             self.beat(progress.global_step, "save")
             ckpt.save(progress.global_step, objects, per_rank,
-                      {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "global_step": progress.global_step})
+                      {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "global_step": progress.global_step,
+                       "sample_in_epoch": progress.sample_in_epoch})
             last_save_time = time.monotonic()
             self.beat(progress.global_step, "train")
             display.restart_rate()
@@ -316,7 +321,7 @@ class Trainer:
         first_step = True
         while progress.epoch < cfg.trainer.max_epochs:
             epoch = progress.epoch
-            sampler.start(epoch, progress.batch_in_epoch)
+            sampler.start(epoch, progress.sample_in_epoch)
             loader_rng.manual_seed(cfg.trainer.seed * 100_003 + epoch)
             ddp_model.train()
             epoch_loss = torch.zeros(2, dtype=torch.float64)  # sum of losses, batches
@@ -329,6 +334,7 @@ class Trainer:
                 optimizer.step()
                 progress.global_step += 1
                 progress.batch_in_epoch += 1
+                progress.sample_in_epoch = min(sampler.total, progress.sample_in_epoch + sampler.samples_per_step)
                 detached = loss.detach().double().cpu()
                 epoch_loss += torch.stack([detached, torch.ones((), dtype=torch.float64)])
                 window += torch.stack([detached, torch.ones((), dtype=torch.float64)])
@@ -376,7 +382,7 @@ class Trainer:
                     save()
             totals = comm.all_reduce_sum(epoch_loss.to(comm.device)).cpu()
             scheduler.step()
-            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
+            progress.epoch, progress.batch_in_epoch, progress.sample_in_epoch = epoch + 1, 0, 0
             if totals[1] > 0:
                 progress.train_loss = float(totals[0] / totals[1])
             progress.val_loss, progress.val_accuracy = self._validate(model, data.val)
@@ -426,16 +432,59 @@ class Trainer:
             if manifest.committed(ckpt.folder):
                 raise CheckpointError(f"resume=never, but {ckpt.folder} already holds checkpoints; they are left untouched")
             return None
-        restored = ckpt.restore(objects, per_rank, self.cfg.run.allow_config_change, self.cfg.run.fresh_start_if_unusable)
+        elastic = self.cfg.trainer.on_world_size_change != "refuse"
+        seed = self.cfg.trainer.seed
+
+        def new_rank(step: int) -> None:  # a rank the checkpoint does not have: a stream of its own, reproducible
+            seed_everything(seed + 1 + self.comm.rank + 1_000_003 * step)
+
+        restored = ckpt.restore(objects, per_rank, self.cfg.run.allow_config_change, self.cfg.run.fresh_start_if_unusable,
+                                new_rank=new_rank if elastic else None)
         if restored is None:
             if policy == schema.Resume.must:
                 raise CheckpointError(f"resume=must, but {ckpt.folder} holds no usable checkpoint")
             return None
+        progress = objects["progress"]
+        saved_ws = int(restored.manifest.get("world_size") or self.comm.world_size)
+        if "sample_in_epoch" not in restored.manifest:  # a checkpoint from before positions were kept in samples
+            progress.sample_in_epoch = progress.batch_in_epoch * self.cfg.data.batch_size * saved_ws
+        if progress.first_world_size is None:
+            progress.first_world_size = saved_ws
+        self._saved_world_size = saved_ws
         self.record.event("resumed", step=restored.step, path=str(restored.path), epoch=restored.manifest.get("epoch"),
-                          batch_in_epoch=restored.manifest.get("batch_in_epoch"))
+                          batch_in_epoch=restored.manifest.get("batch_in_epoch"), sample_in_epoch=progress.sample_in_epoch,
+                          saved_world_size=saved_ws, world_size=self.comm.world_size)
         log.info("Resumed from %s (epoch %s, batch %s)", restored.path, restored.manifest.get("epoch"),
                  restored.manifest.get("batch_in_epoch"))
         return restored.step
+
+    def _adapt_to_world_size(self, progress: Progress, optimizer: Any, scheduler: Any, resumed: Optional[int]) -> int:
+        """Each worker's batch size for this launch, and the learning rate, per trainer.on_world_size_change."""
+        ws, policy, bs = self.comm.world_size, self.cfg.trainer.on_world_size_change, self.cfg.data.batch_size
+        if progress.first_world_size is None:  # a fresh run: the job's full size, whoever came first
+            progress.first_world_size = _full_world_size(self.raw_cfg, ws)
+        first = progress.first_world_size
+        if policy == "keep_global_batch":
+            batch = -(-bs * first // ws)
+        else:
+            batch = bs
+        scale = ws / first if policy == "scale_lr" else 1.0
+        if scale != progress.lr_scale:
+            factor = scale / progress.lr_scale
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+            progress.lr_scale = scale
+        saved = getattr(self, "_saved_world_size", ws)
+        if resumed is not None and saved != ws:
+            log.warning("Resuming with %d worker(s) where the checkpoint had %d (trainer.on_world_size_change=%s): "
+                        "%d samples per worker per step (global batch %d), learning rate x%g; the epoch continues at "
+                        "sample %d", ws, saved, policy, batch, batch * ws, progress.lr_scale, progress.sample_in_epoch)
+            self.record.event("world_size_changed", step=resumed, saved_world_size=saved, world_size=ws, policy=policy,
+                              batch_per_worker=batch, global_batch=batch * ws, lr_scale=progress.lr_scale,
+                              sample_in_epoch=progress.sample_in_epoch)
+        return batch
 
     def _validate(self, model: nn.Module, dataset: Any) -> tuple[float, float]:
         """Loss and accuracy on the validation set, each rank evaluating its own shard."""
@@ -453,6 +502,16 @@ class Trainer:
         totals = self.comm.all_reduce_sum(totals.to(self.comm.device)).cpu()
         model.train()
         return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def _full_world_size(cfg: Any, current: int) -> int:
+    """The reference world size of trainer.on_world_size_change: an elastic torchrun job's full size
+    (backend.nnodes MAX x nproc_per_node), so it does not depend on which nodes joined the first round;
+    otherwise the world size of the run's first launch."""
+    backend = OmegaConf.select(cfg, "backend") or {}
+    if backend.get("name") == "torchrun" and ":" in str(backend.get("nnodes", "")):
+        return int(str(backend["nnodes"]).split(":")[1]) * int(backend.get("nproc_per_node", 1))
+    return current
 
 
 def _peak_rss_mb() -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUICK, event_of, run_dir, start_train, stop, summary, wait_for
+from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +68,49 @@ def test_a_node_that_sees_another_run_folder_is_refused(tmp_path: Path) -> None:
     assert "not every worker sees the run folder" in both, both[-6000:]
     assert str(tmp_path / "n1" / "outputs" / "big") in both or str(tmp_path / "n0" / "outputs" / "big") in both
     assert f"on {socket.gethostname()}" in both
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
+    """nnodes=1:2: node B (agent and worker) is SIGKILLed; node A re-rendezvouses alone and continues
+    from the last committed checkpoint with 1 worker; B restarted joins at the next rendezvous and
+    the job completes on 2 workers again. Node A hosts the c10d store (started first): with c10d the
+    endpoint's node must survive (use etcd when any node may go)."""
+    port = free_port()
+    args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=16", "data.num_samples=1024", "restart.preemption_grace_s=5",
+            "backend.rdzv_last_call_s=3", "restart.max_restarts=5",
+            "restart.collective_timeout_s=60"]
+    args = [a for a in args if a != "trainer.max_epochs=2"]
+    folder = run_dir(tmp_path, "el")
+    a = start_train(tmp_path, *args)
+    b = b2 = None
+    try:
+        wait_for(lambda: _listening(port), 60, "node A's rendezvous store", a)
+        b = start_train(tmp_path, *args)
+        # (if A's first round started alone, B's arrival makes A save and re-rendezvous with both: fine)
+        pair = wait_for(lambda: [e for e in events(folder) if e.get("event") == "attempt_started" and e.get("world_size") == 2],
+                        120, "both nodes training in one round", a)[0]
+        wait_for(lambda: [e for e in events(folder) if e.get("event") == "checkpoint_saved" and e["time"] > pair["time"]],
+                 60, "a checkpoint committed by the 2-worker group", a)
+        stop(b)  # SIGKILL to B's launcher, agent and worker (one process group)
+        changed = wait_for(lambda: event_of(folder, "world_size_changed", world_size=1, saved_world_size=2), 120,
+                           "A resuming alone", a)
+        assert changed["saved_world_size"] == 2 and changed["global_batch"] == 32  # keep_global_batch: 16 x 2
+        b2 = start_train(tmp_path, *args)
+        back = wait_for(lambda: [e for e in events(folder) if e.get("event") == "world_size_changed"
+                                 and e.get("world_size") == 2 and e["time"] > changed["time"]], 120, "B rejoining", a)[0]
+        assert back["saved_world_size"] == 1 and back["batch_per_worker"] == 16
+        rc_a, out_a = finish(a, 200)
+        rc_b, out_b = finish(b2, 60)
+    finally:
+        for p in (a, b, b2):
+            if p is not None:
+                stop(p)
+    assert rc_a == 0, out_a[-4000:]
+    s = summary(folder)
+    assert s["status"] == "completed" and s["epochs_completed"] == 16 and s["world_size"] == 2, s

@@ -120,8 +120,41 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         })
     sweep = _Sweep(launcher, jobs, settings, ledger, sweep_dir)
     _preflight(launcher, [j for j in jobs if sweep.completed_result(j) is None])
+    from . import _slurm
+
+    if any(_slurm.cluster_of(j.config).get("name") == "slurm" for j in jobs):
+        HydraConfig.instance().set_config(master)
+        return _submit_to_slurm(jobs)
     HydraConfig.instance().set_config(master)
     return sweep.run(table=sweeping)
+
+
+def _submit_to_slurm(jobs: List[Job]) -> List[JobReturn]:
+    """cluster=slurm: every job becomes one Slurm batch job (a sweep: one per point); see _slurm."""
+    from . import _slurm
+
+    problems = []
+    for job in jobs:
+        problems += [(f"{job.label}: " if len(jobs) > 1 else "") + p for p in _slurm.problems(_slurm.cluster_of(job.config))]
+    if problems:
+        raise ConfigError(problems)
+    returns = []
+    for job in jobs:
+        assert job.run_dir is not None
+        cluster = _slurm.cluster_of(job.config)
+        script = job.run_dir / "slurm" / _slurm.SCRIPT_NAME
+        script.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(script, _slurm.sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}"))
+        if not cluster.get("submit", True):
+            log.info("%s: wrote %s (cluster.submit=false: not submitted)", job.label, script)
+            returns.append(_job_return(job, JobStatus.COMPLETED, {"slurm_script": str(script)}))
+            continue
+        job_id = _slurm.submit(script)
+        contract.append_event(job.run_dir, "slurm_submitted", slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"])
+        log.info("%s: submitted as Slurm job %s (%d node(s)); script %s, output %s/slurm/<job id>.out",
+                 job.label, job_id, cluster["nodes"], script, job.run_dir)
+        returns.append(_job_return(job, JobStatus.COMPLETED, {"slurm_job_id": job_id, "slurm_script": str(script)}))
+    return returns
 
 
 def _settings(master: DictConfig) -> Settings:

@@ -30,6 +30,8 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
     low, high = backend.node_range()
     endpoint = backend.rdzv_endpoint
     rdzv_configs: Dict[str, Any] = {"timeout": backend.rdzv_timeout_s}
+    if backend.rdzv_last_call_s is not None:
+        rdzv_configs["last_call_timeout"] = backend.rdzv_last_call_s
     if backend.rdzv_backend == "static":
         endpoint = f"{backend.master_addr}:{backend.master_port}"
         rdzv_configs["rank"] = backend.node_rank
