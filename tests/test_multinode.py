@@ -82,7 +82,7 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     the job completes on 2 workers again. Node A hosts the c10d store (started first): with c10d the
     endpoint's node must survive (use etcd when any node may go)."""
     port = free_port()
-    args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=16", "data.num_samples=1024", "restart.preemption_grace_s=5",
+    args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
             "backend.rdzv_last_call_s=3", "restart.max_restarts=5",
             "restart.collective_timeout_s=60"]
     args = [a for a in args if a != "trainer.max_epochs=2"]
@@ -113,4 +113,4 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
                 stop(p)
     assert rc_a == 0, out_a[-4000:]
     s = summary(folder)
-    assert s["status"] == "completed" and s["epochs_completed"] == 16 and s["world_size"] == 2, s
+    assert s["status"] == "completed" and s["epochs_completed"] == 10 and s["world_size"] == 2, s

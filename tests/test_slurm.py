@@ -44,10 +44,17 @@ def test_script_has_one_agent_per_node_the_head_node_endpoint_requeue_and_signal
     assert "cluster=none" in srun and "cluster.nodes" not in srun and "backend.nproc_per_node=4" in srun
     assert f"hydra.sweep.dir={tmp_path / 'outputs'}" in srun and "run.name=big" in srun
     subprocess.run(["bash", "-n", str(run_dir(tmp_path, "big") / "slurm" / "job.sbatch")], check=True)
-    if shutil.which("sbatch") and shutil.which("scontrol") and subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0:
-        test = subprocess.run(["sbatch", "--test-only", str(run_dir(tmp_path, "big") / "slurm" / "job.sbatch")],
-                              capture_output=True, text=True)
-        assert "to start at" in test.stderr + test.stdout, test.stderr
+
+
+def test_slurm_accepts_the_script_with_test_only(tmp_path: Path) -> None:
+    if not _controller():
+        pytest.skip("no Slurm controller answers `scontrol ping` here, so `sbatch --test-only` cannot run")
+    proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "cluster.submit=false",
+                     "run.name=t", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    test = subprocess.run(["sbatch", "--test-only", str(run_dir(tmp_path, "t") / "slurm" / "job.sbatch")],
+                          capture_output=True, text=True)
+    assert test.returncode == 0 and "to start at" in test.stderr + test.stdout, test.stderr
 
 
 def test_each_job_of_a_sweep_is_submitted_as_its_own_slurm_job(tmp_path: Path) -> None:
@@ -74,3 +81,30 @@ def test_bad_cluster_values_are_refused_before_anything_is_written(tmp_path: Pat
     proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=0", "cluster.submit=false", "run.name=x", timeout=60)
     assert proc.returncode != 0 and "cluster.nodes=0 is not allowed" in proc.stderr
     assert not (run_dir(tmp_path, "x") / "slurm").exists()
+
+
+def _controller() -> bool:
+    return bool(shutil.which("sbatch") and shutil.which("scontrol")
+                and subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP"))
+
+
+@pytest.mark.slow
+def test_a_real_slurm_job_runs_the_training_to_completion(tmp_path: Path) -> None:
+    """Needs a Slurm controller and a node that can read tmp_path (a single-node Slurm on localhost
+    does: slurm-wlm + munge; see README "Beyond one machine")."""
+    if not _controller():
+        pytest.skip("no Slurm controller answers `scontrol ping` here (a single-node slurmctld + slurmd + munge can provide one)")
+    from helpers import QUICK, summary, wait_for
+
+    proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "run.name=sl", *QUICK,
+                     "trainer.max_epochs=2", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = run_dir(tmp_path, "sl")
+    job_id = event_of(folder, "slurm_submitted")["slurm_job_id"]
+    try:
+        wait_for(lambda: (folder / "summary.json").is_file() and summary(folder).get("status") == "completed", 180,
+                 f"Slurm job {job_id} to complete the training")
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert summary(folder)["world_size"] == 2
+    assert (folder / "slurm" / f"{job_id}.out").is_file()
