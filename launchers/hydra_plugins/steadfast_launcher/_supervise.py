@@ -373,12 +373,19 @@ class _LauncherSignals:
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
         contract.request_stop(signum)
-        if self.force or self.count > 1 or (not self.in_process and not self._registered()):
+        if self.force or self.count > 1:
             raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
+        if self.in_process:
+            return
+        workers = self._registered()
+        if not workers:
+            raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
+        for pid in workers:  # at once; the supervisor also passes it on to workers that register later
+            _kill(pid, signum)
 
-    def _registered(self) -> bool:
-        return any(b.get("launch") == self.launch_id and b.get("host") == HOST and _alive(int(b.get("pid", 0)))
-                   for b in contract.read_heartbeats(self.run_dir).values())
+    def _registered(self) -> List[int]:
+        return [int(b["pid"]) for b in contract.read_heartbeats(self.run_dir).values()
+                if b.get("launch") == self.launch_id and b.get("host") == HOST and _alive(int(b.get("pid", 0)))]
 
     def interrupt_main(self) -> None:
         import _thread
