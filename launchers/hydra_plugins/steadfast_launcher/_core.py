@@ -249,6 +249,8 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
                 from ._supervise import run_attempt  # stop requests, hang watchdog, stop markers
 
                 result = run_attempt(adapter, payload, job, env, run_dir)
+                if multi_node and result is None:  # global rank 0 ran on another node
+                    log.info("%s: global rank 0 ran on another node; its result is in %s", job.label, run_dir / SUMMARY_FILE)
                 contract.append_event(run_dir, "job_completed", relaunches=attempt)
                 job.restarts = attempt
                 return result
