@@ -159,6 +159,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.beat(phase=contract.DONE_PHASE)  # finished (or failed): the hang watchdog stops watching this rank
             if self._tb is not None:
                 self._tb.close()
             logging.getLogger().removeHandler(self._log_handler)

@@ -185,7 +185,8 @@ class Supervisor:
         if signum is not None:
             self._forward_stop(signum, live)
         elif self.threshold is not None:
-            stuck = [w for w in live if now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)]
+            stuck = [w for w in live if w.phase != contract.DONE_PHASE
+                     and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)]
             if stuck:
                 self._handle_hang(stuck, now)
 

@@ -62,6 +62,7 @@ STACKS_DIR = "logs/stacks"  # rank<r>.txt: Python stacks dumped when the watchdo
 STACK_SIGNAL = signal.SIGUSR1  # makes a worker dump its stacks (faulthandler) without stopping it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 PREEMPTED = "preempted"  # Stopped.reason of a stop on request
+DONE_PHASE = "done"  # a worker's last heartbeat phase: its task is over (shutting down, or waiting to be collected)
 
 
 def run_dir() -> Path:
