@@ -42,13 +42,14 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers, as the trainer)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))  # as the trainer
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local_world))  # as the trainer
     torch.manual_seed(args.seed)
 
     data = synthetic(num_samples=args.num_samples, num_features=args.num_features, num_classes=args.num_classes,

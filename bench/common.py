@@ -86,18 +86,21 @@ class Job:
     epochs: int = 1
     log_every: int = 10
     workers: int = 2
+    threads: Optional[int] = None  # torch threads per worker (None: both sides use cores / workers)
 
     def overrides(self, backend: str = "torchrun") -> List[str]:
         workers = [f"backend.nproc_per_node={self.workers}"] if backend == "torchrun" else ["backend=horovod", f"backend.np={self.workers}"]
         return ["data=synthetic", f"data.num_samples={self.num_samples}", f"data.num_features={self.num_features}",
                 f"data.num_classes={self.num_classes}", f"data.batch_size={self.batch_size}",
                 f"model.hidden_sizes=[{','.join(map(str, self.hidden))}]", f"trainer.max_epochs={self.epochs}",
-                f"trainer.log_every_n_steps={self.log_every}", *workers]
+                f"trainer.log_every_n_steps={self.log_every}", *workers,
+                *([f"trainer.num_threads={self.threads}"] if self.threads else [])]
 
     def baseline_args(self) -> List[str]:
         return ["--num-samples", str(self.num_samples), "--num-features", str(self.num_features),
                 "--num-classes", str(self.num_classes), "--hidden", ",".join(map(str, self.hidden)),
-                "--batch-size", str(self.batch_size), "--epochs", str(self.epochs), "--log-every", str(self.log_every)]
+                "--batch-size", str(self.batch_size), "--epochs", str(self.epochs), "--log-every", str(self.log_every),
+                *(["--threads", str(self.threads)] if self.threads else [])]
 
     def params(self) -> int:
         width, total = self.num_features, 0
@@ -118,9 +121,9 @@ class Job:
 
 # Tiny: the synthetic data's defaults (start-up and recovery are not diluted by work).
 TINY = Job()
-# Hot loop: a step takes ~10 ms on this machine; one epoch of 512 steps per worker, so the
+# Hot loop: a step takes ~10 ms on this machine; one epoch of 384 steps per worker, so the
 # measured window has no epoch end (validation) in it.
-HOT = Job(num_samples=81920, num_features=256, hidden=(512, 512), batch_size=64, epochs=1, log_every=10)
+HOT = Job(num_samples=61440, num_features=256, hidden=(512, 512), batch_size=64, epochs=1, log_every=10)
 
 
 # ---- running ----------------------------------------------------------------------------------

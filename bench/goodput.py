@@ -233,7 +233,7 @@ def report(res: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--periods", default="30,10", help="seconds between kills")
-    p.add_argument("--train-s", default="45,25", help="failure-free training seconds for each period")
+    p.add_argument("--train-s", default="40,20", help="failure-free training seconds for each period")
     p.add_argument("--cap-factor", type=float, default=2.0, help="stop a run after this many times its failure-free time (+15 s)")
     p.add_argument("--quick", action="store_true", help="T=30 with 35 s, T=10 with 15 s of training")
     p.add_argument("--tiny", action="store_true", help="one run of a tiny job, one kill (smoke test; reference figures given, not measured)")

@@ -79,7 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         rounds = 2
     if args.tiny:
-        job, rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=2, log_every=2), 1
+        # 2 workers: with backend.np=1 Horovod 0.28.1 fails in the runner (log10(0) in gloo_run._pad_rank with an output folder)
+        job, rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=1, log_every=2), 1
     out: Dict[str, Any] = {"benchmark": "horovod", "command": command_line("bench.horovod", argv), "machine": machine()}
     if not horovod_available():
         out["skipped"] = "horovod.torch cannot be imported (STEADFAST_WITHOUT_HOROVOD=1 setup?)"

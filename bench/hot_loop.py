@@ -4,7 +4,7 @@ what checkpointing every N steps (sync and async) costs.
     python -m bench.hot_loop [--rounds 3] [--every 20] [--quick | --tiny] [--json PATH]
 
 Same job on both sides (bench.common.HOT: synthetic data, 256 features, MLP 512-512, batch 64 per
-worker, 2 workers, Gloo, one epoch of 512 steps). The runs alternate in a rotated order each
+worker, 2 workers, Gloo, one epoch of 384 steps). The runs alternate in a rotated order each
 round; the median of each is reported. Steps/s comes from the logged steps (metrics.jsonl rows
 and the baseline's rows, every 10 steps) after 30 warm-up steps: the median 10-step interval,
 leaving out intervals that span an epoch end (the trainer validates there) and, for the
@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         job, rounds, ckpt_rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), 2, 1
     if args.tiny:
-        job, rounds, ckpt_rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=2, log_every=2), 1, 0
+        job, rounds, ckpt_rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=1, log_every=2, workers=1), 1, 0
     if args.epochs:
         job = dataclasses.replace(job, epochs=args.epochs)
     log(f"hot loop: {rounds} rounds of baseline / ours, {ckpt_rounds} with ours+sync ckpt / ours+async ckpt")

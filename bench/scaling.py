@@ -3,16 +3,17 @@ MB of parameters, and from 1 to 2 to 4 workers; checkpoint cost and recovery for
 
     python -m bench.scaling [--rounds 2] [--workers 1,4] [--big-hidden 8192,8192] [--quick | --tiny] [--json PATH]
 
-Workers: the hot-loop job with half its data (bench.common.HOT, 256 steps at 2 workers) with 1 and 4 workers, ours vs the
+Workers: the hot-loop job with half its data (bench.common.HOT, 192 steps at 2 workers) with 1 and 4 workers, ours vs the
 baseline alternated (2 workers is bench.hot_loop's figure). 4 workers on this 2-core machine
-are oversubscribed (two processes per core, one torch thread each): that figure shows the
-framework's cost under contention, not a speed-up.
+are oversubscribed (two processes per core); every worker has one torch thread here, so 1 worker
+uses one core.
 
-Model size: the tiny job (MLP 64-64, 2.3 k parameters) and a big one (MLP 256 -> 8192 -> 8192 -> 4,
-69 M parameters, 277 MB of float32; with SGD momentum a checkpoint is ~554 MB), 2 workers, ours vs
-the baseline alternated; then one run of ours on the big model with a sync checkpoint every 5
-steps and rank 1 SIGKILLed at step 7 (fault=kill_rank): the save cost, the slowdown it causes,
-and the recovery (kill to the first step after resuming from ~554 MB) vs the cold start.
+Model size: the tiny job (MLP 64-64, 6.5 k parameters) and a big one (MLP 256 -> 8192 -> 8192 -> 4,
+69 M parameters, 277 MB of float32; with SGD momentum a checkpoint is ~554 MB; batch 4, 8 steps
+per worker: a step is mostly the 277 MB all-reduce), 2 workers, ours vs the baseline alternated;
+then one run of ours on the big model with a sync checkpoint every 3 steps and rank 1 SIGKILLed
+at step 4 (fault=kill_rank): the save cost, the slowdown it causes, and the recovery (kill to the
+first step after resuming from ~554 MB) vs the cold start.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .common import (HOT, RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, cpu_per_step, fmt, foreign, aborted_at_exit, log, machine,
                      median, ratio, run_baseline, run_ours, spread, steady_rate, write_json)
 
-BIG = Job(num_samples=640, num_features=256, hidden=(8192, 8192), batch_size=16, epochs=1, log_every=1)
+BIG = Job(num_samples=80, num_features=256, hidden=(8192, 8192), batch_size=4, epochs=1, log_every=1)  # 8 steps per worker
 
 
 def pair(work: Workdir, job: Job, rounds: int, label: str, timeout: float = 400) -> Dict[str, Any]:
@@ -55,7 +56,7 @@ def pair(work: Workdir, job: Job, rounds: int, label: str, timeout: float = 400)
             "ours/baseline ttfs": ratio(median(ttfs["ours"]), median(ttfs["baseline"]))}
 
 
-def big_checkpoint_and_recovery(work: Workdir, job: Job, every: int = 5, kill_at: int = 7, timeout: float = 400) -> Dict[str, Any]:
+def big_checkpoint_and_recovery(work: Workdir, job: Job, every: int = 3, kill_at: int = 4, timeout: float = 400) -> Dict[str, Any]:
     overrides = job.overrides() + ["checkpoint=every_n_steps", f"checkpoint.every_n_steps={every}", "fault=kill_rank",
                                    "fault.rank=1", f"fault.at_step={kill_at}", "fault.times=1", "restart.max_restarts=2"]
     run = run_ours(work, "big-ckpt-kill", overrides, timeout)
@@ -80,11 +81,13 @@ def measure(rounds: int, workers: List[int], big: Job, with_big_ckpt: bool, with
     out: Dict[str, Any] = {"workers": {}, "model_size": {}}
     with Workdir() as work:
         for w in workers:
-            out["workers"][str(w)] = pair(work, dataclasses.replace(hot, workers=w), rounds, f"{w}w")
+            # one torch thread per worker at every count: 1 worker uses one core, 4 share two (2 threads
+            # per worker spin-wait in OpenMP when another tenant takes a core, which swamps the comparison)
+            out["workers"][str(w)] = pair(work, dataclasses.replace(hot, workers=w, threads=1), rounds, f"{w}w")
             if w > (os.cpu_count() or 1):
                 out["workers"][str(w)]["note"] = f"oversubscribed: {w} workers on {os.cpu_count()} cores"
         if with_tiny:
-            out["model_size"]["tiny"] = pair(work, dataclasses.replace(TINY, epochs=3), rounds, "tiny")
+            out["model_size"]["tiny"] = pair(work, dataclasses.replace(TINY, epochs=2), rounds, "tiny")
         out["model_size"]["big"] = pair(work, big, rounds, "big")
         if with_big_ckpt:
             out["big_checkpoint_and_recovery"] = big_checkpoint_and_recovery(work, big)
@@ -121,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with_tiny, with_ckpt = True, not args.no_big_checkpoint
     if args.tiny:  # one pair of a small "big" model
         rounds, workers, with_tiny, with_ckpt = 1, [], False, False
-        big = dataclasses.replace(BIG, hidden=(256, 256), num_samples=256)
+        big = dataclasses.replace(BIG, hidden=(256, 256), num_samples=256, workers=1)
     log(f"scaling: workers {workers}, big model {big.hidden} ({big.params() * 4 / 1e6:.0f} MB), {rounds} round(s)")
     res = measure(rounds, workers, big, with_ckpt, with_tiny)
     out = {"benchmark": "scaling", "command": command_line("bench.scaling", argv), "machine": machine(), **res}

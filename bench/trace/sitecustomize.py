@@ -138,8 +138,9 @@ def _wrap(label: str, fn):  # type: ignore[no-untyped-def]
         if label not in QUIET:
             record(label + ":end", start=start)
         else:
-            calls, total = _quiet_stats.get(label, (0, 0.0))
-            _quiet_stats[label] = (calls + 1, total + time.time() - start)
+            durations = _quiet_stats.setdefault(label, [])
+            if len(durations) < 100_000:
+                durations.append(time.time() - start)
             state = getattr(getattr(result, "state", None), "name", None)
             if state not in (None, "HEALTHY"):
                 record(label + ":" + state, start=start)
@@ -198,14 +199,24 @@ class _Finder:
 
 
 def _at_exit() -> None:
-    for label, (calls, total) in _quiet_stats.items():
-        record(label + ":stats", calls=calls, seconds=total)
+    for label, durations in _quiet_stats.items():
+        ordered = sorted(durations)
+        record(label + ":stats", calls=len(ordered), seconds=sum(ordered), median_s=ordered[len(ordered) // 2] if ordered else None)
+
+
+STACK_SIGNAL = None
 
 
 if _PATH:
     import atexit
+    import faulthandler
+    import signal
 
     atexit.register(_at_exit)
+    # `kill -<SIGRTMIN+3> <pid>` writes every thread's Python stack to <trace>.stacks (for a hung run).
+    STACK_SIGNAL = signal.SIGRTMIN + 3
+    _stacks = open(_PATH + ".stacks", "a")
+    faulthandler.register(STACK_SIGNAL, file=_stacks, all_threads=True, chain=False)
     record("process", created=_process_created(), argv=sys.argv[:3], executable=os.path.basename(sys.executable))
     for _name, _module in list(sys.modules.items()):
         if _name in WRAP:
