@@ -45,6 +45,7 @@ def assert_stopped_and_saved(folder: Path, step: int) -> None:
     s = summary(folder)
     assert s["status"] == "preempted" and s["stop_step"] == step and s["stop_saved"]
     assert not [e for e in events(folder) if e["event"] in ("worker_failed", "relaunch")]
+    assert not event_of(folder, "attempt_started", restart=1), "a stop is not a failure: nothing restarts"
 
 
 def assert_resumes_exactly(tmp_path: Path, folder: Path, baseline: dict, overrides: list, step: int) -> None:

@@ -59,7 +59,6 @@ class _Worker:
     step: int = -1
     phase: str = "start"
     alive: bool = True
-    signalled: bool = False
     handled: bool = False  # killed by the watchdog or after the grace
 
 
@@ -115,8 +114,10 @@ def describe_frame(frame: Optional[Tuple[str, int, str]]) -> str:
 
 class Supervisor:
     def __init__(self, run_dir: Path, restart: RestartConf, launch_id: str,
-                 on_grace_expired: Optional[Callable[[], bool]] = None, on_overdue: Optional[Callable[[], None]] = None) -> None:
+                 on_grace_expired: Optional[Callable[[], bool]] = None, on_overdue: Optional[Callable[[], None]] = None,
+                 forwarded: Optional[set] = None) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
+        self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
         self._overdue = False
         self.hang_timeout = restart.hang_timeout_s
@@ -203,8 +204,8 @@ class Supervisor:
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
         name = contract.signal_name(signum)
         for w in live:
-            if not w.signalled:
-                w.signalled = True
+            if w.pid not in self.forwarded and w.phase not in ("stop", contract.DONE_PHASE):
+                self.forwarded.add(w.pid)
                 _kill(w.pid, signum)
         if live and not self._forward_logged:
             self._forward_logged = True
@@ -306,8 +307,8 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
       it could save): `Interrupted` as well; the newest committed checkpoint is intact;
     - a worker failure: `WorkerFailure`, named after the watchdog's finding if it killed a hung rank.
 
-    For the launch's duration SIGTERM/SIGINT/SIGHUP in the launcher only set the stop flag: the
-    workers get the signal (forwarded by the elastic agent or by the supervisor) and stop cleanly.
+    For the launch's duration SIGTERM/SIGINT/SIGHUP in the launcher set the stop flag and are
+    passed on to the registered workers, which stop cleanly (see _LauncherSignals, Supervisor).
     """
     from ._core import Interrupted, JobFailed, WorkerFailure
 
@@ -324,7 +325,7 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
         if contract.stop_requested() is not None:
             raise KeyboardInterrupt("stop requested before the workers started")
         supervisor = (Supervisor(run_dir, job.restart, env[contract.ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None),
-                                 on_overdue=handler.interrupt_main)
+                                 on_overdue=handler.interrupt_main, forwarded=handler.forwarded)
                       if job.backend.name != "local" else contextlib.nullcontext())
         with supervisor as sup:
             try:
@@ -365,6 +366,7 @@ class _LauncherSignals:
     def __init__(self, run_dir: Path, launch_id: str, in_process: bool, interrupted: Any) -> None:
         self.run_dir, self.launch_id, self.in_process, self.interrupted = run_dir, launch_id, in_process, interrupted
         self.count, self.force = 0, False
+        self.forwarded: set = set()  # shared with the supervisor: every worker gets the signal once
 
     def install(self) -> Dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -381,7 +383,8 @@ class _LauncherSignals:
         workers = self._registered()
         if not workers:
             raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
-        for pid in workers:  # at once; the supervisor also passes it on to workers that register later
+        for pid in workers:  # at once; the supervisor passes it on to workers that register later
+            self.forwarded.add(pid)
             _kill(pid, signum)
 
     def _registered(self) -> List[int]:

@@ -39,6 +39,12 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
         beat = contract.heartbeat()
         if beat is not None:  # the task is over: the hang watchdog stops watching this rank
             beat.beat(beat.step, contract.DONE_PHASE)
+        if restore_hydra:
+            # Nothing left to stop. Python puts back the default action of every signal it handles
+            # while the interpreter shuts down, so a late SIGTERM (a scheduler signalling every
+            # process, a second forward) would end a finished worker with -15, which torch elastic
+            # takes for a failure and restarts the group; ignored signals stay ignored.
+            contract.ignore_stop_signals()
 
 
 def current_rank() -> int:

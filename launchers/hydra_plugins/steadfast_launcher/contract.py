@@ -108,6 +108,13 @@ def install_stop_handlers() -> Dict[int, Any]:
     return {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
 
 
+def ignore_stop_signals() -> None:
+    """From now on SIGTERM/SIGINT/SIGHUP do nothing (a worker whose task is over; main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def restore_handlers(previous: Dict[int, Any]) -> None:
     for sig, handler in previous.items():
         if handler is not None:  # None: set outside Python, cannot be put back
