@@ -1,6 +1,6 @@
 """Horovod vs torchrun on the same job: training steps/s and time to first step.
 
-    python -m bench.horovod [--rounds 3] [--quick | --tiny] [--json PATH]
+    python -m bench.horovod [--rounds 2] [--quick | --tiny] [--json PATH]
 
 `python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller) and the default
 torchrun backend, alternated, on the hot-loop job (bench.common.HOT, 3 epochs); steps/s as in
@@ -70,14 +70,14 @@ def report(res: Dict[str, Any]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="2 rounds")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
     p.add_argument("--tiny", action="store_true", help="1 round of a tiny job (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
     job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds
     if args.quick:
-        rounds = 2
+        job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 4), 2
     if args.tiny:
         # 2 workers: with backend.np=1 Horovod 0.28.1 fails in the runner (log10(0) in gloo_run._pad_rank with an output folder)
         job, rounds = dataclasses.replace(HOT, num_samples=1024, num_features=16, hidden=(16,), epochs=1, log_every=2), 1

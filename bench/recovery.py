@@ -1,7 +1,7 @@
 """Recovery: from the SIGKILL of one worker to the next completed training step after the automatic
 resume, vs the cold time to first step, for several restart.monitor_interval values.
 
-    python -m bench.recovery [--intervals 0.1,0.5,2,5] [--kills 3] [--default-kills 20] [--quick | --tiny] [--json PATH]
+    python -m bench.recovery [--intervals 0.1,0.5,2,5] [--kills 2] [--default-kills 20] [--fork-kills 4] [--zlib] [--quick | --tiny] [--json PATH]
 
 Each run is the tiny synthetic job with a checkpoint every 20 steps and the built-in fault
 `fault=kill_rank fault.rank=1 fault.at_step=25 fault.times=K`: rank 1 SIGKILLs itself when it
@@ -127,7 +127,8 @@ def one(work: Workdir, label: str, interval: float, kills: int, extra: List[str]
     return res
 
 
-def measure(intervals: List[float], kills: int, default_kills: int, variants: bool, fork_kills: int = 8) -> Dict[str, Any]:
+def measure(intervals: List[float], kills: int, default_kills: int, variants: bool, fork_kills: int = 4,
+            zlib: bool = False) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     with Workdir() as work:
         for interval in intervals:
@@ -135,9 +136,11 @@ def measure(intervals: List[float], kills: int, default_kills: int, variants: bo
             results.append(one(work, f"interval-{interval}", interval, k, []))
         if variants:
             results.append(one(work, "fork", DEFAULT_INTERVAL, fork_kills, ["backend.start_method=fork"]))
-            results.append(one(work, "zlib", DEFAULT_INTERVAL, kills, [], {"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}))
-            results.append(one(work, "forkserver", DEFAULT_INTERVAL, fork_kills // 2, ["backend.start_method=forkserver"],
-                               {"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}))
+            if zlib:
+                results.append(one(work, "zlib", DEFAULT_INTERVAL, kills, [], {"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}))
+            if fork_kills > 2:
+                results.append(one(work, "forkserver", DEFAULT_INTERVAL, fork_kills - 1, ["backend.start_method=forkserver"],
+                                   {"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}))
     cold_all = [r["cold_ttfs_s"] for r in results if r["variant"].startswith("interval-")]
     cold = median(cold_all)
     by_interval = {}
@@ -179,21 +182,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--intervals", default="0.1,0.5,2,5")
     p.add_argument("--kills", type=int, default=2, help="kills per run for the non-default intervals and the zlib variant")
-    p.add_argument("--fork-kills", type=int, default=8, help="kills in the backend.start_method=fork run")
+    p.add_argument("--fork-kills", type=int, default=4, help="kills in the fork run (the forkserver run: one fewer)")
+    p.add_argument("--zlib", action="store_true", help="also the compressed-payload variant (bench.startup measures it too)")
     p.add_argument("--default-kills", type=int, default=20, help=f"kills in the run at the default interval ({DEFAULT_INTERVAL} s)")
     p.add_argument("--no-variants", action="store_true")
-    p.add_argument("--quick", action="store_true", help="intervals 0.1,0.5,2; 2 kills; 8 at the default")
+    p.add_argument("--quick", action="store_true", help="intervals 0.1,0.5,2 with 1 kill (20 at the default); fork with 2")
     p.add_argument("--tiny", action="store_true", help="one run at the default interval with 1 kill (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "recovery.json")
     args = p.parse_args(argv)
     intervals = [float(x) for x in args.intervals.split(",")]
     kills, default_kills, variants = args.kills, args.default_kills, not args.no_variants
     if args.quick:
-        intervals, kills, default_kills, args.fork_kills = [0.1, 0.5, 2.0], 2, 8, 4
+        intervals, kills, default_kills, args.fork_kills = [0.1, 0.5, 2.0], 1, 20, 2
     if args.tiny:
         intervals, kills, default_kills, variants = [DEFAULT_INTERVAL], 1, 1, False
     log(f"recovery: intervals {intervals}, {default_kills} kills at {DEFAULT_INTERVAL} s, {kills} elsewhere")
-    res = measure(intervals, kills, default_kills, variants, args.fork_kills)
+    res = measure(intervals, kills, default_kills, variants, args.fork_kills, args.zlib)
     res["target"] = {"recovery/cold_ttfs": TARGET, "restarts succeeded": "20/20"}
     out = {"benchmark": "recovery", "command": command_line("bench.recovery", argv), "machine": machine(), **res}
     report(out)

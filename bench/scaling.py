@@ -113,15 +113,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--workers", default="1,4", help="worker counts besides 2 (bench.hot_loop measures 2)")
     p.add_argument("--big-hidden", default="8192,8192")
     p.add_argument("--no-big-checkpoint", action="store_true")
-    p.add_argument("--quick", action="store_true", help="1 round; workers 1,4; big model 4096,4096")
+    p.add_argument("--quick", action="store_true", help="1 round: workers 1,4 and the big model, no tiny model, no checkpoint run")
     p.add_argument("--tiny", action="store_true", help="1 round of a small 'big' model only (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
     rounds, workers = args.rounds, [int(w) for w in args.workers.split(",") if w]
     big = dataclasses.replace(BIG, hidden=tuple(int(h) for h in args.big_hidden.split(",")))
-    if args.quick:
-        rounds, big = 1, dataclasses.replace(BIG, hidden=(4096, 4096))
     with_tiny, with_ckpt = True, not args.no_big_checkpoint
+    if args.quick:
+        rounds, with_tiny, with_ckpt = 1, False, False
     if args.tiny:  # one pair of a small "big" model
         rounds, workers, with_tiny, with_ckpt = 1, [], False, False
         big = dataclasses.replace(BIG, hidden=(256, 256), num_samples=256, workers=1)

@@ -1,7 +1,7 @@
 """Time to first step: `python -m pipeline.train` vs `torchrun --standalone --nproc_per_node 2` on the
 hand-written baseline, where our extra time goes, and what the candidate fixes would save.
 
-    python -m bench.startup [--rounds 4] [--traced 2] [--quick | --tiny] [--json PATH]
+    python -m bench.startup [--rounds 3] [--traced 1] [--quick | --tiny] [--json PATH]
 
 Time to first step (TTFS) is measured from just before the command's process is created to the
 wall-clock time of the first completed training step (the trainer's "first_step" event; the
@@ -253,15 +253,15 @@ def report(res: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--traced", type=int, default=2, help="rounds of traced runs for the breakdown (0: none)")
+    p.add_argument("--traced", type=int, default=1, help="rounds of traced runs for the breakdown (0: none)")
     p.add_argument("--no-variants", action="store_true")
-    p.add_argument("--quick", action="store_true", help="3 rounds, 1 traced round")
+    p.add_argument("--quick", action="store_true", help="2 rounds, 1 traced round")
     p.add_argument("--tiny", action="store_true", help="1 traced round only, no variants (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "startup.json")
     args = p.parse_args(argv)
     rounds, traced_rounds, variants = args.rounds, args.traced, not args.no_variants
     if args.quick:
-        rounds, traced_rounds = 3, 1
+        rounds, traced_rounds = 2, 1
     if args.tiny:
         rounds, traced_rounds, variants = 0, 1, False
     log(f"time to first step: {rounds} rounds, {traced_rounds} traced")
