@@ -73,12 +73,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     before = _cpu_counters()
     time.sleep(2.0)
     record["foreign_share_at_start"] = _load(before, 2.0)["foreign_share"]
-    slow = 1.0 + record["foreign_share_at_start"]
+    prior = slow = 1.0 + record["foreign_share_at_start"]
     spent = expected = 0.0  # how the machine keeps up with the expected durations so far
     for i, (name, module, extra, (full_s, quick_s)) in enumerate(suite):
         left = args.budget - (time.time() - started)
-        if expected:
-            slow = max(1.0, spent / expected)  # measured: a loaded machine makes everything take longer
+        if expected >= 60:  # enough evidence: a loaded machine makes everything take longer
+            slow = max(1.0, spent / expected)
+        elif expected:
+            slow = max(prior, spent / expected)
         after = slow * sum(s[3][1] for s in suite[i + 1:])  # what the rest needs at least (quick forms)
         form = "tiny" if args.tiny else "quick" if args.quick or left - after < slow * full_s else "full"
         if form == "quick" and not args.quick and left < slow * quick_s:
