@@ -266,13 +266,17 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                   "The hot-loop job trained for a fixed number of epochs ("
                   + ", ".join(sorted({f"{r['failure_free_train_s']:g} s of failure-free training at T = {r['period_s']:g} s" for r in gp["runs"] if "failure_free_train_s" in r}))
                   + ") while the benchmark SIGKILLs a worker every T seconds from the first step on."
-                  f" Failure-free speed {f(ref['steps_per_s'], 1)} steps/s; one sync save costs {f(ref['save_cost_s'], 4)} s."
-                  f" The default cadence (every 10 epochs) is {f(gp['default_cadence']['seconds_of_training'], 1)} s of training here."
-                  " Goodput = steps trained / failure-free speed, over the wall time from the first step to the end (the one cold"
-                  " start is in section 2); `incl. start` counts from the command. Predicted: (1 - C/tau) (1 - (R + tau/2)/T).", ""]
+                  f" The failure-free reference run: {f(ref['steps_per_s'], 1)} steps/s (validation included), one sync save"
+                  f" costs C = {f(ref['save_cost_s'], 4)} s; the default cadence (every 10 epochs) is"
+                  f" {f(gp['default_cadence']['seconds_of_training'], 1)} s of training here."
+                  " Goodput = the steps trained at the run's own failure-free speed (its median logged interval, with the"
+                  " reference's validation share: other tenants' load changes between runs), over the wall time from the first"
+                  " step to the end of training (the one cold start is in section 2); `incl. start` counts from the command."
+                  " Predicted: (1 - C/tau) (1 - (R + tau/2)/T) with the run's recovery R.", ""]
         rows = [[f"{r['period_s']:g}", r["cadence"], f(r["goodput"], 2), f(r["goodput_incl_start"], 2), f(r["predicted_goodput"], 2),
                  str(r["kills"]), f(r["recomputed_steps_median"], 0), f(r["recovery_median_s"], 2),
-                 "yes" if r["finished"] else "no (stopped at the cap)"] for r in gp["runs"]]
+                 ("yes" if r["finished"] else "no (stopped at the cap)") + ("; no kill landed (done within T)" if not r["kills"] else "")]
+                for r in gp["runs"]]
         lines += table(["T (s)", "checkpoint cadence", "goodput", "incl. start", "predicted", "kills", "steps recomputed per failure",
                         "recovery (s)", "finished"], rows)
     if ck:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, env
 
 
@@ -55,12 +56,14 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and x > 0 and math.isfinite(x)
 
 
+@pytest.mark.slow
 def test_hot_loop_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "hot_loop")
     assert _positive(r["ratios"]["ours/baseline steps_per_s"])
     assert all(_positive(v["median"]) for v in r["ttfs_s"].values())
 
 
+@pytest.mark.slow
 def test_startup_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "startup")
     assert _positive(r["ratios"]["ours/baseline ttfs"])
@@ -69,6 +72,7 @@ def test_startup_bench_smoke(tmp_path: Path) -> None:
     assert abs(sum(b["ours"]["segments_s"].values()) - b["ours"]["ttfs_s"]) < 0.05  # the segments add up
 
 
+@pytest.mark.slow
 def test_recovery_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "recovery")
     (run,) = r["runs"]
@@ -76,6 +80,7 @@ def test_recovery_bench_smoke(tmp_path: Path) -> None:
     assert _positive(run["recovery_median_s"]) and _positive(run["cold_ttfs_s"])
 
 
+@pytest.mark.slow
 def test_goodput_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "goodput")
     (run,) = r["runs"]
@@ -83,6 +88,7 @@ def test_goodput_bench_smoke(tmp_path: Path) -> None:
     assert 0 < run["goodput"] <= 1.5 and run["failures"][0]["recomputed_steps"] is not None
 
 
+@pytest.mark.slow
 def test_horovod_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "horovod")
     if r.get("skipped"):
@@ -90,6 +96,7 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
     assert _positive(r["ratios"]["horovod/torchrun steps_per_s"]) and _positive(r["ratios"]["horovod/torchrun ttfs"])
 
 
+@pytest.mark.slow
 def test_scaling_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "scaling")
     big = r["model_size"]["big"]
