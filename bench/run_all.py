@@ -15,6 +15,7 @@ import argparse
 import importlib
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -55,8 +56,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", default="", help="comma-separated benchmark names")
     p.add_argument("--budget", type=float, default=840.0, help="seconds for the whole suite (quick forms when short)")
     p.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
-    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--results", type=Path, default=None, help="default: bench/results (with --tiny: a temporary folder, and no BENCHMARKS.md)")
     args = p.parse_args(argv)
+    if args.results is None:
+        if args.tiny:  # smoke figures must not replace the real ones
+            args.results, args.no_report = Path(tempfile.mkdtemp(prefix="steadfast-bench-tiny-")), True
+        else:
+            args.results = RESULTS
     only = {x for x in args.only.split(",") if x}
     suite = [s for s in SUITE if not only or s[0] in only]
     unknown = only - {s[0] for s in SUITE}

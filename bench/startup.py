@@ -168,10 +168,11 @@ VARIANTS = {"ours_zlib": ({"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}, []),
             "ours_forkserver": ({"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}, ["backend.start_method=forkserver"])}
 
 
-def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True) -> Dict[str, Any]:
-    samples: Dict[str, List[Dict[str, Any]]] = {"baseline": [], "ours": []}
-    makers = [("baseline", lambda: traced(work, "baseline", job, timeout)),
-              ("ours", lambda: traced(work, "ours", job, timeout))]
+def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True, baseline: bool = True) -> Dict[str, Any]:
+    samples: Dict[str, List[Dict[str, Any]]] = {"baseline": [], "ours": []} if baseline else {"ours": []}
+    makers = [("ours", lambda: traced(work, "ours", job, timeout))]
+    if baseline:
+        makers.insert(0, ("baseline", lambda: traced(work, "baseline", job, timeout)))
     for name, (extra, overrides) in VARIANTS.items() if variants else ():
         samples[name] = []
         makers.append((name, lambda extra=extra, overrides=overrides: traced(work, "ours", job, timeout, extra, overrides)))
@@ -191,18 +192,18 @@ def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bo
             "details": {k: median([i["details"][k] for i in infos]) for k in infos[0]["details"]},
             "ttfs_s": median([i["milestones_s"]["first_step"] for i in infos]),
         }
-    out["extra_s"] = {lab: out["ours"]["segments_s"][lab] - out["baseline"]["segments_s"][lab] for lab, _, _ in SEGMENTS}
+    if baseline:
+        out["extra_s"] = {lab: out["ours"]["segments_s"][lab] - out["baseline"]["segments_s"][lab] for lab, _, _ in SEGMENTS}
     return out
 
 
 def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, timeout: float = 180) -> Dict[str, Any]:
     """`rounds` untraced rounds give the headline; with rounds=0 (smoke test) the traced runs do."""
-    if rounds == 0:
+    if rounds == 0:  # the smoke test: one traced run of ours
         with Workdir() as work:
-            b = breakdown(work, job, traced_rounds, timeout, variants=False)
-        return {"job": job.describe(), "rounds": 0, "traced_only": True,
-                "ttfs_s": {k: spread([b[k]["ttfs_s"]]) for k in ("baseline", "ours")},
-                "ratios": {"ours/baseline ttfs": ratio(b["ours"]["ttfs_s"], b["baseline"]["ttfs_s"])}, "breakdown": b}
+            b = breakdown(work, job, traced_rounds, timeout, variants=False, baseline=False)
+        return {"job": job.describe(), "rounds": 0, "traced_only": True, "ttfs_s": {"ours": spread([b["ours"]["ttfs_s"]])},
+                "ratios": {}, "breakdown": b}
     with Workdir() as work:
         makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout)),
                   ("ours", lambda: run_ours(work, "ours", ours_overrides(job), timeout))]
@@ -238,7 +239,7 @@ def report(res: Dict[str, Any]) -> None:
     for k, v in res["ratios"].items():
         print(f"  {k:<50} {fmt(v)}")
     b = res.get("breakdown")
-    if b:
+    if b and "baseline" in b:
         var = [k for k in VARIANTS if k in b]
         print(f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}" + "".join(f"{k[5:]:>11}" for k in var))
         for lab, _, _ in SEGMENTS:
@@ -256,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--traced", type=int, default=1, help="rounds of traced runs for the breakdown (0: none)")
     p.add_argument("--no-variants", action="store_true")
     p.add_argument("--quick", action="store_true", help="2 rounds, 1 traced round")
-    p.add_argument("--tiny", action="store_true", help="1 traced round only, no variants (smoke test)")
+    p.add_argument("--tiny", action="store_true", help="one traced run of ours only (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "startup.json")
     args = p.parse_args(argv)
     rounds, traced_rounds, variants = args.rounds, args.traced, not args.no_variants
