@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,16 +35,7 @@ class RunRecord:
 
     def summary(self, data: Dict[str, Any]) -> None:
         if self.enabled:
-            atomic_write_text(self.run_dir / SUMMARY_FILE, json.dumps(data, indent=2) + "\n")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            contract.atomic_write(self.run_dir / SUMMARY_FILE, json.dumps(data, indent=2) + "\n")
 
 
 def model_sha256(model: nn.Module) -> str:

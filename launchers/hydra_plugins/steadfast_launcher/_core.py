@@ -144,7 +144,7 @@ def _submit_to_slurm(jobs: List[Job]) -> List[JobReturn]:
         cluster = _slurm.cluster_of(job.config)
         script = job.run_dir / "slurm" / _slurm.SCRIPT_NAME
         script.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(script, _slurm.sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}"))
+        contract.atomic_write(script, _slurm.sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}"))
         if not cluster.get("submit", True):
             log.info("%s: wrote %s (cluster.submit=false: not submitted)", job.label, script)
             returns.append(_job_return(job, JobStatus.COMPLETED, {"slurm_script": str(script)}))
@@ -228,7 +228,7 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
     multi_node = multi_node_identity(job.backend, run_dir)
     with _RunLock(run_dir, multi_node):
         frozen = OmegaConf.create(OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True))
-        _atomic_write(run_dir / contract.CONFIG_FILE, OmegaConf.to_yaml(frozen))
+        contract.atomic_write(run_dir / contract.CONFIG_FILE, OmegaConf.to_yaml(frozen))
         payload = cloudpickle.dumps((task_function, frozen, job.config, Singleton.get_state()))
         env = {
             contract.ENV_BACKEND: job.backend.name,
@@ -240,6 +240,7 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
         log.info("Run folder: %s", run_dir)
         attempts = 1 if adapter.RESTARTS_ITSELF else job.restart.max_restarts + 1
         first_failure: Optional[str] = None
+        last = WorkerFailure("no attempt ran")
         for attempt in range(attempts):
             env[contract.ENV_ATTEMPT] = str(attempt)
             if attempt:
@@ -320,16 +321,7 @@ def _record_failure(run_dir: Path, message: str, restarts: int, wall: float, mul
         # the summary must not turn it into a failure: its failure is in events.jsonl
         return
     summary.update(status="failed", error=message, restarts=restarts, wall_seconds=round(wall, 3))
-    _atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    contract.atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
 
 class _RunLock:

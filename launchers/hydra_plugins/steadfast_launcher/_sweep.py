@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .contract import atomic_write
+
 LEDGER_FILE = "sweep_ledger.json"
 SWEEP_LOCK_FILE = ".steadfast_sweep.lock"
 LEDGER_VERSION = 1
@@ -73,24 +75,6 @@ def config_digest(task_cfg: Any) -> str:
 
     node = OmegaConf.masked_copy(task_cfg, [k for k in task_cfg.keys() if k != "hydra"])
     return hashlib.sha256(OmegaConf.to_yaml(node).encode()).hexdigest()
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write-to-temp, fsync, rename, fsync the folder: readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def encode_result(value: Any) -> Dict[str, Any]:

@@ -211,3 +211,22 @@ def enable_stack_dumps(folder: Path, rank: int) -> Path:
     _runtime.stacks_file = open(path, "a")  # kept open: faulthandler writes to its descriptor from the signal handler
     faulthandler.register(STACK_SIGNAL, file=_runtime.stacks_file, all_threads=True, chain=False)
     return path
+
+
+def atomic_write(path: "str | os.PathLike[str]", text: str) -> None:
+    """Write-to-temp, fsync, rename, fsync the folder: readers see the old or the new file, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
