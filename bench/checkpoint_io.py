@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from pipeline.checkpoint import CheckpointManager
-from pipeline.dist import Comm
+from steadfast.checkpoint.manager import CheckpointManager
+from steadfast.comm import Comm
 from pipeline.models import MLP
 
 MiB = 1 << 20

@@ -40,7 +40,7 @@ def _gloo_worker(rank: int, port: int, n: int, out: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.dist import TorchDistComm
+    from steadfast.comm import TorchDistComm
 
     comm = TorchDistComm(60)
     for _ in range(200):
@@ -72,7 +72,7 @@ def _hvd_worker(n: int) -> List[float]:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.dist_horovod import HorovodComm
+    from steadfast.comm_horovod import HorovodComm
 
     comm = HorovodComm()
     for _ in range(200):

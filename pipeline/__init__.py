@@ -1,1 +1,1 @@
-"""The worker side: what runs on every rank (training, checkpoints, records)."""
+"""The built-in trainer: a Hydra app on the steadfast library (`python -m pipeline.train`)."""

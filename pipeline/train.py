@@ -10,7 +10,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from . import config  # noqa: F401  (registers the schemas and the run-name resolver)
+from . import config, help  # noqa: F401  (register the schemas and the --help resolver)
 
 
 def main(cfg: DictConfig) -> Any:
@@ -18,7 +18,7 @@ def main(cfg: DictConfig) -> Any:
 
     result = Trainer(cfg).fit()
     # The job's return value goes back to Hydra (and to a sweeper such as Optuna): the chosen metric.
-    return result[cfg.trainer.get("objective") or "val_loss"]
+    return result[str(cfg.trainer.get("objective") or "val_loss")]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -14,19 +14,27 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from hydra_plugins.steadfast_launcher import contract
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
+from steadfast import comm as dist
+from steadfast.checkpoint import manifest
+from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
+from steadfast.config import Resume
+from steadfast.contract import stop as contract_stop
+from steadfast.contract import events
+from steadfast.contract.env import LaunchEnv
+from steadfast.contract.events import Event
+from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.heartbeat import DONE_PHASE, heartbeat
+from steadfast.faults import FaultInjector
+from steadfast.progress import ProgressDisplay
+from steadfast.records import RunRecord, model_sha256, setup_logging
+
 from . import config as schema
-from . import dist, manifest
-from .checkpoint import CheckpointError, CheckpointManager
 from .data import ResumableSampler, build_data
-from .faults import FaultInjector
 from .models import build_model
-from .progress import ProgressDisplay
-from .records import RunRecord, model_sha256, setup_logging
 
 log = logging.getLogger("pipeline")
 
@@ -84,17 +92,17 @@ def seed_everything(seed: int) -> None:
 
 def build_optimizer(cfg: schema.TrainerConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = model.parameters()
-    if cfg.optimizer == "sgd":
+    if cfg.optimizer.value == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
+    if cfg.optimizer.value == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def build_scheduler(cfg: schema.TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    if cfg.scheduler == "cosine":
+    if cfg.scheduler.value == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.max_epochs)
-    if cfg.scheduler == "step":
+    if cfg.scheduler.value == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.max_epochs // 3), gamma=0.1)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
 
@@ -144,10 +152,11 @@ class Trainer:
     def __init__(self, raw_cfg: DictConfig) -> None:
         self.raw_cfg = raw_cfg
         self.cfg = schema.typed(raw_cfg)
-        self.run_dir = contract.run_dir()
-        self.started = float(os.environ.get(contract.ENV_LAUNCH_TIME, time.time()))
-        self.heartbeat = contract.heartbeat()  # None when not started by the launcher's workers
-        self.comm = dist.init(self.cfg.restart.collective_timeout_s)
+        self.launch = LaunchEnv.current()
+        self.run_dir = self.launch.run_dir
+        self.started = self.launch.launch_time or time.time()
+        self.heartbeat = heartbeat()  # None when not started by the launcher's workers
+        self.comm = dist.init(self.launch.collective, self.launch.collective_timeout_s)
         check_shared_run_dir(self.run_dir, self.comm)
         self.record = RunRecord(self.run_dir, self.comm.rank)
         self._log_handler = setup_logging(self.run_dir, self.comm.rank)
@@ -159,7 +168,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            self.beat(phase=contract.DONE_PHASE)  # finished (or failed): the hang watchdog stops watching this rank
+            self.beat(phase=DONE_PHASE)  # finished (or failed): the hang watchdog stops watching this rank
             if self._tb is not None:
                 self._tb.close()
             logging.getLogger().removeHandler(self._log_handler)
@@ -207,19 +216,19 @@ class Trainer:
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
         per_rank = {"rng": rng}
 
-        restarts = contract.restart_count()
+        restarts = self.launch.restart_count
         faults = FaultInjector(cfg.fault, comm.rank, self.run_dir,
-                               lambda event, **f: contract.append_event(self.run_dir, event, restart=restarts, **f))
+                               lambda event, **f: events.append(self.run_dir, event, restart=restarts, **f))
         if faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
             next(model.parameters()).register_hook(lambda grad: faults.in_backward(progress.global_step + 1))
         resolved = OmegaConf.to_container(self.raw_cfg, resolve=True)
         ckpt = CheckpointManager(
             Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints",
-            comm, cfg.checkpoint.keep_last, manifest.training_config(resolved), self.record.event,
+            comm, cfg.checkpoint.keep_last, manifest.training_config(resolved, cfg.run.safe_to_change), self.record.event,
             async_save=cfg.checkpoint.async_save, keep_every_n_epochs=cfg.checkpoint.keep_every_n_epochs,
             full_config=dict(manifest.flatten(resolved)), hooks=_SaveHooks(faults, self),
         )
-        self.record.event("attempt_started", world_size=comm.world_size, device=str(comm.device))
+        self.record.event(Event.ATTEMPT_STARTED, world_size=comm.world_size, device=str(comm.device))
         self.beat(-1, "restore")
         resumed = self._resume(ckpt, objects, per_rank)
         comm.broadcast_state(model, optimizer)
@@ -247,7 +256,7 @@ class Trainer:
             display.restart_rate()
 
         def stop(reason: str, signum: Optional[int], message: str, exit_code: int) -> None:
-            """Every rank, at the same step: commit this step, record why, and leave (contract.StopRun)."""
+            """Every rank, at the same step: commit this step, record why, and leave (contract_stop.StopRun)."""
             drain()
             if ckpt.last_saved_step != progress.global_step:
                 save()
@@ -255,29 +264,27 @@ class Trainer:
             ckpt.close()  # an asynchronous save must be committed before we report it
             display.close()
             step = progress.global_step
-            asked = contract.stop_requested_at()
+            asked = contract_stop.stop_requested_at()
             fields = {"step": step, "epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "saved": True,
                       "checkpoint": str(ckpt.folder / manifest.step_dir_name(step))}
-            if reason == contract.PREEMPTED:
-                fields.update(signal=contract.signal_name(signum), signal_number=signum)
+            if reason == contract_stop.PREEMPTED:
+                fields.update(signal=contract_stop.signal_name(signum), signal_number=signum)
                 if asked is not None:
                     fields["signal_to_commit_s"] = round(time.time() - asked, 3)
-            self.record.event(reason, **fields)
-            self.record.summary({
-                "status": reason, "epochs_completed": progress.epoch, "global_step": step, "stop_step": step,
-                "stop_saved": True, "final_loss": progress.train_loss, "val_loss": progress.val_loss,
-                "restarts": restarts, "resumed_from_step": resumed, "world_size": comm.world_size,
-                "wall_seconds": round(time.time() - self.started, 3), "run_dir": str(self.run_dir),
-                **({"stop_signal": contract.signal_name(signum)} if reason == contract.PREEMPTED else {"error": message}),
-            })
+            fields["message"] = message
+            fields["result"] = {"epochs_completed": progress.epoch, "global_step": step, "final_loss": progress.train_loss,
+                                "val_loss": progress.val_loss, "restarts": restarts, "resumed_from_step": resumed,
+                                "world_size": comm.world_size, "wall_seconds": round(time.time() - self.started, 3),
+                                "run_dir": str(self.run_dir)}
+            self.record.event(Event(reason), **fields)
             log.warning("%s", message)
-            raise contract.StopRun(reason, step, True, message, exit_code, signum)
+            raise contract_stop.StopRun(reason, step, True, message, exit_code, signum)
 
         def local_flags(time_check: bool) -> List[float]:
-            local = contract.stop_requested()
+            local = contract_stop.stop_requested()
             if local is not None and not announced:
                 announced.append(local)
-                log.warning("%s received: stopping at a step boundary agreed with the other ranks", contract.signal_name(local))
+                log.warning("%s received: stopping at a step boundary agreed with the other ranks", contract_stop.signal_name(local))
             time_due = time_check and comm.rank == 0 and time.monotonic() - last_save_time >= (ck.every_n_seconds or 0)
             return [float(local or 0), 1.0 if time_due else 0.0]
 
@@ -305,10 +312,10 @@ class Trainer:
                 pending = None
 
         def preempt(signum: int) -> None:
-            stop(contract.PREEMPTED, signum,
-                 f"{contract.signal_name(signum)}: stopped at step {progress.global_step} (epoch {progress.epoch + 1}, "
+            stop(contract_stop.PREEMPTED, signum,
+                 f"{contract_stop.signal_name(signum)}: stopped at step {progress.global_step} (epoch {progress.epoch + 1}, "
                  f"batch {progress.batch_in_epoch}), checkpoint committed. Run the same command again to continue.",
-                 contract.EXIT_PREEMPTED)
+                 EXIT_PREEMPTED)
 
         announced: list = []
         pending: Any = None  # the control all-reduce in flight
@@ -317,7 +324,7 @@ class Trainer:
         ws = comm.world_size
         cuda = comm.device.type == "cuda"
         total_steps = cfg.trainer.max_epochs * sampler.batches_per_epoch
-        display = ProgressDisplay(cfg.logger.progress, cfg.logger.progress_every_s, total_steps, cfg.trainer.max_epochs,
+        display = ProgressDisplay(cfg.logger.progress.value, cfg.logger.progress_every_s, total_steps, cfg.trainer.max_epochs,
                                   enabled=comm.rank == 0)
         first_step = True
         while progress.epoch < cfg.trainer.max_epochs:
@@ -341,7 +348,7 @@ class Trainer:
                 window += torch.stack([detached, torch.ones((), dtype=torch.float64)])
                 if first_step:
                     first_step = False
-                    self.record.event("first_step", step=progress.global_step, seconds_since_launch=round(time.time() - self.started, 3))
+                    self.record.event(Event.FIRST_STEP, step=progress.global_step, seconds_since_launch=round(time.time() - self.started, 3))
                 over_memory = None
                 if progress.global_step % cfg.trainer.log_every_n_steps == 0:
                     # one all-reduce: the loss, and every rank's peak memory in its own slot
@@ -423,17 +430,16 @@ class Trainer:
             "model_sha256": model_sha256(model),
             "run_dir": str(self.run_dir),
         }
-        self.record.summary(result)
-        self.record.event("training_completed", step=progress.global_step, model_sha256=result["model_sha256"])
+        self.record.event(Event.TRAINING_COMPLETED, step=progress.global_step, model_sha256=result["model_sha256"], result=result)
         return result
 
     def _resume(self, ckpt: CheckpointManager, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> Optional[int]:
         policy = self.cfg.resume
-        if policy == schema.Resume.never:
+        if policy == Resume.never:
             if manifest.committed(ckpt.folder):
                 raise CheckpointError(f"resume=never, but {ckpt.folder} already holds checkpoints; they are left untouched")
             return None
-        elastic = self.cfg.trainer.on_world_size_change != "refuse"
+        elastic = self.cfg.trainer.on_world_size_change.value != "refuse"
         seed = self.cfg.trainer.seed
 
         def new_rank(step: int) -> None:  # a rank the checkpoint does not have: a stream of its own, reproducible
@@ -442,7 +448,7 @@ class Trainer:
         restored = ckpt.restore(objects, per_rank, self.cfg.run.allow_config_change, self.cfg.run.fresh_start_if_unusable,
                                 new_rank=new_rank if elastic else None)
         if restored is None:
-            if policy == schema.Resume.must:
+            if policy == Resume.must:
                 raise CheckpointError(f"resume=must, but {ckpt.folder} holds no usable checkpoint")
             return None
         progress = objects["progress"]
@@ -452,7 +458,7 @@ class Trainer:
         if progress.first_world_size is None:
             progress.first_world_size = saved_ws
         self._saved_world_size = saved_ws
-        self.record.event("resumed", step=restored.step, path=str(restored.path), epoch=restored.manifest.get("epoch"),
+        self.record.event(Event.RESUMED, step=restored.step, path=str(restored.path), epoch=restored.manifest.get("epoch"),
                           batch_in_epoch=restored.manifest.get("batch_in_epoch"), sample_in_epoch=progress.sample_in_epoch,
                           saved_world_size=saved_ws, world_size=self.comm.world_size)
         log.info("Resumed from %s (epoch %s, batch %s)", restored.path, restored.manifest.get("epoch"),
@@ -461,9 +467,9 @@ class Trainer:
 
     def _adapt_to_world_size(self, progress: Progress, optimizer: Any, scheduler: Any, resumed: Optional[int]) -> int:
         """Each worker's batch size for this launch, and the learning rate, per trainer.on_world_size_change."""
-        ws, policy, bs = self.comm.world_size, self.cfg.trainer.on_world_size_change, self.cfg.data.batch_size
+        ws, policy, bs = self.comm.world_size, self.cfg.trainer.on_world_size_change.value, self.cfg.data.batch_size
         if progress.first_world_size is None:  # a fresh run: the job's full size, whoever came first
-            progress.first_world_size = _full_world_size(self.raw_cfg, ws)
+            progress.first_world_size = self.launch.reference_world_size
         first = progress.first_world_size
         if policy == "keep_global_batch":
             batch = -(-bs * first // ws)
@@ -482,7 +488,7 @@ class Trainer:
             log.warning("Resuming with %d worker(s) where the checkpoint had %d (trainer.on_world_size_change=%s): "
                         "%d samples per worker per step (global batch %d), learning rate x%g; the epoch continues at "
                         "sample %d", ws, saved, policy, batch, batch * ws, progress.lr_scale, progress.sample_in_epoch)
-            self.record.event("world_size_changed", step=resumed, saved_world_size=saved, world_size=ws, policy=policy,
+            self.record.event(Event.WORLD_SIZE_CHANGED, step=resumed, saved_world_size=saved, world_size=ws, policy=policy,
                               batch_per_worker=batch, global_batch=batch * ws, lr_scale=progress.lr_scale,
                               sample_in_epoch=progress.sample_in_epoch)
         return batch
@@ -503,16 +509,6 @@ class Trainer:
         totals = self.comm.all_reduce_sum(totals.to(self.comm.device)).cpu()
         model.train()
         return float(totals[0] / totals[2]), float(totals[1] / totals[2])
-
-
-def _full_world_size(cfg: Any, current: int) -> int:
-    """The reference world size of trainer.on_world_size_change: an elastic torchrun job's full size
-    (backend.nnodes MAX x nproc_per_node), so it does not depend on which nodes joined the first round;
-    otherwise the world size of the run's first launch."""
-    backend = OmegaConf.select(cfg, "backend") or {}
-    if backend.get("name") == "torchrun" and ":" in str(backend.get("nnodes", "")):
-        return int(str(backend["nnodes"]).split(":")[1]) * int(backend.get("nproc_per_node", 1))
-    return current
 
 
 def _peak_rss_mb() -> float:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import manifest as mf
-from pipeline import tensorfile
-from pipeline.checkpoint import CheckpointError, CheckpointManager
-from pipeline.dist import Comm
+from steadfast.checkpoint import manifest as mf
+from steadfast.checkpoint import tensorfile
+from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
+from steadfast.comm import Comm
 
 
 class Box:
@@ -88,8 +88,8 @@ def test_committed_lists_by_step_number_and_ignores_partial_folders(tmp_path: Pa
 
 
 def test_training_config_changes_separate_safe_keys() -> None:
-    old = mf.training_config({"trainer": {"lr": 0.1, "max_epochs": 5}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 2}})
-    new = mf.training_config({"trainer": {"lr": 0.2, "max_epochs": 50}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 9}})
+    old = mf.training_config({"trainer": {"lr": 0.1, "max_epochs": 5}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 2}}, ["trainer.max_epochs"])
+    new = mf.training_config({"trainer": {"lr": 0.2, "max_epochs": 50}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 9}}, ["trainer.max_epochs"])
     assert mf.changes(old, new) == [("trainer.lr", 0.1, 0.2)]
 
 

@@ -6,10 +6,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra_plugins.steadfast_launcher._schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
+from steadfast.contract.schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
 from omegaconf import OmegaConf
 
 import pipeline.config as schema
+from steadfast import preflight as library
+from steadfast.contract import naming
+
+SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "train.yaml").run.safe_to_change)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -25,7 +29,7 @@ def problems(*overrides: str) -> list[str]:
 
     cfg = composed(*overrides)
     HydraConfig.instance().set_config(cfg)
-    return schema.preflight(cfg)
+    return library.check(cfg) + schema.preflight(cfg)
 
 
 def test_defaults_compose_and_pass_preflight() -> None:
@@ -55,15 +59,32 @@ def test_every_preset_composes(group: str, options: list[str]) -> None:
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("backend.nproc_per_node=0", "backend.nproc_per_node"),
     ("backend.nnodes=2:1", "backend.nnodes"),
-    ("trainer.optimizer=rmsprop", "trainer.optimizer"),
     ("data.val_fraction=1.5", "data.val_fraction"),
 ])
 def test_out_of_range_values_are_named(override: str, key: str) -> None:
-    from hydra_plugins.steadfast_launcher._schemas import backend_from, restart_from
+    from steadfast.contract.schemas import backend_from, restart_from
+
+    from hydra.core.hydra_config import HydraConfig
 
     cfg = composed(override)
-    found = schema.preflight(cfg) + backend_from(cfg.backend).problems() + restart_from(cfg.restart).problems()
+    HydraConfig.instance().set_config(cfg)
+    found = library.check(cfg) + schema.preflight(cfg) + backend_from(cfg.backend).problems() + restart_from(cfg.restart).problems()
     assert found and any(key in p for p in found), found
+
+
+@pytest.mark.parametrize("override,key,allowed", [
+    ("trainer.optimizer=rmsprop", "trainer.optimizer", "sgd"),
+    ("trainer.scheduler=linear", "trainer.scheduler", "cosine"),
+    ("trainer.objective=loss", "trainer.objective", "val_accuracy"),
+    ("trainer.on_world_size_change=grow", "trainer.on_world_size_change", "keep_global_batch"),
+    ("logger.progress=fancy", "logger.progress", "lines"),
+    ("fault.kind=meteor", "fault.kind", "corrupt_checkpoint"),
+])
+def test_bad_choices_fail_at_composition_naming_the_key_and_the_choices(override: str, key: str, allowed: str) -> None:
+    with pytest.raises(Exception) as err:
+        composed(override)
+    text = f"{err.value}\n{err.value.__cause__}"  # as Hydra prints it: the override, then what is allowed
+    assert text.startswith(f"Error merging override {override}") and key in text and allowed in text, text
 
 
 def test_no_cadence_at_all_is_refused() -> None:
@@ -72,13 +93,13 @@ def test_no_cadence_at_all_is_refused() -> None:
 
 
 def test_run_name_is_deterministic_and_ignores_safe_keys() -> None:
-    assert schema.run_name([]) == "default"
-    a = schema.run_name(["trainer.lr=0.1", "model=cnn"])
-    assert a == schema.run_name(["model=cnn", "trainer.lr=0.1"]) == "model=cnn,trainer.lr=0.1"
-    assert schema.run_name(["trainer.lr=0.1", "trainer.max_epochs=50", "checkpoint=every_epoch", "resume=never"]) == "trainer.lr=0.1"
-    long = schema.run_name([f"model.hidden_sizes=[{','.join(['512'] * 40)}]"])
-    assert len(long) <= schema.MAX_NAME and "/" not in long
-    assert long != schema.run_name([f"model.hidden_sizes=[{','.join(['512'] * 41)}]"])
+    assert naming.run_name([]) == "default"
+    a = naming.run_name(["trainer.lr=0.1", "model=cnn"])
+    assert a == naming.run_name(["model=cnn", "trainer.lr=0.1"]) == "model=cnn,trainer.lr=0.1"
+    assert naming.run_name(["trainer.lr=0.1", "trainer.max_epochs=50", "checkpoint=every_epoch", "resume=never"], SAFE) == "trainer.lr=0.1"
+    long = naming.run_name([f"model.hidden_sizes=[{','.join(['512'] * 40)}]"])
+    assert len(long) <= naming.MAX_NAME and "/" not in long
+    assert long != naming.run_name([f"model.hidden_sizes=[{','.join(['512'] * 41)}]"])
 
 
 def test_run_name_default_comes_from_the_overrides() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
-from pipeline import tensorfile
+from steadfast.checkpoint import tensorfile
 
 pytestmark = pytest.mark.slow
 STEPS = ["checkpoint=every_n_steps", "checkpoint.every_n_steps=6"]  # 16 batches an epoch: mid-epoch saves

@@ -75,14 +75,14 @@ def test_root_cause_names_the_failing_rank_and_its_exception(tmp_path: Path) -> 
     from hydra_plugins.steadfast_launcher._horovod import root_cause
 
     for rank, last in ((0, "horovod.common.exceptions.HorovodInternalError: Horovod has been shut down."),
-                       (1, "pipeline.faults.InjectedFault: boom")):
+                       (1, "steadfast.faults.InjectedFault: boom")):
         (tmp_path / f"rank.{rank}").mkdir()
         (tmp_path / f"rank.{rank}" / "stderr").write_text(
             f"[{rank}]<stderr>:log line\n[{rank}]<stderr>:User function raise error: xTraceback (most recent call last):\n"
             f'[{rank}]<stderr>:  File "x.py", line 1, in f\n[{rank}]<stderr>:{last}\n')
     # rank 0 exited first, but only because rank 1 failed: the cause is rank 1's exception
-    assert root_cause(_horovod_error("0", 1), tmp_path).startswith("rank 1: pipeline.faults.InjectedFault: boom")
-    assert root_cause(_horovod_error("1", 1), tmp_path) == "rank 1 (exit code 1): pipeline.faults.InjectedFault: boom"
+    assert root_cause(_horovod_error("0", 1), tmp_path).startswith("rank 1: steadfast.faults.InjectedFault: boom")
+    assert root_cause(_horovod_error("1", 1), tmp_path) == "rank 1 (exit code 1): steadfast.faults.InjectedFault: boom"
     assert root_cause(_horovod_error("2", 137), tmp_path) == "rank 2 (exit code 137, killed by SIGKILL): no error recorded"
     assert root_cause(_horovod_error("localhost[1]", 137), tmp_path) == "worker localhost[1] (exit code 137, killed by SIGKILL)"
     assert root_cause(ValueError("bad hosts\nmore"), tmp_path) == "horovod runner: ValueError: bad hosts"

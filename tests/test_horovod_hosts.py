@@ -13,7 +13,7 @@ def test_hosts_reach_horovod_run_unchanged(tmp_path: Path, monkeypatch: pytest.M
 
     from hydra_plugins.steadfast_launcher import _horovod
     from hydra_plugins.steadfast_launcher._core import Job
-    from hydra_plugins.steadfast_launcher._schemas import HorovodBackendConf, RestartConf
+    from steadfast.contract.schemas import HorovodBackendConf, RestartConf
 
     seen = {}
 

@@ -56,4 +56,4 @@ def test_local_backend_runs_in_process(tmp_path: Path) -> None:
 
     s = json.loads((tmp_path / "outputs" / "local" / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 1 and s["epochs_completed"] == 2
-    assert (ROOT / "conf" / "backend" / "local.yaml").exists()
+    assert (ROOT / "steadfast" / "conf" / "backend" / "local.yaml").exists()

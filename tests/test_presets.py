@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from pipeline import config as schema  # registers the schemas in the ConfigStore (at import, once)
+from steadfast import preflight as library
 
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 EXPECTED = {  # what each preset is for
@@ -35,8 +36,9 @@ def test_preset_composes_and_passes_preflight(preset: str, tmp_path: Path, monke
         cfg = compose("train", overrides=[f"+experiment={preset}"], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
         for key, value in EXPECTED.get(preset, {}).items():
-            assert OmegaConf.select(cfg, key) == value, (preset, key)
-        problems = schema.preflight(cfg)
+            found = OmegaConf.select(cfg, key)
+            assert getattr(found, "value", found) == value, (preset, key)
+        problems = library.check(cfg) + schema.preflight(cfg)
         if preset == "horovod" and find_spec("horovod") is None:
             problems = [p for p in problems if "Horovod is not installed" not in p]
         assert problems == []

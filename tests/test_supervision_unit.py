@@ -19,40 +19,41 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, env, events, wait_for
 
-from hydra_plugins.steadfast_launcher import contract
-from hydra_plugins.steadfast_launcher._schemas import RestartConf
+from steadfast.contract import env as launch_env
+from steadfast.contract import files, heartbeat, stop
+from steadfast.contract.schemas import RestartConf
 from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
 
 
 # ---- the stop flag -----------------------------------------------------------------------------
 def test_stop_signals_only_set_a_flag_and_handlers_are_restored() -> None:
-    before = {s: signal.getsignal(s) for s in contract.STOP_SIGNALS}
-    contract.clear_stop()
-    previous = contract.install_stop_handlers()
+    before = {s: signal.getsignal(s) for s in stop.STOP_SIGNALS}
+    stop.clear_stop()
+    previous = stop.install_stop_handlers()
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # would end the test run if it did more than set the flag
-        wait_for(lambda: contract.stop_requested(), 5, "the handler to run")
+        wait_for(lambda: stop.stop_requested(), 5, "the handler to run")
         os.kill(os.getpid(), signal.SIGINT)  # a second request does not change the first
         time.sleep(0.05)
-        assert contract.stop_requested() == signal.SIGTERM
-        assert abs(contract.stop_requested_at() - time.time()) < 5
+        assert stop.stop_requested() == signal.SIGTERM
+        assert abs(stop.stop_requested_at() - time.time()) < 5
     finally:
-        contract.restore_handlers(previous)
-        contract.clear_stop()
-    assert {s: signal.getsignal(s) for s in contract.STOP_SIGNALS} == before
-    assert contract.stop_requested() is None
+        stop.restore_handlers(previous)
+        stop.clear_stop()
+    assert {s: signal.getsignal(s) for s in stop.STOP_SIGNALS} == before
+    assert stop.stop_requested() is None
 
 
 def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -> None:
-    hb = contract.Heartbeat(tmp_path / contract.HEARTBEAT_DIR, 3)
+    hb = heartbeat.Heartbeat(tmp_path / files.HEARTBEAT_DIR, 3)
     started = time.perf_counter()
     for step in range(2000):
         hb.beat(step, "train")
     per_beat = (time.perf_counter() - started) / 2000
     hb.beat(1999, "save")
-    raw = (tmp_path / contract.HEARTBEAT_DIR / "rank3").read_bytes()
+    raw = (tmp_path / files.HEARTBEAT_DIR / "rank3").read_bytes()
     assert len(raw) == 320 and raw.endswith(b"\n")
-    record = contract.read_heartbeats(tmp_path)[3]
+    record = heartbeat.read_heartbeats(tmp_path)[3]
     assert record["step"] == 1999 and record["phase"] == "save" and record["beats"] == 2002 and record["pid"] == os.getpid()
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
 
@@ -76,28 +77,28 @@ def test_main_thread_is_found_in_a_faulthandler_dump(tmp_path: Path) -> None:
 WORKER = r'''
 import os, sys, time
 from pathlib import Path
-from hydra_plugins.steadfast_launcher import contract
+from steadfast.contract import heartbeat as hb, stop
 run_dir, mode = Path(sys.argv[1]), sys.argv[2]
-contract.install_stop_handlers()
-contract.start_heartbeat(run_dir, 0)
-contract.enable_stack_dumps(run_dir, 0)
+stop.install_stop_handlers()
+hb.start_heartbeat(run_dir, 0)
+hb.enable_stack_dumps(run_dir, 0)
 step = 0
 while True:
-    if contract.stop_requested() is not None and mode == "stops":
-        (run_dir / "stopped").write_text(str(contract.stop_requested()))
+    if stop.stop_requested() is not None and mode == "stops":
+        (run_dir / "stopped").write_text(str(stop.stop_requested()))
         sys.exit(0)
     if mode == "hangs" and step >= 20:
         time.sleep(0.01)  # alive, no progress
         continue
     step += 1
-    contract.heartbeat().beat(step)
+    hb.heartbeat().beat(step)
     time.sleep(0.01)
 '''
 
 
 def _start_worker(run_dir: Path, mode: str, launch_id: str) -> subprocess.Popen:
     e = env()
-    e[contract.ENV_RUN_DIR], e[contract.ENV_LAUNCH_ID] = str(run_dir), launch_id
+    e[launch_env.ENV_RUN_DIR], e[launch_env.ENV_LAUNCH_ID] = str(run_dir), launch_id
     return subprocess.Popen([sys.executable, "-c", WORKER, str(run_dir), mode], env=e, cwd=ROOT)
 
 
@@ -115,7 +116,7 @@ def test_watchdog_finds_a_stuck_worker_writes_its_stack_and_kills_it(tmp_path: P
     assert len(found) == 1 and found[0]["rank"] == 0 and found[0]["step"] == 20
     assert 1.0 <= found[0]["seconds_without_progress"] <= 1.5
     assert "<string>" in found[0]["where"]
-    stacks = (tmp_path / contract.STACKS_DIR / "rank0.txt").read_text()
+    stacks = (tmp_path / files.STACKS_DIR / "rank0.txt").read_text()
     assert "watchdog: rank 0" in stacks and 'File "<string>"' in stacks
     assert sup.first_hang and "rank 0 hung" in sup.first_hang
     ended = [e for e in events(tmp_path) if e["event"] == "attempt_ended"]
@@ -125,7 +126,7 @@ def test_watchdog_finds_a_stuck_worker_writes_its_stack_and_kills_it(tmp_path: P
 def test_supervisor_ignores_another_launchs_heartbeats(tmp_path: Path) -> None:
     worker = _start_worker(tmp_path, "hangs", "someone-else")
     try:
-        wait_for(lambda: contract.read_heartbeats(tmp_path).get(0, {}).get("step", 0) >= 20, 30, "the worker to run")
+        wait_for(lambda: heartbeat.read_heartbeats(tmp_path).get(0, {}).get("step", 0) >= 20, 30, "the worker to run")
         with Supervisor(tmp_path, RestartConf(hang_timeout_s=1.0), "L2"):
             time.sleep(2.0)  # longer than the timeout: nothing may happen to a worker that is not ours
         assert worker.poll() is None
@@ -137,21 +138,21 @@ def test_supervisor_ignores_another_launchs_heartbeats(tmp_path: Path) -> None:
 def test_stop_request_is_forwarded_and_the_grace_is_enforced(tmp_path: Path) -> None:
     polite = _start_worker(tmp_path / "a", "stops", "L3")
     stubborn = _start_worker(tmp_path / "b", "hangs", "L4")  # takes the stop request but never acts on it
-    contract.clear_stop()
+    stop.clear_stop()
     try:
-        wait_for(lambda: contract.read_heartbeats(tmp_path / "a") and contract.read_heartbeats(tmp_path / "b"), 30, "workers to register")
+        wait_for(lambda: heartbeat.read_heartbeats(tmp_path / "a") and heartbeat.read_heartbeats(tmp_path / "b"), 30, "workers to register")
         called = []
         with Supervisor(tmp_path / "a", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L3"), \
                 Supervisor(tmp_path / "b", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L4",
                            on_grace_expired=lambda: called.append(1) or False):
-            contract.request_stop(signal.SIGTERM)
+            stop.request_stop(signal.SIGTERM)
             wait_for(lambda: polite.poll() is not None and stubborn.poll() is not None, 30, "both workers to end")
         assert polite.returncode == 0 and (tmp_path / "a" / "stopped").read_text() == str(int(signal.SIGTERM))
         assert stubborn.returncode == -signal.SIGKILL and called == [1]
         assert [e["event"] for e in events(tmp_path / "b") if e["event"] == "preemption_grace_expired"]
         assert not [e for e in events(tmp_path / "a") if e["event"] == "preemption_grace_expired"]
     finally:
-        contract.clear_stop()
+        stop.clear_stop()
         for p in (polite, stubborn):
             if p.poll() is None:
                 p.kill()
@@ -165,7 +166,7 @@ def test_new_restart_settings_are_checked() -> None:
 
 
 def test_agent_leaves_stop_signals_to_the_launcher_and_waits_the_grace(tmp_path: Path) -> None:
-    from hydra_plugins.steadfast_launcher._schemas import TorchrunBackendConf
+    from steadfast.contract.schemas import TorchrunBackendConf
     from hydra_plugins.steadfast_launcher._torchrun import launch_config
 
     config = launch_config(TorchrunBackendConf(), RestartConf(preemption_grace_s=12.5), "r", tmp_path)
@@ -180,7 +181,7 @@ class _Tty(io.StringIO):
 
 
 def test_progress_on_a_terminal_is_one_line_redrawn_and_cleared_for_log_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.progress import ProgressDisplay
+    from steadfast.progress import ProgressDisplay
 
     monkeypatch.setenv("TERM", "xterm")
     stream = _Tty()
@@ -208,7 +209,7 @@ def test_progress_on_a_terminal_is_one_line_redrawn_and_cleared_for_log_records(
 
 
 def test_progress_elsewhere_is_plain_periodic_lines(caplog: pytest.LogCaptureFixture) -> None:
-    from pipeline.progress import ProgressDisplay
+    from steadfast.progress import ProgressDisplay
 
     stream = io.StringIO()
     caplog.set_level(logging.INFO)
@@ -217,7 +218,7 @@ def test_progress_elsewhere_is_plain_periodic_lines(caplog: pytest.LogCaptureFix
     for step in range(1, 51):
         display.update(step, 0, loss=0.25 if step % 10 == 0 else None)
     display.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "steadfast.progress"]
     assert lines == ["progress: epoch 1/1 | step 1/50 (2%) | loss - | - steps/s | ETA ?"]  # once per every_s
     assert stream.getvalue() == ""  # nothing written around the logging system
     off = ProgressDisplay("auto", 0, 50, 1, enabled=False, stream=stream)
@@ -259,7 +260,7 @@ def _write_run(folder: Path) -> None:
 
 
 def test_report_counts_attempts_lost_work_and_time_from_the_records(tmp_path: Path) -> None:
-    from pipeline import report
+    from steadfast import report
 
     folder = tmp_path / "run"
     _write_run(folder)
@@ -284,7 +285,7 @@ def test_report_counts_attempts_lost_work_and_time_from_the_records(tmp_path: Pa
 
 
 def test_verify_recovery_splits_the_fault_schedule_from_the_job() -> None:
-    from pipeline.verify_recovery import split_overrides
+    from steadfast.verify_recovery import split_overrides
 
     job, fault = split_overrides(["trainer.lr=0.1", "fault=kill_rank", "fault.at_step=3", "+fault.x=1", "data=synthetic"])
     assert job == ["trainer.lr=0.1", "data=synthetic"] and fault == ["fault=kill_rank", "fault.at_step=3", "+fault.x=1"]

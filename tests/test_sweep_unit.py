@@ -9,7 +9,12 @@ import pytest
 from helpers import run_train
 from hydra_plugins.steadfast_launcher import _core, _sweep
 
-from pipeline.config import run_name, sweep_dir, sweep_name
+from steadfast.contract.exits import exit_code
+from steadfast.contract.naming import is_sweep, run_name, sweep_dir, sweep_name
+from helpers import ROOT
+
+# the built-in trainer's own neutral keys (conf/train.yaml, run.safe_to_change)
+SAFE = list(__import__("omegaconf").OmegaConf.load(ROOT / "conf" / "train.yaml").run.safe_to_change)
 
 
 @pytest.mark.parametrize("overrides,sweeper,params,expected", [
@@ -26,7 +31,7 @@ from pipeline.config import run_name, sweep_dir, sweep_name
     ([], "basic", {"trainer.lr": "0.1,0.01"}, True),
 ])
 def test_is_sweep(overrides: list, sweeper: str, params: dict, expected: bool) -> None:
-    assert _sweep.is_sweep(overrides, sweeper, params) is expected
+    assert is_sweep(overrides, sweeper, params) is expected
 
 
 def test_a_single_run_keeps_its_folder_and_a_sweep_gets_its_own() -> None:
@@ -39,9 +44,9 @@ def test_a_single_run_keeps_its_folder_and_a_sweep_gets_its_own() -> None:
 
 
 def test_sweep_name_leaves_out_keys_that_do_not_change_training_unless_swept() -> None:
-    base = sweep_name(["trainer.lr=0.1,0.01"])
-    assert sweep_name(["trainer.lr=0.1,0.01", "trainer.max_epochs=40", "restart=none"]) == base  # continues the sweep
-    assert "trainer.max_epochs=5-10" in sweep_name(["trainer.lr=0.1", "trainer.max_epochs=5,10"])  # swept: kept
+    base = sweep_name(["trainer.lr=0.1,0.01"], safe_to_change=SAFE)
+    assert sweep_name(["trainer.lr=0.1,0.01", "trainer.max_epochs=40", "restart=none"], safe_to_change=SAFE) == base  # continues the sweep
+    assert "trainer.max_epochs=5-10" in sweep_name(["trainer.lr=0.1", "trainer.max_epochs=5,10"], safe_to_change=SAFE)  # swept: kept
     assert sweep_name([], "optuna", {"trainer.lr": "interval(0.01, 0.1)"}).startswith("optuna,trainer.lr=interval")
     long = sweep_name([f"key{i}=a,b" for i in range(30)])
     assert len(long) <= 80 and long != sweep_name([f"key{i}=a,b" for i in range(31)])
@@ -109,7 +114,7 @@ def test_table_lines_up() -> None:
 
 
 def test_exit_codes() -> None:
-    assert _core.exit_code(signal.SIGTERM) == 75 and _core.exit_code(signal.SIGINT) == 130
+    assert exit_code(signal.SIGTERM) == 75 and exit_code(signal.SIGINT) == 130
 
 
 def test_bad_launcher_settings_fail_before_any_worker(tmp_path: Path) -> None:

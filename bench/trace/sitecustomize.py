@@ -32,7 +32,7 @@ _PATH = os.environ.get("STEADFAST_BENCH_TRACE")
 # Modules whose import is timed (first import in each process).
 WATCH_IMPORTS = {
     "hydra", "omegaconf", "torch", "numpy", "cloudpickle", "horovod.torch", "horovod.runner",
-    "pipeline.train", "pipeline.trainer", "pipeline.data", "pipeline.checkpoint",
+    "pipeline.train", "pipeline.trainer", "pipeline.data", "steadfast.checkpoint.manager",
     "hydra_plugins.steadfast_launcher", "hydra_plugins.steadfast_launcher._core",
     "hydra_plugins.steadfast_launcher._worker", "torch.distributed.elastic.agent.server.local_elastic_agent",
 }
@@ -60,8 +60,8 @@ WRAP = {
     "torch.nn.parallel.distributed": [("DistributedDataParallel.__init__", "ddp_init")],
     "pipeline.trainer": [("Trainer.__init__", "trainer_init"), ("Trainer._resume", "trainer_resume"),
                          ("build_data", "build_data"), ("build_model", "build_model")],
-    "pipeline.dist": [("init", "comm_init")],
-    "pipeline.checkpoint": [("CheckpointManager.__init__", "checkpoint_manager_init")],
+    "steadfast.comm": [("init", "comm_init")],
+    "steadfast.checkpoint.manager": [("CheckpointManager.__init__", "checkpoint_manager_init")],
     "horovod.torch": [("init", "horovod_init")],
 }
 QUIET = {"agent_monitor"}  # polled: only calls that return a non-HEALTHY state are recorded; the rest are counted

@@ -30,12 +30,20 @@ from hydra.errors import CompactHydraException
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from . import _sweep, contract
-from ._schemas import BackendConf, ConfigError, RestartConf, SteadfastLauncherConf, backend_from, restart_from
+from steadfast.contract import events, summary
+from steadfast.contract.env import COLLECTIVES, HOROVOD, NONE, TORCH, LaunchEnv
+from steadfast.contract.events import Event
+from steadfast.contract.exits import exit_code
+from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
+from steadfast.contract.naming import master_is_sweep
+from steadfast.contract.schemas import (BackendConf, ConfigError, RestartConf, SteadfastLauncherConf, backend_from,
+                                        cluster_from, restart_from)
+from steadfast.contract.summary import Status
+
+from . import _sweep
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".steadfast.lock"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_GRACE_S = 90.0  # a parallel job gets this long to stop after a forwarded signal, then it is killed
@@ -104,7 +112,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     # folder: a job's config could resolve it differently (it sees its own overrides, a later clock).
     HydraConfig.instance().set_config(master)
     sweep_dir = str(master.hydra.sweep.dir)
-    sweeping = _sweep.master_is_sweep(master)
+    sweeping = master_is_sweep(master)
     jobs = [_prepare(launcher, list(o), initial_job_idx + i, sweep_dir) for i, o in enumerate(job_overrides)]
     _check_folders(jobs)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
@@ -144,13 +152,14 @@ def _submit_to_slurm(jobs: List[Job]) -> List[JobReturn]:
         cluster = _slurm.cluster_of(job.config)
         script = job.run_dir / "slurm" / _slurm.SCRIPT_NAME
         script.parent.mkdir(parents=True, exist_ok=True)
-        contract.atomic_write(script, _slurm.sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}"))
+        app = OmegaConf.select(job.config, "hydra.launcher.app")
+        atomic_write(script, _slurm.sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}", app=app))
         if not cluster.get("submit", True):
             log.info("%s: wrote %s (cluster.submit=false: not submitted)", job.label, script)
             returns.append(_job_return(job, JobStatus.COMPLETED, {"slurm_script": str(script)}))
             continue
         job_id = _slurm.submit(script)
-        contract.append_event(job.run_dir, "slurm_submitted", slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"])
+        events.append(job.run_dir, Event.SLURM_SUBMITTED, slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"])
         log.info("%s: submitted as Slurm job %s (%d node(s)); script %s, output %s/slurm/<job id>.out",
                  job.label, job_id, cluster["nodes"], script, job.run_dir)
         returns.append(_job_return(job, JobStatus.COMPLETED, {"slurm_job_id": job_id, "slurm_script": str(script)}))
@@ -204,9 +213,9 @@ def _preflight(launcher: Any, jobs: List[Job]) -> None:
     problems: List[str] = []
     for job in jobs:
         HydraConfig.instance().set_config(job.config)
-        found = job.backend.problems() + job.restart.problems()
-        hook = OmegaConf.select(job.config, "hydra.launcher.preflight")
-        if hook and not found:
+        found = job.backend.problems() + job.restart.problems() + list(getattr(_adapter(job.backend.name), "problems", lambda b: [])(job.backend)) + cluster_from(OmegaConf.select(job.config, "hydra.launcher.cluster")).problems()
+        hooks = OmegaConf.select(job.config, "hydra.launcher.preflight")
+        for hook in ([] if found or not hooks else [hooks] if isinstance(hooks, str) else list(hooks)):
             module, _, name = str(hook).partition(":")
             found += list(getattr(importlib.import_module(module), name)(job.config))
         prefix = f"{job.label}: " if len(jobs) > 1 else ""
@@ -221,6 +230,15 @@ def _describe(backend: BackendConf) -> str:
     return f"{backend.procs_per_node} {backend.name} workers"
 
 
+_COLLECTIVE = {"torchrun": TORCH, "horovod": HOROVOD, "local": NONE}
+
+
+def _reference_world_size(backend: BackendConf) -> int:
+    if backend.name == "torchrun":
+        return backend.node_range()[1] * backend.procs_per_node  # type: ignore[attr-defined]
+    return backend.procs_per_node
+
+
 def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
     """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set)."""
     started = time.time()
@@ -228,38 +246,40 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
     multi_node = multi_node_identity(job.backend, run_dir)
     with _RunLock(run_dir, multi_node):
         frozen = OmegaConf.create(OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True))
-        contract.atomic_write(run_dir / contract.CONFIG_FILE, OmegaConf.to_yaml(frozen))
+        atomic_write(run_dir / CONFIG_FILE, OmegaConf.to_yaml(frozen))
         payload = cloudpickle.dumps((task_function, frozen, job.config, Singleton.get_state()))
-        env = {
-            contract.ENV_BACKEND: job.backend.name,
-            contract.ENV_RUN_DIR: str(run_dir),
-            contract.ENV_LAUNCH_TIME: repr(started),
-        }
+        launch = LaunchEnv(backend=job.backend.name, collective=_COLLECTIVE[job.backend.name], run_dir=run_dir,
+                           launch_time=started, launch_id=f"{os.getpid()}-{started!r}",
+                           reference_world_size=_reference_world_size(job.backend),
+                           collective_timeout_s=job.restart.collective_timeout_s)
         adapter = _adapter(job.backend.name)
-        contract.append_event(run_dir, "launch", backend=job.backend.name, overrides=filter_overrides(job.overrides))
+        events.append(run_dir, Event.LAUNCH, backend=job.backend.name, overrides=filter_overrides(job.overrides))
         log.info("Run folder: %s", run_dir)
         attempts = 1 if adapter.RESTARTS_ITSELF else job.restart.max_restarts + 1
         first_failure: Optional[str] = None
         last = WorkerFailure("no attempt ran")
         for attempt in range(attempts):
-            env[contract.ENV_ATTEMPT] = str(attempt)
+            env = LaunchEnv(**{**launch.__dict__, "attempt": attempt}).to_environ()
             if attempt:
-                contract.append_event(run_dir, "relaunch", attempt=attempt, cause=last.args[0])
+                events.append(run_dir, Event.RELAUNCH, attempt=attempt, cause=last.args[0])
                 log.warning("Relaunching %s (restart %d of %d)", job.label, attempt, job.restart.max_restarts)
             try:
                 from ._supervise import run_attempt  # stop requests, hang watchdog, stop markers
 
                 result = run_attempt(adapter, payload, job, env, run_dir)
-                if multi_node and result is None:  # global rank 0 ran on another node
+                hosted_rank0 = multi_node is None or result is not None
+                if not hosted_rank0:  # global rank 0 ran on another node
                     log.info("%s: global rank 0 ran on another node; its result is in %s", job.label, run_dir / SUMMARY_FILE)
-                contract.append_event(run_dir, "job_completed", relaunches=attempt)
+                events.append(run_dir, Event.JOB_COMPLETED, relaunches=attempt)
                 job.restarts = attempt
+                summary.write(run_dir, Status.COMPLETED, since=started, restarts=attempt, wall_seconds=time.time() - started,
+                              hosts_rank0=hosted_rank0)
                 return result
             except WorkerFailure as failure:
                 last = failure
                 first_failure = first_failure or _first_recorded_failure(run_dir, started) or failure.args[0]
             except KeyboardInterrupt as stop:
-                contract.append_event(run_dir, "job_interrupted", attempt=attempt, signal=_signame(getattr(stop, "signum", None)))
+                events.append(run_dir, Event.JOB_INTERRUPTED, attempt=attempt, signal=_signame(getattr(stop, "signum", None)))
                 raise
         restarts = last.restarts if adapter.RESTARTS_ITSELF else attempts - 1
         job.restarts = restarts
@@ -268,10 +288,11 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
             message += f"First failure: {first_failure}. Last failure: {last.args[0]}"
         else:
             message += f"Cause: {last.args[0]}"
-        contract.append_event(run_dir, "job_failed", restarts=restarts, error=message,
-                              **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}))
-        _record_failure(run_dir, message, restarts, time.time() - started, multi_node is not None)
-        raise JobFailed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {contract.EVENTS_FILE})", restarts)
+        events.append(run_dir, Event.JOB_FAILED, restarts=restarts, error=message,
+                      **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}))
+        summary.write(run_dir, Status.FAILED, since=started, restarts=restarts, wall_seconds=time.time() - started,
+                      error=message, hosts_rank0=multi_node is None)
+        raise JobFailed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {EVENTS_FILE})", restarts)
 
 
 def _adapter(name: str) -> Any:
@@ -287,41 +308,17 @@ def _adapter(name: str) -> Any:
 def _first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
     """The earliest failure recorded in this launch: a worker's error, a hang the watchdog found,
     or an injected fault (workers killed by a signal record nothing themselves)."""
-    try:
-        lines = (run_dir / contract.EVENTS_FILE).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("time", 0) < since:
-            continue
-        kind = event.get("event")
-        if kind == "worker_failed":
+    for event in events.read(run_dir, since=since, kinds=(Event.WORKER_FAILED, Event.HANG_DETECTED, Event.FAULT_FIRED)):
+        kind = event["event"]
+        if kind == Event.WORKER_FAILED:
             return f"rank {event.get('rank')} on {event.get('host')}: {event.get('error')} (at {event.get('where')})"
-        if kind == "hang_detected":
+        if kind == Event.HANG_DETECTED:
             return (f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
                     f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
-                    f"stacks in {contract.STACKS_DIR}/)")
-        if kind == "fault_fired" and event.get("fault") in ("kill", "crash_in_save"):  # hangs: see hang_detected
+                    f"stacks in logs/stacks/)")
+        if event.get("fault") in ("kill", "crash_in_save"):  # hangs: see hang_detected
             return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
     return None
-
-
-def _record_failure(run_dir: Path, message: str, restarts: int, wall: float, multi_node: bool = False) -> None:
-    summary: Dict[str, Any] = {}
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        pass
-    if multi_node and summary.get("status") == "completed" and (run_dir / SUMMARY_FILE).stat().st_mtime >= time.time() - wall:
-        # one node's launcher failing after rank 0 (on another node) completed the job and wrote
-        # the summary must not turn it into a failure: its failure is in events.jsonl
-        return
-    summary.update(status="failed", error=message, restarts=restarts, wall_seconds=round(wall, 3))
-    contract.atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
 
 class _RunLock:
@@ -421,13 +418,6 @@ def _signame(signum: Optional[int]) -> str:
         return "a signal"
 
 
-def exit_code(signum: Optional[int]) -> int:
-    """SIGTERM/SIGHUP (a scheduler's stop request): EXIT_PREEMPTED, 'run again to continue'; SIGINT: 130."""
-    if signum in (signal.SIGTERM, signal.SIGHUP):
-        return contract.EXIT_PREEMPTED
-    return 128 + (signum or signal.SIGINT)
-
-
 @contextlib.contextmanager
 def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[Callable[[], None]]:
     """Route SIGTERM/SIGINT/SIGHUP to `handler` (main thread only); yields a function that
@@ -448,13 +438,6 @@ def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[Callable[[
         for s, previous in saved.items():
             if previous is not None:
                 signal.signal(s, previous)
-
-
-def _read_summary(run_dir: Optional[Path]) -> Dict[str, Any]:
-    try:
-        return json.loads((Path(run_dir) / SUMMARY_FILE).read_text()) if run_dir else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _first_line(exc: Any) -> str:
@@ -548,8 +531,8 @@ class _Sweep:
 
     def _finished(self, job: Job, ret: JobReturn, interrupted: bool = False) -> None:
         self.returns[job.idx] = ret
-        summary = _read_summary(job.run_dir)
-        restarts = summary.get("restarts", job.restarts) if isinstance(summary.get("restarts"), int) else job.restarts
+        recorded = summary.read(job.run_dir)
+        restarts = recorded["restarts"] if isinstance(recorded.get("restarts"), int) else job.restarts
         rec = (self.ledger.get(job.key) or {}) if self.ledger else {}
         wall = round(time.time() - rec["started_at"], 3) if rec.get("started_at") else None
         fields: Dict[str, Any] = dict(restarts=restarts, ended_at=round(time.time(), 3), wall_seconds=wall)
@@ -615,8 +598,8 @@ class _Sweep:
         rows = []
         for job in self.jobs:
             status = self.status.get(job.idx, _sweep.NOT_RUN)
-            summary = _read_summary(job.run_dir) if status != _sweep.NOT_RUN else {}
-            restarts = summary.get("restarts") if isinstance(summary.get("restarts"), int) else job.restarts
+            recorded = summary.read(job.run_dir) if status != _sweep.NOT_RUN else {}
+            restarts = recorded["restarts"] if isinstance(recorded.get("restarts"), int) else job.restarts
             shown = [o for o in filter_overrides(job.overrides) if _override_key(o) in varying] if varying else filter_overrides(job.overrides)
             rows.append(dict(job=job.idx, overrides=" ".join(shown) or "(defaults)", status=status,
                              restarts=restarts if status != _sweep.NOT_RUN else "",

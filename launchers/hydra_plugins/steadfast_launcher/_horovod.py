@@ -22,9 +22,10 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
-from . import contract
+from steadfast.contract.env import ENV_ATTEMPT
+from steadfast.contract.stop import STOP_SIGNALS, Stopped, signal_name, stop_requested
 from ._core import Interrupted, Job, WorkerFailure
-from ._schemas import HorovodBackendConf
+from steadfast.contract.schemas import HorovodBackendConf
 from ._worker import run_rank
 
 RESTARTS_ITSELF = False  # the launcher relaunches the job, up to restart.max_restarts
@@ -40,7 +41,7 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
 
     b = job.backend
     assert isinstance(b, HorovodBackendConf)
-    logs = run_dir / "logs" / "horovod" / f"attempt_{env.get(contract.ENV_ATTEMPT, '0')}"
+    logs = run_dir / "logs" / "horovod" / f"attempt_{env.get(ENV_ATTEMPT, '0')}"
     logs.mkdir(parents=True, exist_ok=True)
     # horovod.run has no env argument: every worker gets a copy of this process's environment.
     # Workers are plain subprocesses (not spawned by multiprocessing), so hand them our sys.path.
@@ -50,7 +51,7 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     worker_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2)))))
     worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(job.restart.collective_timeout_s)))
     saved_env = {k: os.environ.get(k) for k in worker_env}
-    saved_signals = {s: signal.getsignal(s) for s in contract.STOP_SIGNALS}
+    saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     # Horovod's runner would swap SIGINT/SIGTERM for an event that terminates the workers after a
     # fixed 5 s. Instead the launcher's handlers stay (they only set the stop flag), the launcher's
     # supervisor forwards the signal to the workers, which save and stop, and it sets these events
@@ -83,9 +84,9 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
             executable=sys.executable,
         )
     except Exception as err:
-        if contract.stop_requested() is not None:
-            signum = contract.stop_requested()
-            raise Interrupted(f"the Horovod job was stopped by {contract.signal_name(signum)}", signum=signum) from None
+        if stop_requested() is not None:
+            signum = stop_requested()
+            raise Interrupted(f"the Horovod job was stopped by {signal_name(signum)}", signum=signum) from None
         raise WorkerFailure(root_cause(err, logs)) from None
     finally:
         gloo_run.register_shutdown_event = register
@@ -97,13 +98,22 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    stopped = [v for v in results if isinstance(v, contract.Stopped)]
+    stopped = [v for v in results if isinstance(v, Stopped)]
     if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
         return stopped[0]
     return results[0]  # the list is in rank order
 
 
 _stop_events: List[threading.Event] = []
+
+
+def problems(backend: HorovodBackendConf) -> List[str]:
+    from importlib.util import find_spec
+
+    if find_spec("horovod") is None:
+        return ["backend=horovod: Horovod is not installed. Install it with `bash scripts/install_horovod.sh "
+                "$(which python)` (builds a patched Horovod 0.28.1 with PyTorch and Gloo), or choose backend=torchrun"]
+    return []
 
 
 def on_grace_expired() -> bool:

@@ -3,7 +3,8 @@
 Why a generated script rather than submitit: the script is a plain file in the run folder that a
 person can read, re-submit by hand (`sbatch run_dir/slurm/job.sbatch`) and check with
 `sbatch --test-only`; and the allocation runs exactly the command a user would type on a node
-(`python -m pipeline.train ... cluster=none`), so nothing is pickled across Python versions.
+(`python -m <app> ... cluster=none`, the app named by hydra.launcher.app or the module this launcher
+was started as), so nothing is pickled across Python versions.
 
 Inside the allocation, `srun` starts one launcher (one torch elastic agent) per node; they meet at
 a c10d rendezvous hosted on the first node of the allocation, all in the same run folder (shared
@@ -27,17 +28,30 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.schemas import cluster_from
+
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # contract.EXIT_PREEMPTED (kept here: this module must stay importable without torch)
 SCRIPT_NAME = "job.sbatch"
 
 
 def cluster_of(config: Any) -> Dict[str, Any]:
-    node = OmegaConf.select(config, "cluster")
-    if node is None:
-        return {"name": "none"}
-    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    """The job's cluster settings (hydra.launcher.cluster), as plain values."""
+    import dataclasses
+
+    return dataclasses.asdict(cluster_from(OmegaConf.select(config, "hydra.launcher.cluster")))
+
+
+def app_command(app: Optional[str]) -> List[str]:
+    """How a node starts the app: `-m MODULE` (hydra.launcher.app, or the module this process runs as), or its script."""
+    if app:
+        return ["-m", app]
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return ["-m", spec.name.removesuffix(".__main__")]
+    return [os.path.abspath(sys.argv[0])]
 
 
 def node_overrides(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: Path) -> List[str]:
@@ -52,7 +66,7 @@ def node_overrides(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: P
 
 
 def sbatch_script(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: Path, job_name: str,
-                  python: str = sys.executable, workdir: Optional[str] = None) -> str:
+                  python: str = sys.executable, workdir: Optional[str] = None, app: Optional[str] = None) -> str:
     grace = int(cluster.get("signal_grace_s", 120))
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={int(cluster['nodes'])}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={int(cluster['time_min'])}",
@@ -77,7 +91,7 @@ def sbatch_script(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: Pa
         "export HEAD_NODE",
         # srun forwards SIGTERM from --signal to every task; --kill-on-bad-exit=0 keeps the other
         # nodes running when one fails (elastic jobs continue on the survivors).
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.quote(python)} -m pipeline.train {args}",
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.quote(python)} {' '.join(map(shlex.quote, app_command(app)))} {args}",
         "rc=$?",
         f'if [ "$rc" -eq {EXIT_PREEMPTED} ] && [ {requeue} -eq 1 ]; then',
         '  echo "steadfast: stopped before the time limit with a checkpoint committed; requeueing job $SLURM_JOB_ID"',
@@ -102,19 +116,4 @@ def submit(script: Path, sbatch: Optional[str] = None, array: Optional[str] = No
 
 
 def problems(cluster: Dict[str, Any]) -> List[str]:
-    if cluster.get("name") in (None, "none"):
-        return []
-    out = []
-    if cluster.get("name") != "slurm":
-        out.append(f"cluster.name={cluster.get('name')!r} is not allowed: one of none, slurm")
-        return out
-    for key in ("nodes", "time_min"):
-        value = cluster.get(key)
-        if not isinstance(value, int) or value < 1:
-            out.append(f"cluster.{key}={value!r} is not allowed: an integer >= 1")
-    low = cluster.get("min_nodes")
-    if low is not None and (not isinstance(low, int) or not 1 <= low <= int(cluster.get("nodes") or 0)):
-        out.append(f"cluster.min_nodes={low!r} is not allowed: 1 <= min_nodes <= cluster.nodes, or null")
-    if not isinstance(cluster.get("signal_grace_s"), int) or cluster["signal_grace_s"] < 1:
-        out.append(f"cluster.signal_grace_s={cluster.get('signal_grace_s')!r} is not allowed: seconds >= 1")
-    return out
+    return cluster_from(cluster).problems()

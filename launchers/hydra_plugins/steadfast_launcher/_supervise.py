@@ -1,10 +1,10 @@
 """The launcher's watch over one launch: stop requests (preemption) and the hang watchdog.
 
-A thread in the launcher process reads the workers' heartbeat files (contract.Heartbeat) of this
+A thread in the launcher process reads the workers' heartbeat files (steadfast.contract.heartbeat) of this
 launch on this host, a few times a second:
 
 - Stop requests. While a launch runs, SIGTERM/SIGINT/SIGHUP to the launcher only set the stop
-  flag (contract.stop_requested() in this process; neither torch elastic's agent nor Horovod's
+  flag (stop_requested() in this process; neither torch elastic's agent nor Horovod's
   runner installs its own handlers for them, see the adapters). Every registered worker then
   gets the same signal, including workers that register later (a group being restarted); they
   save at their next step boundary and return normally, so the backend sees a clean end. After
@@ -36,8 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import contract
-from ._schemas import RestartConf
+from steadfast.contract import events, summary
+from steadfast.contract.events import Event
+from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME
+from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.files import STACKS_DIR
+from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, read_heartbeats
+from steadfast.contract.summary import Status
+from steadfast.contract.stop import PREEMPTED, STOP_SIGNALS, Stopped, request_stop, restore_handlers, signal_name, stop_requested, stop_requested_at
+from steadfast.contract.schemas import RestartConf
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +168,7 @@ class Supervisor:
     # ---- one look at the workers --------------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
-        for rank, beat in contract.read_heartbeats(self.run_dir).items():
+        for rank, beat in read_heartbeats(self.run_dir).items():
             if beat.get("launch") != self.launch_id or beat.get("host") != HOST:
                 continue  # an earlier launch's file, or a rank on another node (its launcher watches it)
             pid = int(beat["pid"])
@@ -182,11 +189,11 @@ class Supervisor:
             if not inc.recorded and not any(self.workers[p].alive for p in inc.pids):
                 self._record_ended(inc)
         live = [w for w in self.workers.values() if w.alive and not w.handled]
-        signum = contract.stop_requested()
+        signum = stop_requested()
         if signum is not None:
             self._forward_stop(signum, live)
         elif self.threshold is not None:
-            stuck = [w for w in live if w.phase != contract.DONE_PHASE
+            stuck = [w for w in live if w.phase != DONE_PHASE
                      and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)]
             if stuck:
                 self._handle_hang(stuck, now)
@@ -196,27 +203,27 @@ class Supervisor:
             return
         inc.recorded = True
         ranks = {self.workers[p].rank: self.workers[p].step for p in inc.pids}
-        contract.append_event(self.run_dir, "attempt_ended", restart=inc.restart, last_step=max(ranks.values()),
+        events.append(self.run_dir, Event.ATTEMPT_ENDED, restart=inc.restart, last_step=max(ranks.values()),
                               steps={str(r): s for r, s in sorted(ranks.items())},
                               phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids})
 
     # ---- preemption -----------------------------------------------------------------------------
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
-        name = contract.signal_name(signum)
+        name = signal_name(signum)
         for w in live:
-            if w.pid not in self.forwarded and w.phase not in ("stop", contract.DONE_PHASE):
+            if w.pid not in self.forwarded and w.phase not in ("stop", DONE_PHASE):
                 self.forwarded.add(w.pid)
                 _kill(w.pid, signum)
         if live and not self._forward_logged:
             self._forward_logged = True
             log.warning("%s: asked %d worker(s) to save and stop at their next step boundary (restart.preemption_grace_s=%g)",
                         name, len(live), self.conf.preemption_grace_s)
-        waited = time.time() - (contract.stop_requested_at() or time.time())
+        waited = time.time() - (stop_requested_at() or time.time())
         if waited >= self.conf.preemption_grace_s and not self.grace_expired and live:
             self.grace_expired = True
             log.error("%s: the workers did not stop within restart.preemption_grace_s=%g; stopping them "
                       "(the newest committed checkpoint is intact)", name, self.conf.preemption_grace_s)
-            contract.append_event(self.run_dir, "preemption_grace_expired", signal=name,
+            events.append(self.run_dir, Event.PREEMPTION_GRACE_EXPIRED, signal=name,
                                   grace_s=self.conf.preemption_grace_s,
                                   ranks={str(w.rank): {"step": w.step, "phase": w.phase} for w in live})
             # the backend stops its own workers (so that torch elastic does not take our kill for a
@@ -245,7 +252,7 @@ class Supervisor:
             with open(path, "a") as f:
                 f.write(header)
             sizes[w.rank] = path.stat().st_size
-            _kill(w.pid, contract.STACK_SIGNAL)
+            _kill(w.pid, STACK_SIGNAL)
         dumps = self._wait_for_stacks(stuck, sizes)
         frames = {w.rank: main_thread_frames(dumps.get(w.rank, "")) for w in stuck}
         suspects = [w for w in stuck if not waits_in_collective(frames[w.rank])] or stuck
@@ -259,8 +266,7 @@ class Supervisor:
         if waiting:
             message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
         stacks = [str(self._stacks(w.rank)) for w in stuck]
-        contract.append_event(
-            self.run_dir, "hang_detected", rank=first.rank, step=first.step, phase=first.phase,
+        events.append(self.run_dir, Event.HANG_DETECTED, rank=first.rank, step=first.step, phase=first.phase,
             seconds_without_progress=round(seconds, 2), hang_timeout_s=self.hang_timeout, restart=first.restart,
             where=describe_frame(frames[first.rank][0] if frames[first.rank] else None),
             suspects=[w.rank for w in suspects], waiting=[w.rank for w in waiting], stacks=stacks,
@@ -273,7 +279,7 @@ class Supervisor:
         self.last_hang = message
 
     def _stacks(self, rank: int) -> Path:
-        return self.run_dir / contract.STACKS_DIR / f"rank{rank}.txt"
+        return self.run_dir / STACKS_DIR / f"rank{rank}.txt"
 
     def _wait_for_stacks(self, stuck: List[_Worker], sizes: Dict[int, int], timeout: float = 3.0) -> Dict[int, str]:
         """Wait until every stuck worker's dump has landed (its file stopped growing), up to `timeout`."""
@@ -300,7 +306,7 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
     """`adapter.run` under supervision; turns the ways a launch can end into what _core expects.
 
     - a result: returned;
-    - a `contract.Stopped` marker from the workers (they saved and stopped on purpose): for a
+    - a `Stopped` marker from the workers (they saved and stopped on purpose): for a
       preemption, `Interrupted` (the sweep stops; exit code EXIT_PREEMPTED after SIGTERM); for any
       other stop (e.g. trainer.max_rss_mb), `JobFailed` (not restarted: it would happen again);
     - a stop request that ended the launch otherwise (grace expired, a worker killed by it before
@@ -312,46 +318,48 @@ def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run
     """
     from ._core import Interrupted, JobFailed, WorkerFailure
 
-    env.setdefault(contract.ENV_LAUNCH_ID, f"{os.getpid()}-{env.get(contract.ENV_LAUNCH_TIME, time.time())}")
-    if env.get(contract.ENV_ATTEMPT, "0") == "0":
+    env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{env.get(ENV_LAUNCH_TIME, time.time())}")
+    if env.get(ENV_ATTEMPT, "0") == "0":
         log.info("Logs: %s (launcher), %s (one per rank)%s", _launcher_log(run_dir), run_dir / "logs" / "rank<r>.log",
                  f", {run_dir / 'logs' / 'horovod'} (Horovod's per-rank output)" if job.backend.name == "horovod" else "")
-    handler = _LauncherSignals(run_dir, env[contract.ENV_LAUNCH_ID], in_process=job.backend.name == "local",
+    handler = _LauncherSignals(run_dir, env[ENV_LAUNCH_ID], in_process=job.backend.name == "local",
                                interrupted=Interrupted)
     previous = handler.install()
     launched = time.time()
     result: Any = None
     try:
-        if contract.stop_requested() is not None:
+        if stop_requested() is not None:
             raise KeyboardInterrupt("stop requested before the workers started")
-        supervisor = (Supervisor(run_dir, job.restart, env[contract.ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None),
+        supervisor = (Supervisor(run_dir, job.restart, env[ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None),
                                  on_overdue=handler.interrupt_main, forwarded=handler.forwarded)
                       if job.backend.name != "local" else contextlib.nullcontext())
         with supervisor as sup:
             try:
                 result = adapter.run(payload, job, env, run_dir)
             except WorkerFailure as failure:
-                if contract.stop_requested() is None:
+                if stop_requested() is None:
                     if sup is not None and sup.last_hang:  # the watchdog knows more than "killed by SIGKILL"
                         failure.args = (f"{sup.last_hang} (killed by the watchdog after restart.hang_timeout_s="
                                         f"{job.restart.hang_timeout_s:g})",)
                     raise
                 log.warning("%s", failure.args[0])
             except KeyboardInterrupt as stop:
-                contract.request_stop(getattr(stop, "signum", None) or signal.SIGINT)
+                request_stop(getattr(stop, "signum", None) or signal.SIGINT)
             else:
-                if not isinstance(result, contract.Stopped):
+                if not isinstance(result, Stopped):
                     return result
-                if result.reason != contract.PREEMPTED:
-                    _update_summary(run_dir, status=result.reason, error=result.message, stop_step=result.step)
-                    contract.append_event(run_dir, "job_stopped", reason=result.reason, step=result.step, message=result.message)
+                if result.reason != PREEMPTED:
+                    status = Status(result.reason) if result.reason in {s.value for s in Status} else Status.FAILED
+                    summary.write(run_dir, status, since=_launch_time(env), restarts=int(env.get(ENV_ATTEMPT, "0")),
+                                  wall_seconds=time.time() - _launch_time(env), error=result.message, stop_step=result.step)
+                    events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
                     raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
-        signum = contract.stop_requested() or getattr(result, "signal", None) or signal.SIGTERM
-        message = _preempted(run_dir, job, launched, signum)
+        signum = stop_requested() or getattr(result, "signal", None) or signal.SIGTERM
+        message = _preempted(run_dir, job, launched, signum, env)
         log.warning("%s", message)
         raise Interrupted(message, signum=signum)
     finally:
-        contract.restore_handlers(previous)
+        restore_handlers(previous)
 
 
 class _LauncherSignals:
@@ -371,79 +379,53 @@ class _LauncherSignals:
     def install(self) -> Dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {sig: signal.signal(sig, self) for sig in contract.STOP_SIGNALS}
+        return {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
-        contract.request_stop(signum)
+        request_stop(signum)
         if self.force or self.count > 1:
-            raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
+            raise self.interrupted(f"stopped by {signal_name(signum)}", signum=signum)
         if self.in_process:
             return
         workers = self._registered()
         if not workers:
-            raise self.interrupted(f"stopped by {contract.signal_name(signum)}", signum=signum)
+            raise self.interrupted(f"stopped by {signal_name(signum)}", signum=signum)
         for pid in workers:  # at once; the supervisor passes it on to workers that register later
             self.forwarded.add(pid)
             _kill(pid, signum)
 
     def _registered(self) -> List[int]:
-        return [int(b["pid"]) for b in contract.read_heartbeats(self.run_dir).values()
+        return [int(b["pid"]) for b in read_heartbeats(self.run_dir).values()
                 if b.get("launch") == self.launch_id and b.get("host") == HOST and _alive(int(b.get("pid", 0)))]
 
     def interrupt_main(self) -> None:
         import _thread
 
         self.force = True
-        _thread.interrupt_main(contract.stop_requested() or signal.SIGTERM)
+        _thread.interrupt_main(stop_requested() or signal.SIGTERM)
 
 
-def _preempted(run_dir: Path, job: Any, since: float, signum: int) -> str:
+def _launch_time(env: Dict[str, str]) -> float:
+    try:
+        return float(env.get(ENV_LAUNCH_TIME) or time.time())
+    except ValueError:
+        return time.time()
+
+
+def _preempted(run_dir: Path, job: Any, since: float, signum: int, env: Dict[str, str]) -> str:
     """Summary and message of a stop on request: where the workers stopped, and whether it is committed."""
-    stop = None
-    for event in _events(run_dir):
-        if event.get("event") == "preempted" and event.get("time", 0) >= since:
-            stop = event
-    name = str(stop.get("signal")) if stop and stop.get("signal") else contract.signal_name(signum)
+    stop = events.last(events.read(run_dir, since=since, kinds=(Event.PREEMPTED,)), Event.PREEMPTED)
+    name = str(stop.get("signal")) if stop and stop.get("signal") else signal_name(signum)
     if stop and stop.get("saved"):
         how = f"stopped at step {stop.get('step')}, checkpoint committed: no step lost"
     else:
         how = ("stopped before the workers could save (restart.preemption_grace_s="
                f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint")
-    _update_summary(run_dir, status="preempted", stop_step=stop.get("step") if stop else None,
-                    stop_saved=bool(stop and stop.get("saved")), stop_signal=name)
+    summary.write(run_dir, Status.PREEMPTED, since=since, restarts=int(env.get(ENV_ATTEMPT, "0")),
+                  wall_seconds=time.time() - _launch_time(env), stop_signal=name)
     return (f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-            f"(exit code {contract.EXIT_PREEMPTED} after SIGTERM).")
-
-
-def _events(run_dir: Path) -> List[Dict[str, Any]]:
-    import json
-
-    out = []
-    try:
-        lines = (run_dir / contract.EVENTS_FILE).read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def _update_summary(run_dir: Path, **fields: Any) -> None:
-    import json
-
-    path = run_dir / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        summary = {}
-    summary.update(fields)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, path)
+            f"(exit code {EXIT_PREEMPTED} after SIGTERM).")
 
 
 def _launcher_log(run_dir: Path) -> str:

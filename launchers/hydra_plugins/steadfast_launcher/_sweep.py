@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .contract import atomic_write
+from steadfast.contract.files import atomic_write
 
 LEDGER_FILE = "sweep_ledger.json"
 SWEEP_LOCK_FILE = ".steadfast_sweep.lock"
@@ -32,36 +32,6 @@ SKIPPED = "skipped"  # table only: completed by an earlier run of the sweep, res
 FAILED = "failed"  # failed after its restart budget
 INTERRUPTED = "interrupted"  # stopped by a signal (or by fail_fast); resumes from its checkpoints
 NOT_RUN = "not run"  # table only: never started because the sweep stopped first
-
-
-def is_sweep(task_overrides: Iterable[Any], sweeper: Optional[str] = None, params: Any = None) -> bool:
-    """Does this command run a sweep (rather than one job)?
-
-    A sweep: an override with sweep syntax (`a=1,2`, `range()`, `choice()`, `interval()`,
-    `glob()`), a sweeper other than Hydra's basic one, or sweeper params in the config.
-    """
-    if sweeper not in (None, "", "basic"):
-        return True
-    if params:
-        return True
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides([str(o) for o in task_overrides])
-    except Exception:  # already parsed once by Hydra; be lenient here
-        return False
-    return any(o.is_sweep_override() for o in parsed)
-
-
-def master_is_sweep(master: Any) -> bool:
-    """`is_sweep` for a composed master config (the one the sweeper and the launcher get)."""
-    from omegaconf import OmegaConf
-
-    overrides = OmegaConf.select(master, "hydra.overrides.task", default=[]) or []
-    choices = OmegaConf.select(master, "hydra.runtime.choices", default={}) or {}
-    sweeper = choices.get("hydra/sweeper") if hasattr(choices, "get") else None
-    params = OmegaConf.select(master, "hydra.sweeper.params", default=None)
-    return is_sweep(list(overrides), sweeper, params)
 
 
 def job_key(overrides: Sequence[str]) -> str:

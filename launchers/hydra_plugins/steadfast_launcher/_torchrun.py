@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 from typing import Any, Dict
 
-from . import contract
+from steadfast.contract.stop import STOP_SIGNALS, Stopped, restore_handlers
 from ._core import Interrupted, Job, WorkerFailure
 from ._worker import run_rank
-from ._schemas import RestartConf, TorchrunBackendConf
+from steadfast.contract.schemas import RestartConf, TorchrunBackendConf
 
 RESTARTS_ITSELF = True  # the elastic agent restarts the worker group, up to restart.max_restarts
 _AGENT_STOP = signal.SIGUSR2  # what the launcher's supervisor sends the agent when a stop's grace runs out
@@ -111,7 +111,7 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     os.environ.update(agent_env)  # spawned workers inherit the agent's environment
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = launch_config(job.backend, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
-    handlers = {s: signal.getsignal(s) for s in (*contract.STOP_SIGNALS, _AGENT_STOP, signal.SIGQUIT)}  # the agent keeps its own
+    handlers = {s: signal.getsignal(s) for s in (*STOP_SIGNALS, _AGENT_STOP, signal.SIGQUIT)}  # the agent keeps its own
     try:
         results = elastic_launch(config, run_rank)(payload)
     except ChildFailedError as err:
@@ -121,13 +121,13 @@ def run(payload: bytes, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
     except Exception as err:  # rendezvous and agent errors
         raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
     finally:
-        contract.restore_handlers(handlers)
+        restore_handlers(handlers)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    stopped = [v for v in results.values() if isinstance(v, contract.Stopped)]
+    stopped = [v for v in results.values() if isinstance(v, Stopped)]
     if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
         return stopped[0]
     return results.get(0)  # rank 0's return value (None on a node that does not host rank 0)

@@ -10,7 +10,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import setup_globals
 
-from . import contract
+from steadfast.contract import events
+from steadfast.contract.events import Event
+from steadfast.contract.env import current_rank, restart_count, run_dir
+from steadfast.contract.heartbeat import DONE_PHASE, enable_stack_dumps, heartbeat, start_heartbeat
+from steadfast.contract.stop import StopRun, ignore_stop_signals, install_stop_handlers
 
 
 def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
@@ -18,10 +22,10 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
         # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
         # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
         # ask it for its stacks.
-        contract.install_stop_handlers()
-        folder = contract.run_dir()
-        contract.start_heartbeat(folder, current_rank())
-        contract.enable_stack_dumps(folder, current_rank())
+        install_stop_handlers()
+        folder = run_dir()
+        start_heartbeat(folder, current_rank())
+        enable_stack_dumps(folder, current_rank())
     task_function, task_cfg, job_cfg, hydra_state = cloudpickle.loads(payload)
     if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
         Singleton.set_state(hydra_state)
@@ -30,25 +34,21 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
     _record_rendezvous()
     try:
         return task_function(task_cfg)
-    except contract.StopRun as stop:
+    except StopRun as stop:
         return stop.marker  # a normal exit: no backend treats it as a failure to restart from
     except Exception as exc:
         _record_failure(exc)
         raise
     finally:
-        beat = contract.heartbeat()
+        beat = heartbeat()
         if beat is not None:  # the task is over: the hang watchdog stops watching this rank
-            beat.beat(beat.step, contract.DONE_PHASE)
+            beat.beat(beat.step, DONE_PHASE)
         if restore_hydra:
             # Nothing left to stop. Python puts back the default action of every signal it handles
             # while the interpreter shuts down, so a late SIGTERM (a scheduler signalling every
             # process, a second forward) would end a finished worker with -15, which torch elastic
             # takes for a failure and restarts the group; ignored signals stay ignored.
-            contract.ignore_stop_signals()
-
-
-def current_rank() -> int:
-    return int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
+            ignore_stop_signals()
 
 
 def _record_rendezvous() -> None:
@@ -56,14 +56,14 @@ def _record_rendezvous() -> None:
     if current_rank() != 0:
         return
     env = os.environ
-    fields = {"world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1), "restart": contract.restart_count()}
+    fields = {"world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1), "restart": restart_count()}
     port = env.get("MASTER_PORT") or env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
     if port:
         fields["endpoint"] = f"{env.get('MASTER_ADDR') or env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{port}"
     if env.get("TORCHELASTIC_RUN_ID"):
         fields["run_id"] = env["TORCHELASTIC_RUN_ID"]
     try:
-        contract.append_event(contract.run_dir(), "rendezvous", **fields)
+        events.append(run_dir(), Event.RENDEZVOUS, **fields)
     except Exception:  # recording must never stop the job
         pass
 
@@ -72,9 +72,8 @@ def _record_failure(exc: BaseException) -> None:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
     try:
-        contract.append_event(
-            contract.run_dir(), "worker_failed", rank=current_rank(),
-            restart=contract.restart_count(), error=f"{type(exc).__name__}: {exc}", where=where,
+        events.append(run_dir(), Event.WORKER_FAILED, rank=current_rank(),
+            restart=restart_count(), error=f"{type(exc).__name__}: {exc}", where=where,
         )
     except Exception:  # recording must never hide the original error
         pass

@@ -1,22 +1,21 @@
-"""Typed schemas of the launcher and of the backend and restart groups (cheap: no torch).
+"""Typed schemas of the launcher and of the backend, restart and cluster groups (cheap: no torch).
 
-They live in this underscore module because Hydra's plugin scan re-executes every public module
-under hydra_plugins at start-up, which would redefine the classes after an app imported them.
-
-An app selects the launcher with `override hydra/launcher: steadfast` and points it at its own
-`backend` and `restart` nodes (`hydra.launcher.backend: ${backend}`), so a sweep can vary them
-per job. Without that, a job runs in-process (`local`) with no restarts.
+Owned by the launcher, public so that apps and the worker side name them without importing the
+launcher's private modules. An app selects the launcher with `override hydra/launcher: steadfast`
+and the launcher reads the app's `backend`, `restart` and `cluster` nodes (`hydra.launcher.backend:
+${backend}`, wired by the library's `steadfast` config), so a sweep can vary them per job. Without
+them, a job runs in-process (`local`) with no restarts.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import field
+from typing import Any, Dict, List, Optional, Type
 
 from hydra.errors import CompactHydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-BACKENDS = ("torchrun", "horovod", "local")
 RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
 CONTROLLERS = ("gloo", "mpi")
@@ -43,8 +42,8 @@ class BackendConf:
     name: str = MISSING
 
     def problems(self, prefix: str = "backend") -> List[str]:
-        if self.name not in BACKENDS:
-            return [bad(f"{prefix}.name", self.name, f"one of {', '.join(BACKENDS)}")]
+        if self.name not in BACKEND_SCHEMAS:
+            return [bad(f"{prefix}.name", self.name, f"one of {', '.join(BACKEND_SCHEMAS)}")]
         return []
 
     @property
@@ -206,15 +205,53 @@ class RestartConf:
 
 
 @dataclass
+class ClusterConf:
+    """cluster=none (default): run here. cluster=slurm: submit each job to Slurm (see the launcher's _slurm.py)."""
+
+    name: str = "none"
+    nodes: int = 1  # one torch elastic agent per node (srun --ntasks-per-node=1)
+    min_nodes: Optional[int] = None  # elastic: backend.nnodes=min_nodes:nodes (null: exactly nodes)
+    time_min: int = 60  # the job's time limit (sbatch --time, minutes)
+    partition: Optional[str] = None
+    gpus_per_node: Optional[int] = None
+    cpus_per_node: Optional[int] = None  # sbatch --cpus-per-task (one task per node)
+    requeue: bool = True  # --requeue, and `scontrol requeue` after a stop before the time limit
+    signal_grace_s: int = 120  # --signal=TERM@<this>: SIGTERM this long before the time limit
+    rdzv_port: int = 29400  # the c10d rendezvous port on the allocation's first node
+    extra_sbatch_args: List[str] = field(default_factory=list)  # e.g. ["--account=proj", "--qos=high"]
+    submit: bool = True  # false: only write <run folder>/slurm/job.sbatch
+
+    def problems(self, prefix: str = "cluster") -> List[str]:
+        if self.name == "none":
+            return []
+        if self.name != "slurm":
+            return [bad(f"{prefix}.name", self.name, "one of none, slurm")]
+        out = []
+        for key in ("nodes", "time_min", "signal_grace_s"):
+            if getattr(self, key) < 1:
+                out.append(bad(f"{prefix}.{key}", getattr(self, key), "an integer >= 1"))
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            out.append(bad(f"{prefix}.min_nodes", self.min_nodes, f"1 <= min_nodes <= {prefix}.nodes, or null"))
+        return out
+
+
+@dataclass
 class SteadfastLauncherConf:
     _target_: str = "hydra_plugins.steadfast_launcher.launcher.SteadfastLauncher"
     # Apps point these at their own nodes (`${backend}`, `${restart}`) so sweeps can vary them.
     # Unset: one in-process worker (backend `local`) and no restarts.
     backend: Any = None
     restart: Any = None
-    # "package.module:function" called with each job's config in the launcher process before
-    # any worker starts; it returns a list of problems (empty when the config can run).
-    preflight: Optional[str] = None
+    cluster: Any = None
+    # The command each node runs under cluster=slurm: `python -m <app>` (null: the module or script
+    # this launcher was started as).
+    app: Optional[str] = None
+    # Folders the job writes besides its run folder (e.g. a shared checkpoint.dir): the run lock
+    # covers them too, so two launches never share them.
+    lock_dirs: List[Any] = field(default_factory=list)
+    # "package.module:function" (or a list of them) called with each job's config in the launcher
+    # process before any worker starts; each returns a list of problems (empty when it can run).
+    preflight: Any = None
     # Sweep-level settings (read from the sweep's config, not per job):
     # How many jobs run at once. Above 1, each job runs in its own launcher process and jobs
     # are packed by the worker processes they need (backend.procs_per_node) into max_procs.
@@ -238,6 +275,11 @@ class SteadfastLauncherConf:
         return out
 
 
+# The one map from a backend's name to its schema (the launcher's registry maps schemas to backends).
+BACKEND_SCHEMAS: Dict[str, Type[BackendConf]] = {"torchrun": TorchrunBackendConf, "horovod": HorovodBackendConf,
+                                                 "local": LocalBackendConf}
+
+
 def backend_from(node: Any) -> BackendConf:
     """A typed backend from a config node (typed or plain), or a ConfigError naming the problem."""
     if isinstance(node, BackendConf):
@@ -245,9 +287,9 @@ def backend_from(node: Any) -> BackendConf:
     if node is None:
         return LocalBackendConf()
     name = OmegaConf.select(node, "name") if isinstance(node, DictConfig) else (node or {}).get("name")
-    schema = {"torchrun": TorchrunBackendConf, "horovod": HorovodBackendConf, "local": LocalBackendConf}.get(str(name))
+    schema = BACKEND_SCHEMAS.get(str(name))
     if schema is None:
-        raise ConfigError([bad("backend.name", name, f"one of {', '.join(BACKENDS)}")])
+        raise ConfigError([bad("backend.name", name, f"one of {', '.join(BACKEND_SCHEMAS)}")])
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))  # type: ignore[return-value]
 
 
@@ -257,3 +299,11 @@ def restart_from(node: Any) -> RestartConf:
     if node is None:
         return RestartConf(max_restarts=0)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RestartConf), node))  # type: ignore[return-value]
+
+
+def cluster_from(node: Any) -> ClusterConf:
+    if isinstance(node, ClusterConf):
+        return node
+    if node is None:
+        return ClusterConf()
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConf), node))  # type: ignore[return-value]

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .contract.events import Event
+
 KINDS = ("none", "kill", "hang", "hang_in_backward", "hang_in_save", "exception", "sigterm", "crash_in_save",
          "save_error", "corrupt_checkpoint")
 SAVE_KINDS = ("crash_in_save", "save_error", "hang_in_save")
@@ -41,31 +43,32 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     def __init__(self, cfg: Any, rank: int, run_dir: Path, record_event: Callable[..., None]) -> None:
         self.cfg, self.rank, self.record_event = cfg, rank, record_event
-        self.active = cfg is not None and cfg.kind != "none" and cfg.rank == rank
-        self.counter = run_dir / "faults" / f"{cfg.kind}-rank{rank}-step{cfg.at_step}.count" if self.active else None
+        self.kind = str(getattr(cfg.kind, "value", cfg.kind)) if cfg is not None else "none"
+        self.active = self.kind != "none" and cfg.rank == rank
+        self.counter = run_dir / "faults" / f"{self.kind}-rank{rank}-step{cfg.at_step}.count" if self.active else None
 
     @property
     def wants_backward_hook(self) -> bool:
-        return self.active and self.cfg.kind == "hang_in_backward"
+        return self.active and self.kind == "hang_in_backward"
 
     def after_step(self, step: int) -> None:
-        if self.active and step == self.cfg.at_step and self.cfg.kind in STEP_KINDS and self._claim():
+        if self.active and step == self.cfg.at_step and self.kind in STEP_KINDS and self._claim():
             self._fire(step)
 
     def in_backward(self, step: int) -> None:
         """Called from a gradient hook while step `step` runs its backward pass."""
-        if self.active and step == self.cfg.at_step and self.cfg.kind == "hang_in_backward" and self._claim():
+        if self.active and step == self.cfg.at_step and self.kind == "hang_in_backward" and self._claim():
             self._fire(step)
 
     def during_save(self, step: int, files_written: int) -> None:
         """Called by the checkpoint writer after each file of the save at `step`."""
-        if self.active and step >= self.cfg.at_step and files_written == 1 and self.cfg.kind in SAVE_KINDS and self._claim():
+        if self.active and step >= self.cfg.at_step and files_written == 1 and self.kind in SAVE_KINDS and self._claim():
             self._fire(step)
 
     def after_commit(self, step: int, path: Path) -> None:
         """fault=corrupt_checkpoint: damage the checkpoint just committed (flip a byte of its model)."""
-        if self.active and step >= self.cfg.at_step and self.cfg.kind == "corrupt_checkpoint" and self._claim():
-            self.record_event("fault_fired", fault=self.cfg.kind, rank=self.rank, step=step, path=str(path), pid=os.getpid())
+        if self.active and step >= self.cfg.at_step and self.kind == "corrupt_checkpoint" and self._claim():
+            self.record_event(Event.FAULT_FIRED, fault=self.kind, rank=self.rank, step=step, path=str(path), pid=os.getpid())
             with open(path / "model.bin", "r+b") as f:
                 f.seek(-1, os.SEEK_END)
                 last = f.read(1)
@@ -83,9 +86,9 @@ class FaultInjector:
         return True
 
     def _fire(self, step: int) -> None:
-        kind = self.cfg.kind
+        kind = self.kind
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
-        self.record_event("fault_fired", fault=kind, rank=self.rank, step=step, pid=os.getpid())
+        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid())
         if kind in ("kill", "crash_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "sigterm":
@@ -95,7 +98,7 @@ class FaultInjector:
         elif kind == "exception":
             raise InjectedFault(f"fault=exception injected at step {step} on rank {self.rank}")
         elif kind in HANG_KINDS:
-            from hydra_plugins.steadfast_launcher.contract import stop_requested
+            from .contract.stop import stop_requested
 
             deadline = time.monotonic() + self.cfg.hang_s
             while time.monotonic() < deadline:  # alive but making no progress

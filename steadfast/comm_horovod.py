@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .dist import Comm, Pending, pick_device
+from .comm import Comm, Pending, pick_device
 
 
 class HorovodComm(Comm):

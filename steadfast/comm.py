@@ -10,8 +10,9 @@ from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
 import torch
-from hydra_plugins.steadfast_launcher import contract
 from torch import nn
+
+from .contract import env
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -153,13 +154,12 @@ class TorchDistComm(Comm):
             self.dist.destroy_process_group()
 
 
-def init(timeout_s: float = 600.0) -> Comm:
-    """The Comm for the backend the launcher started us with (contract.ENV_BACKEND)."""
-    backend = os.environ.get(contract.ENV_BACKEND, "local")
-    if backend == "torchrun":
+def init(collective: str = env.NONE, timeout_s: float = 600.0) -> Comm:
+    """The Comm for the collective library the launcher started us with (LaunchEnv.collective)."""
+    if collective == env.TORCH:
         return TorchDistComm(timeout_s)
-    if backend == "horovod":
-        from .dist_horovod import HorovodComm
+    if collective == env.HOROVOD:
+        from .comm_horovod import HorovodComm
 
         return HorovodComm()
     return Comm()

@@ -11,19 +11,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from ..contract.keys import checked_on_resume
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step_(\d{9,})")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-
-# Keys that may change between a checkpoint and the run that resumes it: they do not change
-# what is being trained. Every other key must match (the world size is compared on its own).
-SAFE_TO_CHANGE = ("trainer.max_epochs", "trainer.log_every_n_steps", "trainer.num_threads", "trainer.objective",
-                  "trainer.stop_check_every_n_steps", "trainer.max_rss_mb", "trainer.on_world_size_change",
-                  "checkpoint.", "restart.", "run.", "resume", "backend.", "data.num_workers", "fault.", "logger.", "cluster.")
 
 
 def step_dir_name(step: int) -> str:
@@ -69,9 +65,10 @@ def flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
         yield prefix[:-1], node
 
 
-def training_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The keys of a resolved job config that define what is trained (flattened, dotted)."""
-    return {k: v for k, v in flatten(config) if not (k + ".").startswith(SAFE_TO_CHANGE) and not k.startswith(SAFE_TO_CHANGE)}
+def training_config(config: Dict[str, Any], safe_to_change: Iterable[str] = ()) -> Dict[str, Any]:
+    """The keys of a resolved job config that must match on resume (flattened, dotted): see contract.keys."""
+    safe = list(safe_to_change)
+    return {k: v for k, v in flatten(config) if checked_on_resume(k, safe)}
 
 
 def changes(old: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Any, Deque, Optional, TextIO, Tuple
 
-log = logging.getLogger("pipeline.progress")
+log = logging.getLogger("steadfast.progress")
 
 REDRAW_S = 0.2  # the terminal line at most this often
 RATE_WINDOW_S = 20.0  # steps/s over about this long

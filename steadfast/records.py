@@ -1,4 +1,4 @@
-"""What a run leaves in its folder: metrics.jsonl, events.jsonl, summary.json, per-rank logs."""
+"""What a run's workers leave in its folder: metrics.jsonl, events (rank 0), per-rank logs."""
 from __future__ import annotations
 
 import hashlib
@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from hydra_plugins.steadfast_launcher import contract
 from torch import nn
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
+from .contract import events
+from .contract.env import restart_count
+from .contract.events import Event
+from .contract.files import METRICS_FILE
 
 
 class RunRecord:
@@ -23,19 +24,15 @@ class RunRecord:
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.enabled = run_dir, rank == 0
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: Event, **fields: Any) -> None:
         if self.enabled:
-            contract.append_event(self.run_dir, kind, restart=contract.restart_count(), **fields)
+            events.append(self.run_dir, kind, restart=restart_count(), **fields)
 
     def metrics(self, **row: Any) -> None:
         if self.enabled:
             row = {"time": round(time.time(), 3), **row}
             with open(self.run_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(row) + "\n")
-
-    def summary(self, data: Dict[str, Any]) -> None:
-        if self.enabled:
-            contract.atomic_write(self.run_dir / SUMMARY_FILE, json.dumps(data, indent=2) + "\n")
 
 
 def model_sha256(model: nn.Module) -> str:

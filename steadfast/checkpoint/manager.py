@@ -26,7 +26,8 @@ import torch
 
 from . import manifest as mf
 from . import tensorfile
-from .dist import Comm
+from ..comm import Comm
+from ..contract.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class CheckpointManager:
             self._write_and_commit(step, states, meta, started)
         else:
             states = self._snapshot.copy(states)
-            self.on_event("checkpoint_snapshot", step=step, blocked_seconds=round(time.perf_counter() - started, 4))
+            self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
             self._pending = self._pool.submit(self._write_and_commit, step, states, meta, started)
 
     def wait(self) -> None:
@@ -179,7 +180,7 @@ class CheckpointManager:
             raise CheckpointError(f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}") from exc
         total = sum(f["bytes"] for f in files.values())
         seconds = time.perf_counter() - started
-        self.on_event("checkpoint_saved", step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4))
+        self.on_event(Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4))
         log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
         self._apply_retention()
         if self.hooks is not None:
@@ -287,7 +288,7 @@ class CheckpointManager:
             except (OSError, ValueError, KeyError) as exc:
                 problems.append(f"{path.name}: {exc}")
                 log.warning("Checkpoint %s is unusable, trying an older one: %s", path, exc)
-                self.on_event("checkpoint_invalid", step=step, path=str(path), error=str(exc))
+                self.on_event(Event.CHECKPOINT_INVALID, step=step, path=str(path), error=str(exc))
                 continue
             diff = mf.changes(manifest.get("config", {}), self.training_config)
             if diff and not allow_config_change:
@@ -296,10 +297,10 @@ class CheckpointManager:
                     f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
                     "run.allow_config_change=true to resume anyway")}, None
             if diff:
-                self.on_event("config_changed_on_resume", step=step, accepted="run.allow_config_change", changes=[list(d) for d in diff])
+                self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="run.allow_config_change", changes=[list(d) for d in diff])
             safe = [d for d in mf.changes(manifest.get("full_config", {}), self.full_config) if d not in diff]
             if safe:
-                self.on_event("config_changed_on_resume", step=step, accepted="safe to change", changes=[list(d) for d in safe])
+                self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="safe to change", changes=[list(d) for d in safe])
             return {"path": str(path), "manifest": manifest, "skipped": problems}, states
         if problems:
             return {"unusable": problems}, None

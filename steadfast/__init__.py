@@ -1,0 +1,1 @@
+"""steadfast: fault-tolerant distributed PyTorch training (see README)."""

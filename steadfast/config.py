@@ -1,0 +1,127 @@
+"""Typed schemas of the library's own config groups (cheap: no torch).
+
+`checkpoint`, `fault`, `logger`, `run` and `resume` configure what every task gets from
+`steadfast.Run`, the built-in trainer and a user's own loop alike; `backend`, `restart` and
+`cluster` are the launcher's (steadfast.contract.schemas). The YAML options of these groups live
+in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search path). Choice fields are
+Enums, so a bad value fails at composition, naming the key and listing what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+
+class Resume(Enum):
+    auto = "auto"  # resume from the newest valid checkpoint if there is one
+    never = "never"  # refuse to start if the run folder already holds checkpoints
+    must = "must"  # fail if there is nothing to resume
+
+
+class FaultKind(Enum):
+    none = "none"
+    kill = "kill"  # SIGKILL, as a crash or the OOM killer would
+    hang = "hang"  # alive but stuck for hang_s
+    hang_in_backward = "hang_in_backward"
+    hang_in_save = "hang_in_save"
+    exception = "exception"
+    sigterm = "sigterm"  # a scheduler's preemption notice
+    crash_in_save = "crash_in_save"  # SIGKILL in the middle of writing a checkpoint
+    save_error = "save_error"  # ENOSPC while writing a checkpoint
+    corrupt_checkpoint = "corrupt_checkpoint"  # one byte of the newest committed checkpoint flipped
+
+
+class ProgressMode(Enum):
+    auto = "auto"  # a bar on a terminal, plain lines otherwise
+    bar = "bar"
+    lines = "lines"
+    none = "none"
+
+
+@dataclass
+class CheckpointConf:
+    every_n_epochs: Optional[int] = 10
+    every_n_steps: Optional[int] = None
+    # seconds between checkpoints, or "auto": chosen from the measured save cost and the time
+    # between failures seen so far (Young/Daly), with a floor
+    every_n_seconds: Any = None
+    keep_last: int = 3
+    keep_every_n_epochs: Optional[int] = None  # permanent milestones, never removed by retention
+    async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
+    dir: Optional[str] = None  # default: <run folder>/checkpoints
+
+
+@dataclass
+class RunConf:
+    name: str = MISSING  # default: derived from the job's overrides (steadfast.contract.keys)
+    allow_config_change: bool = False  # resume even if training-relevant keys changed
+    fresh_start_if_unusable: bool = False  # with resume=auto: train from scratch if every checkpoint is broken
+    # the app's keys that do not change what is trained (besides the library's own: see
+    # steadfast.contract.keys): they stay out of the run's name and may change on resume
+    safe_to_change: List[str] = field(default_factory=list)
+
+
+@dataclass
+class FaultConf:
+    """Off by default. See steadfast/faults.py."""
+
+    kind: FaultKind = FaultKind.none
+    rank: int = 0
+    at_step: int = 1
+    times: int = 1  # over the whole run, restarts included; 0 = every time
+    hang_s: float = 3600.0
+    hang_until_stop: bool = False  # a hang ends when the process is asked to stop (places a signal exactly)
+
+
+@dataclass
+class LoggerConf:
+    """What a person sees: the progress display on rank 0, and optional TensorBoard logging."""
+
+    progress: ProgressMode = ProgressMode.auto
+    progress_every_s: float = 10.0  # seconds between plain progress lines (and lines in the log file)
+    tensorboard: bool = False  # also write metrics as TensorBoard events under <run folder>/tensorboard
+
+
+def register_configs() -> None:
+    """Store the schemas the YAML options of the library's groups extend (called by the launcher
+    plugin's config module, which Hydra imports before it composes any app's config)."""
+    from hydra.core.config_store import ConfigStore
+
+    from .contract.schemas import ClusterConf, HorovodBackendConf, LocalBackendConf, RestartConf, TorchrunBackendConf
+
+    cs = ConfigStore.instance()
+    for group, name, node in (
+        ("backend", "schema_torchrun", TorchrunBackendConf), ("backend", "schema_horovod", HorovodBackendConf),
+        ("backend", "schema_local", LocalBackendConf), ("restart", "schema", RestartConf), ("cluster", "schema", ClusterConf),
+        ("checkpoint", "schema", CheckpointConf), ("fault", "schema", FaultConf), ("logger", "schema", LoggerConf),
+    ):
+        cs.store(group=group, name=name, node=node, provider="steadfast")
+
+
+@dataclass
+class Settings:
+    """The library's view of a job config: its own groups, typed, with defaults for what the app left out."""
+
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    run: RunConf = field(default_factory=lambda: RunConf(name="run"))
+    resume: Resume = Resume.auto
+    fault: FaultConf = field(default_factory=FaultConf)
+    logger: LoggerConf = field(default_factory=LoggerConf)
+
+
+def settings_from(cfg: Any) -> Settings:
+    """Settings from a job config (a DictConfig or a dict); raises ValueError naming a bad key."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Settings), node)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None

@@ -1,0 +1,105 @@
+"""The run folder's file names, the atomic write, and bounded, validated reads of what is read back.
+
+Nothing read back from a run folder is ever unpickled or evaluated: JSON only, size-capped,
+regular files only, and any failure means "unusable" (None or an empty list), never an exception.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+CONFIG_FILE = "config.yaml"  # the job config, resolved once by the launcher
+EVENTS_FILE = "events.jsonl"  # one event a line (see events.py)
+SUMMARY_FILE = "summary.json"  # the run's outcome (see summary.py)
+METRICS_FILE = "metrics.jsonl"  # one row per logged step or epoch (rank 0)
+HEARTBEAT_DIR = "heartbeats"  # one small file per rank: its progress counter
+STACKS_DIR = "logs/stacks"  # rank<r>.txt: Python stacks dumped when the watchdog finds a rank stuck
+LOCK_FILE = ".steadfast.lock"  # the run folder's lock (one launch at a time)
+
+MAX_JSON_BYTES = 16 << 20  # a JSON file we read back (summary, ledger, manifest) larger than this is unusable
+MAX_JSONL_BYTES = 256 << 20  # events.jsonl / metrics.jsonl
+
+
+def atomic_write(path: PathLike, text: str) -> None:
+    """Write-to-temp, fsync, rename, fsync the folder: readers see the old or the new file, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: PathLike) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: PathLike, max_bytes: int) -> Optional[bytes]:
+    """The bytes of a regular file no larger than `max_bytes`; None for anything else (missing, a
+    folder, a FIFO or device, too large, unreadable). Opened with O_NONBLOCK so a FIFO never blocks,
+    and checked with fstat on the open descriptor so a swap after the check cannot fool it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return None
+        chunks, left = [], st.st_size + 1  # one byte more: a file that grew past the cap is refused
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        return data if len(data) <= max_bytes else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_json_object(path: PathLike, max_bytes: int = MAX_JSON_BYTES) -> Optional[Dict[str, Any]]:
+    """A JSON object read back from a file, or None if the file is missing or unusable in any way."""
+    data = read_regular(path, max_bytes)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_jsonl(path: PathLike, max_bytes: int = MAX_JSONL_BYTES) -> List[Dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, skipping lines that are not one (a line cut by a crash)."""
+    data = read_regular(path, max_bytes)
+    if data is None:
+        return []
+    out: List[Dict[str, Any]] = []
+    for line in data.splitlines():
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out

@@ -1,0 +1,75 @@
+"""Which config keys change what is trained: one table, used for run names and for the resume guard.
+
+A key that changes what is trained (the model, the data, the optimizer, the seed, ...) names the
+run (`run.name` is derived from such overrides) and must match when a run resumes from a
+checkpoint. A key that does not (how many epochs, how often to save, how workers start, ...)
+neither renames the run nor is refused on resume, so running again with `trainer.max_epochs=40`
+continues the 20-epoch run. One row differs on purpose: how many workers there are names the run,
+but a resume with another world size is the world-size policy's business, not config drift.
+
+An app adds its own neutral keys with `run.safe_to_change` (a list of keys or `prefix.`es).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    prefix: str  # a full key, or a group ending in "."
+    names_run: bool
+    checked_on_resume: bool
+    why: str
+
+    def matches(self, key: str) -> bool:
+        return key == self.prefix.rstrip(".") or key.startswith(self.prefix) if self.prefix.endswith(".") else key == self.prefix
+
+
+# The first matching row wins; a key no row matches changes what is trained.
+RULES: Tuple[KeyRule, ...] = (
+    KeyRule("hydra.", False, False, "Hydra's own settings"),
+    KeyRule("run.", False, False, "the run's name and resume options"),
+    KeyRule("resume", False, False, "whether to resume"),
+    KeyRule("checkpoint.", False, False, "how often and where checkpoints are written"),
+    KeyRule("snapshot.", False, False, "in-memory snapshots between checkpoints"),
+    KeyRule("restart.", False, False, "the restart policy"),
+    KeyRule("cluster.", False, False, "where the job is submitted"),
+    KeyRule("logger.", False, False, "what a person sees"),
+    KeyRule("fault.", False, False, "rehearsed failures: a recovered run ends with the same weights"),
+    KeyRule("backend.name", True, False, "the world size's layout: names the run; resuming with another is elastic"),
+    KeyRule("backend.nproc_per_node", True, False, "the world size: names the run; resuming with another is elastic"),
+    KeyRule("backend.nnodes", True, False, "the world size: names the run; resuming with another is elastic"),
+    KeyRule("backend.np", True, False, "the world size: names the run; resuming with another is elastic"),
+    KeyRule("backend.", False, False, "how the workers start and meet (rendezvous, start method, timeouts)"),
+)
+
+
+def rule(key: str, safe_to_change: Iterable[str] = ()) -> Optional[KeyRule]:
+    """The row for `key` (None: it changes what is trained). `safe_to_change` are the app's own neutral keys."""
+    key = key.lstrip("+~")
+    for prefix in safe_to_change:
+        row = KeyRule(str(prefix), False, False, "declared by the app in run.safe_to_change")
+        if row.matches(key):
+            return row
+    return next((r for r in RULES if r.matches(key)), None)
+
+
+def names_run(key: str, safe_to_change: Iterable[str] = ()) -> bool:
+    found = rule(key, safe_to_change)
+    return found is None or found.names_run
+
+
+def checked_on_resume(key: str, safe_to_change: Iterable[str] = ()) -> bool:
+    found = rule(key, safe_to_change)
+    return found is None or found.checked_on_resume
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def naming_overrides(overrides: Sequence[str], safe_to_change: Iterable[str] = ()) -> list:
+    """The overrides that name a run, normalised (no +/~ prefix), sorted."""
+    safe = list(safe_to_change)
+    return sorted(o.lstrip("+~") for o in overrides if names_run(override_key(o), safe))

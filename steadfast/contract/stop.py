@@ -1,0 +1,98 @@
+"""Stop requests: SIGTERM, SIGINT and SIGHUP only set a flag; the task acts on it at a step boundary.
+
+In a worker, the ranks agree on the step to stop at, save it, and raise `StopRun`; the worker then
+returns a `Stopped` marker instead of its result, so no backend sees a failure or restarts
+anything, and the launcher ends the job (exit code EXIT_PREEMPTED after SIGTERM). In the launcher,
+the same flag tells its supervisor to forward the signal to the workers.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from .exits import EXIT_PREEMPTED
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
+PREEMPTED = "preempted"  # Stopped.reason of a stop on request
+
+_state: Dict[str, Any] = {"signal": None, "time": None}
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    if _state["signal"] is None:
+        _state["time"] = time.time()
+        _state["signal"] = signum
+
+
+def install_stop_handlers() -> Dict[int, Any]:
+    """SIGTERM, SIGINT and SIGHUP set the stop flag (main thread only); returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
+
+
+def ignore_stop_signals() -> None:
+    """From now on SIGTERM/SIGINT/SIGHUP do nothing (a worker whose task is over; main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def restore_handlers(previous: Dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(sig, handler)
+
+
+def request_stop(signum: int) -> None:
+    """Record a stop request as if `signum` had arrived."""
+    _on_stop_signal(signum, None)
+
+
+def stop_requested() -> Optional[int]:
+    """The signal number of the first stop request in this process, or None."""
+    return _state["signal"]
+
+
+def stop_requested_at() -> Optional[float]:
+    return _state["time"]
+
+
+def clear_stop() -> None:
+    _state.update(signal=None, time=None)
+
+
+def signal_name(signum: Optional[int]) -> str:
+    try:
+        return signal.Signals(signum).name if signum else "none"  # type: ignore[arg-type]
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Stopped:
+    """What a worker returns instead of its result when it stopped early on purpose.
+
+    reason: PREEMPTED (a stop request; exit_code EXIT_PREEMPTED) or another word for a stop that
+    must not be restarted (e.g. "memory_limit", exit_code 1); step: where it stopped; saved:
+    whether that step is committed; message: one line for the person who runs the job; signal:
+    the stop request's signal number.
+    """
+
+    def __init__(self, reason: str, step: Optional[int], saved: bool, message: str, exit_code: int = EXIT_PREEMPTED,
+                 signal: Optional[int] = None) -> None:
+        self.reason, self.step, self.saved, self.message = reason, step, saved, message
+        self.exit_code, self.signal = exit_code, signal
+
+    def __repr__(self) -> str:
+        return f"Stopped(reason={self.reason!r}, step={self.step}, saved={self.saved}, signal={self.signal})"
+
+
+class StopRun(Exception):
+    """Raised by a task on every rank after it saved and agreed to stop (see `Stopped`)."""
+
+    def __init__(self, reason: str, step: Optional[int], saved: bool, message: str, exit_code: int = EXIT_PREEMPTED,
+                 signum: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.marker = Stopped(reason=reason, step=step, saved=saved, message=message, exit_code=exit_code, signal=signum)

@@ -1,0 +1,125 @@
+"""The library's pre-flight check: run by the launcher in its own process before any worker starts.
+
+Every problem names the full key, the bad value and what is allowed. It reads checkpoints'
+manifests only (cheap, no torch): a resume that cannot work is refused here, not after start-up.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from .checkpoint import manifest
+from .config import Resume, Settings, settings_from
+from .contract.schemas import bad
+
+
+def resolved(job_cfg: DictConfig) -> DictConfig:
+    """The task's config, resolved, without the hydra node (${hydra:...} resolves: the launcher set HydraConfig)."""
+    cfg = copy.deepcopy(job_cfg)
+    if "hydra" in cfg:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+def checkpoint_folder(job_cfg: DictConfig, s: Settings) -> Path:
+    if s.checkpoint.dir:
+        return Path(s.checkpoint.dir)
+    run_dir = Path(str(OmegaConf.select(job_cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
+    return run_dir / "checkpoints"
+
+
+def check(job_cfg: DictConfig) -> List[str]:
+    """Problems with the library's keys that would stop this job (empty: it can run)."""
+    cfg = resolved(job_cfg)
+    try:
+        s = settings_from(cfg)
+    except ValueError as exc:
+        return [str(exc)]
+    out: List[str] = []
+
+    def positive(key: str, value: Any, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            out.append(bad(key, value, "a number > 0" + (", or null to disable" if allow_none else "")))
+
+    ck = s.checkpoint
+    positive("checkpoint.every_n_epochs", ck.every_n_epochs, allow_none=True)
+    positive("checkpoint.every_n_steps", ck.every_n_steps, allow_none=True)
+    if ck.every_n_seconds != "auto":
+        if isinstance(ck.every_n_seconds, str):
+            try:
+                ck.every_n_seconds = float(ck.every_n_seconds)
+            except ValueError:
+                pass
+        if ck.every_n_seconds is not None and (isinstance(ck.every_n_seconds, bool) or not isinstance(ck.every_n_seconds, (int, float))
+                                               or ck.every_n_seconds <= 0):
+            out.append(bad("checkpoint.every_n_seconds", ck.every_n_seconds, "seconds > 0, auto (from the save cost and the failures seen), or null"))
+    if ck.every_n_epochs is None and ck.every_n_steps is None and ck.every_n_seconds is None:
+        out.append("checkpoint: set at least one of checkpoint.every_n_epochs, checkpoint.every_n_steps, checkpoint.every_n_seconds")
+    if ck.keep_last < 1:
+        out.append(bad("checkpoint.keep_last", ck.keep_last, "an integer >= 1 (the newest checkpoint is always kept)"))
+    elif ck.async_save and ck.keep_last < 2:
+        out.append(bad("checkpoint.keep_last", ck.keep_last, "at least 2 with checkpoint.async_save=true (the newest may still be writing)"))
+    positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
+    f = s.fault
+    if f.kind.value != "none":
+        if f.at_step < 1:
+            out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
+        if f.times < 0:
+            out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
+        if f.kind.value in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0:
+            out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
+    if s.logger.progress_every_s < 0:
+        out.append(bad("logger.progress_every_s", s.logger.progress_every_s, "seconds >= 0"))
+    if s.logger.tensorboard and find_spec("tensorboard") is None:
+        out.append("logger.tensorboard=true: the tensorboard package is not installed. Install it with "
+                   "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none")
+    return out + _resume_problems(job_cfg, cfg, s)
+
+
+def _not_writable(folder: Path) -> Optional[str]:
+    """Checked before any worker starts, so a run cannot train for hours and then fail to save. Creates
+    nothing that was not there: a refused launch leaves no empty folders behind."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"checkpoint folder {folder}: {existing} is not a folder; choose another checkpoint.dir"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"checkpoint folder {folder} is not writable ({exc.strerror or exc}); choose a writable checkpoint.dir"
+    return None
+
+
+def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[str]:
+    """What the checkpoint folder says about this launch, read from manifests only (cheap)."""
+    folder = checkpoint_folder(job_cfg, s)
+    problem = _not_writable(folder)
+    if problem:
+        return [problem]
+    found = manifest.committed(folder)
+    if s.resume == Resume.never and found:
+        return [f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "
+                "untouched. Use resume=auto to continue that run, or choose another run.name"]
+    if s.resume == Resume.must and not found:
+        return [f"resume=must, but there is no committed checkpoint in {folder}"]
+    newest = manifest.newest_manifest(folder)
+    if s.resume == Resume.never or newest is None or s.run.allow_config_change:
+        return []
+    diff = manifest.changes(newest.get("config", {}), manifest.training_config(OmegaConf.to_container(cfg), s.run.safe_to_change))
+    if diff:
+        return [f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "
+                f"config: {manifest.describe_changes(diff)}. Restore those values, choose another run.name, or set "
+                "run.allow_config_change=true to resume anyway"]
+    return []
