@@ -1,13 +1,13 @@
-"""Built-in datasets and the sampler that lets a run resume mid-epoch with the same data order."""
+"""Built-in datasets (the sampler that resumes mid-epoch is steadfast.data.ResumableSampler)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 @dataclass
@@ -62,55 +62,3 @@ def build_data(cfg: Any) -> Datasets:
     for key in LOADER_KEYS:
         kwargs.pop(key, None)
     return builder(**kwargs)
-
-
-class ResumableSampler(Sampler[int]):
-    """DistributedSampler's order, able to start at any sample of an epoch, for any world size.
-
-    Each epoch is one global permutation seeded by (seed, epoch). The position in an epoch is the
-    number of samples of that permutation already consumed by all ranks together: after b batches
-    of size B on W ranks, rank r has read order[r::W][:b*B], so together they read order[:b*B*W].
-    `start(epoch, sample)` deals the rest, order[sample:], over this run's ranks (rank r takes every
-    world_size-th index, cut to a multiple of the world size so every rank has the same number of
-    batches; DDP would hang otherwise). A resume with another world size or batch size therefore
-    neither repeats nor skips data (at most world_size - 1 samples at an epoch's end are dropped,
-    as DistributedSampler drops them). With the same world size it is exactly the batches the
-    interrupted run would have read.
-    """
-
-    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int) -> None:
-        self.total = num_samples
-        self.world_size, self.rank, self.batch_size, self.seed = world_size, rank, batch_size, seed
-        self.epoch, self.first_sample = 0, 0
-        if num_samples - num_samples % world_size == 0:
-            raise ValueError(f"{num_samples} training samples cannot be split over {world_size} workers")
-
-    def _per_rank(self, first_sample: int) -> int:
-        left = max(0, self.total - first_sample)
-        return left // self.world_size
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return -(-self._per_rank(0) // self.batch_size)
-
-    @property
-    def batches_left(self) -> int:
-        return -(-self._per_rank(self.first_sample) // self.batch_size)
-
-    @property
-    def samples_per_step(self) -> int:
-        """Samples all ranks consume together in one full step."""
-        return self.batch_size * self.world_size
-
-    def start(self, epoch: int, sample: int = 0) -> None:
-        self.epoch, self.first_sample = epoch, sample
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator()
-        g.manual_seed(self.seed * 100_003 + self.epoch)
-        rest = torch.randperm(self.total, generator=g)[self.first_sample :]
-        rest = rest[: len(rest) - len(rest) % self.world_size]
-        return iter(rest[self.rank :: self.world_size].tolist())
-
-    def __len__(self) -> int:
-        return self._per_rank(self.first_sample)

@@ -11,6 +11,7 @@ GROUP_HELP: Dict[str, str] = {
     "checkpoint": "when checkpoints are written and how many are kept",
     "model": "the network; model._target_=my.module.MyNet plugs in your own",
     "data": "the dataset; data._target_ plugs in your own",
+    "task": "what is optimised and measured (the loss); task._target_ plugs in your own",
     "fault": "fault injection, to rehearse recovery",
     "logger": "progress display and TensorBoard logging (logger=tensorboard)",
     "cluster": "where jobs run: here (none) or submitted to Slurm",

@@ -14,9 +14,9 @@ from . import config, help  # noqa: F401  (register the schemas and the --help r
 
 
 def main(cfg: DictConfig) -> Any:
-    from .trainer import Trainer  # torch is imported by the workers, not by Hydra's start-up
+    from .trainer import train  # torch is imported by the workers, not by Hydra's start-up
 
-    result = Trainer(cfg).fit()
+    result = train(cfg)
     # The job's return value goes back to Hydra (and to a sweeper such as Optuna): the chosen metric.
     return result[str(cfg.trainer.get("objective") or "val_loss")]
 

@@ -22,6 +22,7 @@ ENV_LAUNCH_ID = "STEADFAST_LAUNCH_ID"  # tells this launch's heartbeats from an 
 ENV_REFERENCE_WORLD_SIZE = "STEADFAST_REFERENCE_WORLD_SIZE"  # the job's full size (elastic: its maximum)
 ENV_COLLECTIVE_TIMEOUT = "STEADFAST_COLLECTIVE_TIMEOUT_S"  # restart.collective_timeout_s
 ENV_SNAPSHOT = "STEADFAST_SNAPSHOT"  # name of the job's shared-memory snapshot (empty: none)
+ENV_LAUNCHER_PID = "STEADFAST_LAUNCHER_PID"  # the launcher process on this host: workers never commit once it is gone
 
 TORCH = "torch"  # torch.distributed (Gloo on CPU, NCCL on GPUs)
 HOROVOD = "horovod"
@@ -55,6 +56,7 @@ class LaunchEnv:
     reference_world_size: int = 1
     collective_timeout_s: float = 600.0
     snapshot: str = ""
+    launcher_pid: int = 0
 
     def to_environ(self) -> Dict[str, str]:
         return {
@@ -67,6 +69,7 @@ class LaunchEnv:
             ENV_REFERENCE_WORLD_SIZE: str(self.reference_world_size),
             ENV_COLLECTIVE_TIMEOUT: repr(float(self.collective_timeout_s)),
             ENV_SNAPSHOT: self.snapshot,
+            ENV_LAUNCHER_PID: str(self.launcher_pid),
         }
 
     @classmethod
@@ -92,6 +95,7 @@ class LaunchEnv:
             reference_world_size=_int(env, ENV_REFERENCE_WORLD_SIZE, default=1),
             collective_timeout_s=timeout,
             snapshot=env.get(ENV_SNAPSHOT, ""),
+            launcher_pid=_int(env, ENV_LAUNCHER_PID, default=0),
         )
 
     @classmethod
@@ -114,6 +118,23 @@ class LaunchEnv:
     @property
     def local_world_size(self) -> int:
         return _int(os.environ, "LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", default=1)
+
+    def launcher_alive(self) -> bool:
+        """False once the launcher that started this worker is gone (killed): an orphaned worker
+        must not commit into a run folder that a new launch may already hold."""
+        if not self.launcher_pid:
+            return True
+        try:
+            os.kill(self.launcher_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie has exited too
+            with open(f"/proc/{self.launcher_pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return True
 
     @property
     def restart_count(self) -> int:

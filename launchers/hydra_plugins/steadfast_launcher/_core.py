@@ -251,7 +251,7 @@ def _run_job_distributed(job: Job, task_function: TaskFunction, task_cfg: DictCo
         launch = LaunchEnv(backend=job.backend.name, collective=_COLLECTIVE[job.backend.name], run_dir=run_dir,
                            launch_time=started, launch_id=f"{os.getpid()}-{started!r}",
                            reference_world_size=_reference_world_size(job.backend),
-                           collective_timeout_s=job.restart.collective_timeout_s)
+                           collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid())
         adapter = _adapter(job.backend.name)
         events.append(run_dir, Event.LAUNCH, backend=job.backend.name, overrides=filter_overrides(job.overrides))
         log.info("Run folder: %s", run_dir)

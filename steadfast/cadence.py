@@ -1,0 +1,70 @@
+"""When to save: the checkpoint group's cadence (epochs, steps, seconds, or `auto`), decided here.
+
+Steps and epochs are the same on every rank, so those decisions need no agreement. Time is not:
+rank 0's clock decides, and its "a save is due" flag travels with the stop agreement (one
+all-reduce), so every rank saves at the same step.
+
+`checkpoint.every_n_seconds=auto` chooses the interval by Young/Daly's rule, T = sqrt(2 C M), from
+the measured cost C of a save and the mean time between failures M observed in this run so far
+(its wall time over its failures plus one, so a run that has not failed yet gets a long interval
+that shortens when failures come), never below FLOOR_S nor below FLOOR_SAVES save costs.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Optional
+
+FLOOR_S = 5.0  # auto: never checkpoint more often than this
+FLOOR_SAVES = 20  # auto: nor spend more than 1/20 of the time saving
+AUTO = "auto"
+
+
+def young_daly(save_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval that minimises expected lost time (Young 1974, Daly 2006), with the floors."""
+    return max(FLOOR_S, FLOOR_SAVES * save_s, math.sqrt(2.0 * max(save_s, 1e-3) * max(mtbf_s, 1.0)))
+
+
+class Cadence:
+    def __init__(self, every_n_epochs: Optional[int], every_n_steps: Optional[int], every_n_seconds: Any,
+                 run_seconds: float = 0.0, failures: int = 0, clock: Callable[[], float] = time.monotonic,
+                 on_interval: Optional[Callable[..., None]] = None) -> None:
+        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
+        self.auto = every_n_seconds == AUTO
+        self.seconds: Optional[float] = None if every_n_seconds in (None, AUTO) else float(every_n_seconds)
+        self.clock = clock
+        self.on_interval = on_interval  # records each interval `auto` chooses
+        self._run_seconds, self._failures = run_seconds, failures  # this run before this launch
+        self._started = clock()
+        self.last_save = self._started
+        self.save_cost: Optional[float] = None  # seconds, the last save's
+        if self.auto:
+            self.seconds = young_daly(1.0, self.mtbf())  # until a save is measured: 1 s assumed
+
+    @property
+    def timed(self) -> bool:
+        return self.seconds is not None
+
+    def mtbf(self) -> float:
+        return (self._run_seconds + self.clock() - self._started) / (self._failures + 1)
+
+    def step_due(self, step: int) -> bool:
+        return bool(self.every_n_steps and step % self.every_n_steps == 0)
+
+    def epoch_due(self, epochs_completed: int) -> bool:
+        return bool(self.every_n_epochs and epochs_completed % self.every_n_epochs == 0)
+
+    def time_due(self) -> bool:
+        """Rank 0's view: the interval has passed since the last save (agreed with the other ranks)."""
+        return self.seconds is not None and self.clock() - self.last_save >= self.seconds
+
+    def saved(self, seconds: float) -> None:
+        """A save has just been committed (or, asynchronously, started); it took `seconds` of training time."""
+        self.last_save = self.clock()
+        self.save_cost = seconds
+        if self.auto:
+            interval = young_daly(seconds, self.mtbf())
+            if self.on_interval is not None and (self.seconds is None or abs(interval - self.seconds) > 0.1 * self.seconds):
+                self.on_interval(seconds=round(interval, 3), save_seconds=round(seconds, 4), mtbf_seconds=round(self.mtbf(), 1),
+                                 failures=self._failures, how="young_daly")
+            self.seconds = interval

@@ -1,0 +1,107 @@
+"""The run's checkpoints: which objects they hold, the resume, and each save's bookkeeping.
+
+Built on `checkpoint.manager.CheckpointManager` (the commit protocol, verification, fall-back,
+retention, asynchronous saves). This adds what a loop needs: the registered objects plus the
+loop's progress and every rank's RNG states, the resume policy (`resume=auto|never|must`), the
+config-drift guard, a world size that changed since the checkpoint, and the fence that keeps an
+orphaned worker (its launcher killed) from committing into a folder a new launch may hold.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from .checkpoint import manifest
+from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
+from .config import Resume, Settings
+from .contract.env import LaunchEnv
+from .contract.events import Event
+from .faults import FaultInjector
+from .records import RunRecord
+from .state import Progress, RNGState, is_per_rank, unwrap
+
+log = logging.getLogger(__name__)
+
+RESERVED = ("progress", "ranks", "rng")
+
+
+class LauncherGone(CheckpointError):
+    """The launcher that started this worker is gone: this worker must not commit anything."""
+
+
+class _SaveHooks:
+    """What the writer calls while it writes: a heartbeat per file, the save faults, the fence."""
+
+    def __init__(self, faults: FaultInjector, beat: Callable[[str], None], launch: LaunchEnv) -> None:
+        self.faults, self.beat, self.launch = faults, beat, launch
+
+    def during_save(self, step: int, files_written: int) -> None:
+        if threading.current_thread() is threading.main_thread():  # an asynchronous save's thread does not beat:
+            self.beat("save")  # if it hangs, training soon waits for it and stops beating
+        self.faults.during_save(step, files_written)
+        if not self.launch.launcher_alive():
+            raise LauncherGone(f"the launcher (pid {self.launch.launcher_pid}) is gone; an orphaned worker does not commit")
+
+    def after_commit(self, step: int, path: Path) -> None:
+        self.faults.after_commit(step, path)
+
+
+class Checkpointer:
+    def __init__(self, folder: Path, comm: Any, settings: Settings, resolved_cfg: Dict[str, Any], record: RunRecord,
+                 launch: LaunchEnv, faults: FaultInjector, beat: Callable[[str], None]) -> None:
+        ck = settings.checkpoint
+        self.settings, self.comm, self.record = settings, comm, record
+        self.manager = CheckpointManager(
+            folder, comm, ck.keep_last, manifest.training_config(resolved_cfg, settings.run.safe_to_change), record.event,
+            async_save=ck.async_save, keep_every_n_epochs=ck.keep_every_n_epochs,
+            full_config=dict(manifest.flatten(resolved_cfg)), hooks=_SaveHooks(faults, beat, launch),
+        )
+        self.objects: Dict[str, Any] = {}
+        self.per_rank: Dict[str, Any] = {"rng": RNGState()}
+        self.restored: Optional[Restored] = None
+
+    @property
+    def folder(self) -> Path:
+        return self.manager.folder
+
+    @property
+    def last_saved_step(self) -> Optional[int]:
+        return self.manager.last_saved_step
+
+    def track(self, progress: Progress, objects: Dict[str, Any]) -> None:
+        for name, obj in objects.items():
+            if name in RESERVED:
+                raise ValueError(f"run.resume({name}=...): {name!r} is reserved for the run's own state; use another name")
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"run.resume({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                                "checkpointed objects must have both")
+            (self.per_rank if is_per_rank(obj) else self.objects)[name] = unwrap(obj)
+        self.objects["progress"] = progress
+
+    def restore(self, new_rank: Optional[Callable[[int], None]]) -> Optional[Restored]:
+        """Collective: the newest checkpoint that verifies, loaded into the tracked objects (None: a fresh start)."""
+        s = self.settings
+        if s.resume == Resume.never:
+            if manifest.committed(self.folder):
+                raise CheckpointError(f"resume=never, but {self.folder} already holds checkpoints; they are left untouched")
+            return None
+        restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable,
+                                        new_rank=new_rank)
+        if restored is None and s.resume == Resume.must:
+            raise CheckpointError(f"resume=must, but {self.folder} holds no usable checkpoint")
+        self.restored = restored
+        return restored
+
+    def save(self, progress: Progress) -> float:
+        """Collective: commit the tracked state at the current step; returns the seconds training waited."""
+        started = time.perf_counter()
+        self.manager.save(progress.global_step, self.objects, self.per_rank,
+                          {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch,
+                           "global_step": progress.global_step, "sample_in_epoch": progress.sample_in_epoch})
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,117 @@
+"""Data that resumes exactly: a sampler that can start anywhere in an epoch, for any world size.
+
+`run.loader(dataset, batch_size)` (steadfast.Run) gives each rank its shard of one global
+permutation per epoch, positioned where the run stands; in-memory tensor datasets are fetched a
+batch at a time by index (no per-sample `__getitem__` and collate).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import Dataset, Sampler, TensorDataset
+
+from .state import Progress
+
+
+class ResumableSampler(Sampler[int]):
+    """DistributedSampler's order, able to start at any sample of an epoch, for any world size.
+
+    Each epoch is one global permutation seeded by (seed, epoch) (or the identity with
+    shuffle=False). The position in an epoch is the number of samples of that permutation already
+    consumed by all ranks together: after b batches of size B on W ranks, rank r has read
+    order[r::W][:b*B], so together they read order[:b*B*W]. Iterating deals the rest,
+    order[position:], over this run's ranks (rank r takes every world_size-th index, cut to a
+    multiple of the world size so every rank has the same number of batches; DDP would hang
+    otherwise). A resume with another world size or batch size therefore neither repeats nor skips
+    data (at most world_size - 1 samples at an epoch's end are dropped, as DistributedSampler
+    drops them). With the same world size it is exactly the batches the interrupted run would read.
+
+    Bound to a `Progress` (as `run.loader` does), it reads the epoch and the position from it each
+    time it is iterated; otherwise `start(epoch, sample)` sets them.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, seed: int = 0, batch_size: int = 1,
+                 shuffle: bool = True, progress: Optional[Progress] = None) -> None:
+        if num_samples < world_size:
+            raise ValueError(f"{num_samples} training samples cannot be split over {world_size} workers")
+        self.total = num_samples
+        self.world_size, self.rank, self.batch_size, self.seed, self.shuffle = world_size, rank, batch_size, seed, shuffle
+        self.progress = progress
+        self._epoch, self._first = 0, 0
+
+    @property
+    def epoch(self) -> int:
+        return self.progress.epoch if self.progress is not None else self._epoch
+
+    @property
+    def first_sample(self) -> int:
+        return self.progress.sample_in_epoch if self.progress is not None else self._first
+
+    def start(self, epoch: int, sample: int = 0) -> None:
+        self._epoch, self._first = epoch, sample
+
+    def _per_rank(self, first_sample: int) -> int:
+        return max(0, self.total - first_sample) // self.world_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-self._per_rank(0) // self.batch_size)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples all ranks consume together in one full step."""
+        return self.batch_size * self.world_size
+
+    def order(self) -> torch.Tensor:
+        """This rank's indices for the rest of the current epoch."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed * 100_003 + self.epoch)
+            rest = torch.randperm(self.total, generator=g)[self.first_sample :]
+        else:
+            rest = torch.arange(self.first_sample, self.total)
+        rest = rest[: len(rest) - len(rest) % self.world_size]
+        return rest[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order().tolist())
+
+    def __len__(self) -> int:
+        return self._per_rank(self.first_sample)
+
+
+class TensorBatches:
+    """Batches of in-memory tensors, fetched a batch at a time by index: what a DataLoader over a
+    TensorDataset yields, without a `__getitem__` and a collate per sample."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], sampler: ResumableSampler, batch_size: int,
+                 drop_last: bool = False, pin_memory: bool = False) -> None:
+        self.tensors, self.sampler, self.batch_size, self.drop_last = tuple(tensors), sampler, batch_size, drop_last
+        self.pin_memory = pin_memory
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
+        order = self.sampler.order()
+        stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
+        for begin in range(0, stop, self.batch_size):
+            index = order[begin : begin + self.batch_size]
+            batch = tuple(t.index_select(0, index) for t in self.tensors)
+            yield tuple(b.pin_memory() for b in batch) if self.pin_memory else batch
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+def make_loader(dataset: Dataset, batch_size: int, sampler: ResumableSampler, num_workers: int = 0,
+                collate_fn: Optional[Callable[..., Any]] = None, drop_last: bool = False, pin_memory: bool = False,
+                generator: Optional[torch.Generator] = None, **kwargs: Any) -> Any:
+    """A loader over `dataset` in `sampler`'s order: TensorBatches for an in-memory TensorDataset
+    read in this process, else a DataLoader (with its own generator, so it never draws on the
+    global RNG: a resumed run must see the same random numbers as the uninterrupted one)."""
+    if isinstance(dataset, TensorDataset) and num_workers == 0 and collate_fn is None and not kwargs:
+        return TensorBatches(dataset.tensors, sampler, batch_size, drop_last=drop_last, pin_memory=pin_memory)
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
+                      drop_last=drop_last, pin_memory=pin_memory, generator=generator, **kwargs)

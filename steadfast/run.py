@@ -1,0 +1,391 @@
+"""`steadfast.Run`: every guarantee of the built-in trainer for a loop you write yourself.
+
+    with sf.Run(cfg, seed=cfg.seed) as run:
+        model, optimizer = run.setup(model, optimizer)        # DDP / hvd.DistributedOptimizer / as is
+        loader = run.loader(dataset, batch_size=64)           # this rank's shard, resumable mid-epoch
+        run.resume(model=model, optimizer=optimizer)          # the newest checkpoint that verifies
+        for epoch in run.epochs(cfg.epochs):
+            for x, y in loader:
+                ...                                           # your step
+                run.step(loss)                                # cadence, preemption, heartbeat, metrics
+
+On every step `run.step` beats the heartbeat the launcher's hang watchdog reads, adds the loss to
+the metrics, saves when the `checkpoint` group's cadence says so, and takes part in the ranks'
+agreement on stop requests: after SIGTERM/SIGINT every rank stops at the same step, that step is
+committed, and the run ends with exit code 75 ("run the same command again"). Leaving the `with`
+block (or `run.finish()`) commits the last step and records the run's result in summary.json,
+with the final weights' sha256.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import comm as comms
+from .agreement import StopAgreement
+from .cadence import Cadence
+from .checkpoint.manifest import step_dir_name
+from .checkpointer import Checkpointer
+from .config import settings_from
+from .contract import events
+from .contract.env import LaunchEnv
+from .contract.events import Event
+from .contract.exits import EXIT_PREEMPTED
+from .contract.heartbeat import DONE_PHASE, heartbeat
+from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
+from .data import ResumableSampler, make_loader
+from .faults import FaultInjector
+from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
+from .state import Progress, seed_everything, unwrap
+from .telemetry import Telemetry
+
+log = logging.getLogger("steadfast")
+
+CHECK_INTERVAL_S = 0.05  # automatic stop_check_every_n_steps: the ranks agree about this often
+MAX_CHECK_EVERY = 200
+
+
+class Run:
+    """One rank's view of the run. Construct it once per task call, on every rank."""
+
+    def __init__(self, cfg: Any = None, *, seed: int = 0, log_every_n_steps: int = 10,
+                 stop_check_every_n_steps: Optional[int] = None, max_rss_mb: Optional[float] = None,
+                 num_threads: Optional[int] = None, elastic: bool = True) -> None:
+        self.launch = LaunchEnv.current()
+        resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+        self.settings = settings_from(resolved)
+        self.seed, self.elastic, self.max_rss_mb = seed, elastic, max_rss_mb
+        self.dir: Path = self.launch.run_dir
+        self.started = self.launch.launch_time or time.time()
+        self.restarts = self.launch.restart_count
+        self._heartbeat = heartbeat()  # None when not started by the launcher's workers
+        self._phase, self._last_beat = "", 0.0
+        self._beat("init")
+        self.comm = comms.init(self.launch.collective, self.launch.collective_timeout_s)
+        threads = num_threads or max(1, len(os.sched_getaffinity(0)) // self.comm.local_world_size)
+        torch.set_num_threads(threads)
+        check_shared_run_dir(self.dir, self.comm)
+        self.record = RunRecord(self.dir, self.comm.rank)
+        self._log_handler = setup_logging(self.dir, self.comm.rank)
+        self.progress = Progress()
+        lg = self.settings.logger
+        self.telemetry = Telemetry(self.comm, self.record, lg.progress.value, lg.progress_every_s, log_every_n_steps,
+                                   self.started, self.restarts, self.dir / "tensorboard" if lg.tensorboard else None, max_rss_mb)
+        self.faults = FaultInjector(self.settings.fault, self.comm.rank, self.dir,
+                                    lambda kind, **f: events.append(self.dir, kind, restart=self.restarts, **f))
+        ck = self.settings.checkpoint
+        folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
+        self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
+        run_seconds, failures = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0)
+        self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
+                               on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f))
+        self._auto_check = stop_check_every_n_steps is None
+        self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
+        self.model: Optional[torch.nn.Module] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.resumed_from: Optional[int] = None
+        self.saved_world_size: Optional[int] = None
+        self.train_loss: Optional[float] = None  # the mean loss of the last completed epoch
+        self.latest: Dict[str, Any] = {}  # the last value of every metric given to run.log
+        self._samplers: list = []
+        self._generators: list = []
+        self._samples_per_step = 0
+        self._first_step = True
+        self._finished = False
+        self._epoch_loss_of = -1  # the epoch whose mean loss train_loss holds
+        self.record.event(Event.ATTEMPT_STARTED, world_size=self.comm.world_size, device=str(self.comm.device))
+
+    # ---- who and where ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.comm.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.comm.rank == 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches per epoch on each rank, of the run's (first) loader or sampler (0 before there is one)."""
+        return self._samplers[0].batches_per_epoch if self._samplers else 0
+
+    @property
+    def epoch(self) -> int:
+        return self.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.global_step
+
+    # ---- the loop's parts -----------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+        """The backend's idioms: the model on this rank's device and wrapped for data parallelism
+        (DDP on torchrun), the optimizer wrapped where the backend needs it (Horovod's
+        DistributedOptimizer). Call it before `resume` (Horovod's wrapper is a new optimizer)."""
+        if self.resumed_from is not None or self.checkpointer.objects:
+            raise RuntimeError("call run.setup(model, optimizer) before run.resume(...)")
+        model = model.to(self.device)
+        self.model = model
+        if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
+            next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
+        wrapped = self.comm.wrap_model(model)
+        if optimizer is None:
+            return wrapped
+        self.optimizer = self.comm.wrap_optimizer(optimizer, model)
+        return wrapped, self.optimizer
+
+    def sampler(self, dataset: Any, batch_size: int, shuffle: bool = True) -> ResumableSampler:
+        """This rank's share of one permutation per epoch, starting where the run stands (for your own DataLoader)."""
+        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.seed, batch_size, shuffle, self.progress)
+        self._samplers.append(sampler)
+        self._samples_per_step = sampler.samples_per_step
+        return sampler
+
+    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, **kwargs: Any) -> Any:
+        """A loader over this rank's share of `dataset`, resumable at any batch (kwargs: DataLoader's)."""
+        sampler = self.sampler(dataset, batch_size, shuffle)
+        generator = torch.Generator()  # a DataLoader never draws on the global RNG (exact resume)
+        self._generators.append(generator)
+        return make_loader(dataset, batch_size, sampler, generator=generator, **kwargs)
+
+    def resume(self, **objects: Any) -> Optional[int]:
+        """Track these objects (anything with state_dict/load_state_dict) in every checkpoint, and load
+        them, with the loop's progress and every rank's RNG states, from the newest checkpoint that
+        verifies. Returns the step resumed from, or None for a fresh start. Collective."""
+        self.checkpointer.track(self.progress, objects)
+        self._beat("restore")
+
+        def new_rank(step: int) -> None:  # a rank the checkpoint does not have: a stream of its own, reproducible
+            seed_everything(self.seed + 1 + self.rank + 1_000_003 * step)
+
+        restored = self.checkpointer.restore(new_rank if self.elastic else None)
+        if self.model is not None and self.optimizer is not None:
+            self.comm.broadcast_state(self.model, self.optimizer)
+        if restored is None:
+            self.progress.first_world_size = self.launch.reference_world_size
+            self._beat("train")
+            return None
+        self.resumed_from = restored.step
+        self.saved_world_size = int(restored.manifest.get("world_size") or self.world_size)
+        if self.progress.first_world_size is None:
+            self.progress.first_world_size = self.saved_world_size
+        self.record.event(Event.RESUMED, step=restored.step, path=str(restored.path), epoch=self.progress.epoch,
+                          batch_in_epoch=self.progress.batch_in_epoch, sample_in_epoch=self.progress.sample_in_epoch,
+                          saved_world_size=self.saved_world_size, world_size=self.world_size, source="disk")
+        log.info("Resumed from %s (epoch %d, batch %d)", restored.path, self.progress.epoch, self.progress.batch_in_epoch)
+        self._beat("train", force=True)
+        return restored.step
+
+    def epochs(self, max_epochs: int) -> Iterator[int]:
+        """The epochs left, from where the run stands; each one's end may save (epoch cadence) and
+        acts on a stop request that came during validation or a save."""
+        self.telemetry.plan(max_epochs * self.batches_per_epoch, max_epochs)
+        while self.progress.epoch < max_epochs:
+            for generator in self._generators:
+                generator.manual_seed(self.seed * 100_003 + self.progress.epoch)
+            yield self.progress.epoch
+            self._end_epoch(max_epochs)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """For a loader that is not the run's: its epoch set (DistributedSampler.set_epoch) and, after a
+        resume in the middle of an epoch, the batches this epoch already trained skipped (read and
+        dropped: exact when the loader's order depends only on the epoch)."""
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.progress.epoch)
+        skip = self.progress.batch_in_epoch
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+
+    def step(self, loss: Any = None) -> None:
+        """After the optimizer step: count it, and do what is due at this step boundary."""
+        p = self.progress
+        p.global_step += 1
+        p.batch_in_epoch += 1
+        p.sample_in_epoch += self._samples_per_step
+        if self._first_step:
+            self._first_step = False
+            self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
+        self.telemetry.add_loss(loss)
+        if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
+            self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
+        over = self.telemetry.after_step(p.global_step, p.epoch)
+        if p.global_step % self.telemetry.every == 0:
+            self._retune_checks()
+        self._beat("train")
+        self.faults.after_step(p.global_step)
+        due = self.cadence.step_due(p.global_step)
+        control = self.agreement.at_step(p.global_step, self.cadence.time_due if self.rank == 0 else lambda: False)
+        if control.stop is not None:
+            self._preempt(control.stop)
+        if over is not None:
+            rank, mb = over
+            self._stop("memory_limit", None, 1,
+                       f"peak resident memory of rank {rank} reached {mb:.0f} MB > trainer.max_rss_mb={self.max_rss_mb:g} at step "
+                       f"{p.global_step}; checkpoint step {p.global_step} committed. Lower the memory use (the batch size, "
+                       "the model) or raise the limit, then run the same command again to continue", rss_mb=mb, rank=rank)
+        if due or control.save_due:
+            self.save()
+
+    def save(self) -> None:
+        """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
+        self._beat("save", force=True)
+        seconds = self.checkpointer.save(self.progress)
+        self.cadence.saved(seconds)
+        self._beat("train", force=True)
+        self.telemetry.display.restart_rate()
+
+    def log(self, **metrics: Any) -> None:
+        """A row of metrics.jsonl (rank 0 writes what it is given: reduce first, e.g. with run.mean)."""
+        self.latest.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        self.telemetry.metrics(step=self.progress.global_step, epoch=self.progress.epoch, **metrics,
+                               wall=round(time.time() - self.started, 3), restart=self.restarts)
+
+    def epoch_loss(self) -> Optional[float]:
+        """The mean training loss of this epoch over every rank and batch, after its last step
+        (collective; the epoch's end reuses it)."""
+        if self._epoch_loss_of != self.progress.epoch:
+            self.train_loss, self._epoch_loss_of = self.telemetry.end_epoch(), self.progress.epoch
+        return self.train_loss
+
+    def mean(self, value: Any) -> float:
+        """The mean of a number over the ranks (collective)."""
+        t = torch.tensor([float(value), 1.0], dtype=torch.float64, device=self.device)
+        t = self.comm.all_reduce_sum(t).cpu()
+        return float(t[0] / t[1])
+
+    def beat(self, phase: str = "train") -> None:
+        """Tell the hang watchdog this rank is making progress (inside a long validation, say)."""
+        self._beat(phase, force=True)
+
+    def finish(self, **result: Any) -> Dict[str, Any]:
+        """Commit the last step (so running the same command again trains nothing), then record the
+        run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
+        if self._finished:
+            return self.result(**result)
+        self.agreement.drain()
+        if self.checkpointer.last_saved_step != self.progress.global_step:
+            self.save()
+        self.checkpointer.close()
+        self.telemetry.close()
+        out = self.result(status="completed", **result)
+        self.record.event(Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out)
+        self._finished = True
+        self._close()
+        return out
+
+    def result(self, **extra: Any) -> Dict[str, Any]:
+        p = self.progress
+        out: Dict[str, Any] = {"epochs_completed": p.epoch, "global_step": p.global_step,
+                               "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
+                               **self.latest, "restarts": self.restarts, "resumed_from_step": self.resumed_from,
+                               "world_size": self.world_size, "wall_seconds": round(time.time() - self.started, 3),
+                               "run_dir": str(self.dir)}
+        if self.model is not None:
+            out["model_sha256"] = model_sha256(unwrap(self.model))
+        out.update(extra)
+        return out
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if kind is None:
+            self.finish()
+        else:
+            self._close()
+
+    # ---- inside -----------------------------------------------------------------------------------
+    def _beat(self, phase: str, force: bool = False) -> None:
+        """Progress for the watchdog: one small pwrite, at most every 50 ms unless the phase changes."""
+        if self._heartbeat is None:
+            return
+        now = time.monotonic()
+        if force or phase != self._phase or now - self._last_beat >= 0.05:
+            self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
+            self._phase, self._last_beat = phase, now
+
+    def _retune_checks(self) -> None:
+        """stop_check_every_n_steps=None: the ranks agree about every CHECK_INTERVAL_S, from rank 0's time
+        per step, which the log step's all-reduce brought to every rank (so every rank picks the same)."""
+        per_step = self.telemetry.step_seconds
+        if not self._auto_check or not per_step:
+            return
+        every = 1
+        while every * 2 * per_step <= CHECK_INTERVAL_S and every * 2 <= MAX_CHECK_EVERY:
+            every *= 2
+        self.agreement.every = every
+
+    def _end_epoch(self, max_epochs: int) -> None:
+        p = self.progress
+        self.epoch_loss()
+        p.epoch, p.batch_in_epoch, p.sample_in_epoch = p.epoch + 1, 0, 0
+        if self.cadence.epoch_due(p.epoch):
+            self.save()
+        self.telemetry.display.restart_rate()  # validation and the save are not training speed
+        if p.epoch < max_epochs:  # a stop requested during validation or a save: act now
+            signum = self.agreement.now()
+            if signum is not None:
+                self._preempt(signum)
+
+    def _history(self) -> Tuple[float, int]:
+        """This run's wall time before this launch and its failures so far (for checkpoint.every_n_seconds=auto)."""
+        recorded = events.read(self.dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED))
+        launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
+        attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
+        stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
+        return (max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1)
+
+    def _preempt(self, signum: int) -> None:
+        p = self.progress
+        self._stop(PREEMPTED, signum, EXIT_PREEMPTED,
+                   f"{signal_name(signum)}: stopped at step {p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch}), "
+                   "checkpoint committed. Run the same command again to continue.")
+
+    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
+        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
+        self.agreement.drain()
+        if self.checkpointer.last_saved_step != self.progress.global_step:
+            self.save()
+        self.checkpointer.close()  # an asynchronous save must be committed before we report it
+        self.telemetry.close()
+        p = self.progress
+        fields.update(step=p.global_step, epoch=p.epoch, batch_in_epoch=p.batch_in_epoch, saved=True, message=message,
+                      checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step)), result=self.result())
+        if reason == PREEMPTED:
+            asked = stop_requested_at()
+            fields.update(signal=signal_name(signum), signal_number=signum)
+            if asked is not None:
+                fields["signal_to_commit_s"] = round(time.time() - asked, 3)
+        self.record.event(Event(reason), **fields)
+        log.warning("%s", message)
+        self._close()
+        raise StopRun(reason, p.global_step, True, message, exit_code, signum)
+
+    def _close(self) -> None:
+        self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank
+        self.telemetry.close()
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None  # type: ignore[assignment]
+        self.comm.shutdown()

@@ -1,0 +1,130 @@
+"""What a person sees of the loop: the loss and memory of every rank in metrics.jsonl, the progress
+display, TensorBoard; and the memory guard.
+
+The loss is summed on the device as the steps go (no host sync per step); every
+`log_every_n_steps` steps one all-reduce carries the loss window and every rank's peak memory
+(each rank in its own slot), so every rank sees the same numbers and takes the same decisions.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .progress import ProgressDisplay
+from .records import RunRecord
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+class Telemetry:
+    def __init__(self, comm: Any, record: RunRecord, progress_mode: str, progress_every_s: float, log_every_n_steps: int,
+                 started: float, restarts: int, tensorboard_dir: Any = None, max_rss_mb: Optional[float] = None) -> None:
+        self.comm, self.record, self.every = comm, record, max(1, int(log_every_n_steps))
+        self.started, self.restarts, self.max_rss_mb = started, restarts, max_rss_mb
+        self.cuda = comm.device.type == "cuda"
+        self._window: Optional[torch.Tensor] = None  # summed losses since the last log, on the device
+        self._count = 0
+        self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's logged windows
+        self.last_loss: Optional[float] = None  # the mean loss of the last logged window (all ranks)
+        self.display = ProgressDisplay(progress_mode, progress_every_s, 0, 0, enabled=comm.rank == 0)
+        self._tb_dir, self._tb = tensorboard_dir, None
+        self.lr: Optional[float] = None
+        self.step_seconds: Optional[float] = None  # rank 0's time per step over the last window, the same on every rank
+        self._window_start = (0, time.perf_counter())  # (step, time) where the current window began
+
+    def plan(self, total_steps: int, max_epochs: int) -> None:
+        self.display.total, self.display.max_epochs = total_steps, max_epochs
+
+    def add_loss(self, loss: Any) -> None:
+        if loss is None:
+            return
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self._window = value.float().clone() if self._window is None else self._window.add_(value)
+        self._count += 1
+
+    def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
+        """Per step: the display; every log_every_n_steps a metrics row. Returns (rank, MB) when a
+        rank's peak memory passed max_rss_mb (the same answer on every rank), else None."""
+        if step % self.every:
+            self.display.update(step, epoch)
+            return None
+        mean, rss, extra = self._reduce(step)
+        row: Dict[str, Any] = {"step": step, "epoch": epoch}
+        if mean is not None:
+            row["loss"] = round(mean, 6)
+        if self.lr is not None:
+            row["lr"] = self.lr
+        self.metrics(**row, wall=round(time.time() - self.started, 3), restart=self.restarts, rss_mb=peak_rss_mb(),
+                     rss_mb_per_rank=rss, rss_mb_max=max(rss), **extra)
+        self.display.update(step, epoch, mean)
+        if self.max_rss_mb and max(rss) > self.max_rss_mb:
+            return rss.index(max(rss)), max(rss)
+        return None
+
+    def _reduce(self, step: Optional[int] = None) -> Tuple[Optional[float], List[float], Dict[str, Any]]:
+        """One all-reduce: the loss window, rank 0's time per step, and every rank's peak memory in its own slot."""
+        ws = self.comm.world_size
+        packed = torch.zeros(3 + ws * (2 if self.cuda else 1), dtype=torch.float64)
+        now = time.perf_counter()
+        first, then = self._window_start
+        if self.comm.rank == 0 and step is not None and step > first:
+            packed[-1] = (now - then) / (step - first)
+        if step is not None:
+            self._window_start = (step, now)
+        if self._window is not None:
+            packed[0] = float(self._window)
+        packed[1] = self._count
+        packed[2 + self.comm.rank] = peak_rss_mb()
+        if self.cuda:
+            packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
+        packed = self.comm.all_reduce_sum(packed.to(self.comm.device)).cpu()
+        self._window, self._count = None, 0
+        total, batches = float(packed[0]), int(packed[1])
+        self._epoch[0] += total
+        self._epoch[1] += batches
+        mean = total / batches if batches else None
+        if mean is not None:
+            self.last_loss = mean
+        if float(packed[-1]) > 0:
+            self.step_seconds = float(packed[-1])
+        rss = [round(v, 1) for v in packed[2 : 2 + ws].tolist()]
+        extra = {"cuda_mb_per_rank": [round(v, 1) for v in packed[2 + ws : 2 + 2 * ws].tolist()]} if self.cuda else {}
+        return mean, rss, extra
+
+    def end_epoch(self) -> Optional[float]:
+        """The epoch's mean loss over every rank and batch (collective); starts the next epoch's count."""
+        self._reduce()
+        total, batches = self._epoch
+        self._epoch = [0.0, 0]
+        return total / batches if batches else None
+
+    def metrics(self, **row: Any) -> None:
+        """A row of metrics.jsonl (rank 0), and the same numbers to TensorBoard when it is on."""
+        self.record.metrics(**row)
+        if self.comm.rank != 0 or self._tb_dir is None:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self._tb_dir))
+        step = row.get("step", 0)
+        for key, value in row.items():
+            if key in ("time", "step", "epoch", "wall") or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                section = "train" if key == "loss" else "epoch" if key.startswith(("train_", "val_")) else "system"
+                self._tb.add_scalar(f"{section}/{key}", value, step)
+            elif isinstance(value, list) and key.endswith("_per_rank"):
+                for r, v in enumerate(value):
+                    self._tb.add_scalar(f"system/{key[:-9]}/rank{r}", v, step)
+
+    def close(self) -> None:
+        self.display.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
