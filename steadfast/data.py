@@ -59,6 +59,11 @@ class ResumableSampler(Sampler[int]):
         return -(-self._per_rank(0) // self.batch_size)
 
     @property
+    def batches_left(self) -> int:
+        """Batches left in the current epoch on each rank."""
+        return -(-self._per_rank(self.first_sample) // self.batch_size)
+
+    @property
     def samples_per_step(self) -> int:
         """Samples all ranks consume together in one full step."""
         return self.batch_size * self.world_size

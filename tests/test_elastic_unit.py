@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from pipeline.data import ResumableSampler
+from steadfast.data import ResumableSampler
 
 
 def _take(samplers, batches, batch_size):
@@ -17,10 +17,10 @@ def _take(samplers, batches, batch_size):
 
 
 def test_same_world_size_resume_reads_exactly_the_uninterrupted_order() -> None:
-    whole = [list(ResumableSampler(103, 2, r, 4, seed=3)) for r in range(2)]
+    whole = [list(ResumableSampler(103, 2, r, seed=3, batch_size=4)) for r in range(2)]
     resumed = []
     for r in range(2):
-        s = ResumableSampler(103, 2, r, 4, seed=3)
+        s = ResumableSampler(103, 2, r, seed=3, batch_size=4)
         s.start(0, 5 * 4 * 2)
         resumed.append(list(s))
     assert [w[20:] for w in whole] == resumed
@@ -28,13 +28,13 @@ def test_same_world_size_resume_reads_exactly_the_uninterrupted_order() -> None:
 
 def test_resharding_mid_epoch_neither_repeats_nor_skips() -> None:
     total = 103
-    first = [ResumableSampler(total, 2, r, 4, seed=3) for r in range(2)]
+    first = [ResumableSampler(total, 2, r, seed=3, batch_size=4) for r in range(2)]
     read = _take(first, 5, 4)  # 5 steps on 2 workers: 40 samples
     position = 5 * first[0].samples_per_step
     assert position == 40
     after = []
     for r in range(3):  # a third worker joined; keep_global_batch would give each ceil(8/3) = 3
-        s = ResumableSampler(total, 3, r, 3, seed=3)
+        s = ResumableSampler(total, 3, r, seed=3, batch_size=3)
         s.start(0, position)
         after.append(s)
     rest = _take(after, after[0].batches_left, 3)
@@ -43,6 +43,6 @@ def test_resharding_mid_epoch_neither_repeats_nor_skips() -> None:
     missing = set(range(total)) - set(both)
     assert len(missing) < 3, "more than world_size - 1 samples were skipped"
     # and shrinking back to one worker continues from there too
-    solo = ResumableSampler(total, 1, 0, 8, seed=3)
+    solo = ResumableSampler(total, 1, 0, seed=3, batch_size=8)
     solo.start(0, position)
     assert len(set(read) | set(solo)) == total and not set(read) & set(solo)
