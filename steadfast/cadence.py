@@ -38,6 +38,7 @@ class Cadence:
         self._started = clock()
         self.last_save = self._started
         self.save_cost: Optional[float] = None  # seconds, the last save's
+        self._measured: Optional[float] = None  # auto: the save cost the interval was last chosen from
         if self.auto:
             self.seconds = young_daly(1.0, self.mtbf())  # until a save is measured: 1 s assumed
 
@@ -64,7 +65,8 @@ class Cadence:
         self.save_cost = seconds
         if self.auto:
             interval = young_daly(seconds, self.mtbf())
-            if self.on_interval is not None and (self.seconds is None or abs(interval - self.seconds) > 0.1 * self.seconds):
+            changed = self.seconds is None or abs(interval - self.seconds) > 0.1 * self.seconds
+            if self.on_interval is not None and (self._measured is None or changed):
                 self.on_interval(seconds=round(interval, 3), save_seconds=round(seconds, 4), mtbf_seconds=round(self.mtbf(), 1),
                                  failures=self._failures, how="young_daly")
-            self.seconds = interval
+            self.seconds, self._measured = interval, seconds

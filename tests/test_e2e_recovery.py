@@ -109,7 +109,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, ba
     if logged:
         invalid = event_of(folder, "checkpoint_invalid")
         assert invalid and logged in invalid["error"]
-    assert sorted(p.name for p in broken.iterdir()) == sorted(["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin"])
+    assert sorted(p.name for p in broken.iterdir()) == sorted(["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin", "scores.bin", "world.bin"])
     assert_same_weights(folder, baseline)
 
 
