@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
-from hydra_plugins.steadfast_launcher._core import exit_code
+from steadfast.contract.exits import exit_code
 
 pytestmark = pytest.mark.slow
 STEPS = ["checkpoint=every_n_steps", "checkpoint.every_n_steps=6"]  # 13 batches an epoch: mid-epoch saves

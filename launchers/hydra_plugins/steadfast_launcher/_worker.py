@@ -1,11 +1,11 @@
-"""What runs on every rank: restore Hydra's state, call the task function, record a failure."""
+"""What runs on every rank: read the job's payload, restore Hydra's state, call the task function,
+record a failure."""
 from __future__ import annotations
 
 import os
 import traceback
 from typing import Any
 
-import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import setup_globals
@@ -16,8 +16,11 @@ from steadfast.contract.env import current_rank, restart_count, run_dir
 from steadfast.contract.heartbeat import DONE_PHASE, enable_stack_dumps, heartbeat, start_heartbeat
 from steadfast.contract.stop import StopRun, ignore_stop_signals, install_stop_handlers
 
+from . import _payload
+from ._payload import PayloadRef
 
-def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
+
+def run_rank(ref: PayloadRef, restore_hydra: bool = True) -> Any:
     if restore_hydra:  # a fresh worker process
         # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
         # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
@@ -26,13 +29,13 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
         folder = run_dir()
         start_heartbeat(folder, current_rank())
         enable_stack_dumps(folder, current_rank())
-    task_function, task_cfg, job_cfg, hydra_state = cloudpickle.loads(payload)
-    if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
-        Singleton.set_state(hydra_state)
-        setup_globals()
-        HydraConfig.instance().set_config(job_cfg)
-    _record_rendezvous()
     try:
+        task_function, task_cfg, job_cfg, hydra_state = _payload.load(ref)  # checks the sha256 first
+        if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
+            Singleton.set_state(hydra_state)
+            setup_globals()
+            HydraConfig.instance().set_config(job_cfg)
+        _record_rendezvous()
         return task_function(task_cfg)
     except StopRun as stop:
         return stop.marker  # a normal exit: no backend treats it as a failure to restart from
