@@ -26,6 +26,7 @@ from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME, 
 from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
 from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
+from steadfast.contract.heartbeat import stop_marker
 from steadfast.contract.stop import PREEMPTED, Stopped, request_stop, restore_handlers, signal_name, stop_requested
 from steadfast.contract.summary import Status
 
@@ -193,6 +194,7 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
         raise Interrupted(message, signum=signum)
     finally:
         restore_handlers(previous)
+        stop_marker(run_dir, env[ENV_LAUNCH_ID]).unlink(missing_ok=True)
 
 
 def _launch_time(env: Dict[str, str]) -> float:

@@ -24,6 +24,7 @@ class SweepFolderSnapshot:
         path = self.sweep_dir / MULTIRUN_FILE
         self.had_multirun = os.path.lexists(path)
         self.multirun = read_regular(path, _MAX_BYTES) if self.had_multirun else None
+        self.times = (os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns) if self.multirun is not None else None
         self.new_folders: List[Path] = []  # innermost first: the folders the sweeper will create
         folder = self.sweep_dir
         while not folder.exists() and folder != folder.parent:
@@ -41,6 +42,7 @@ class SweepFolderSnapshot:
             if self.multirun is not None:
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
                 tmp.write_bytes(self.multirun)
+                os.utime(tmp, ns=self.times)
                 os.replace(tmp, path)
                 fsync_dir(path.parent)
             elif not self.had_multirun:

@@ -28,12 +28,12 @@ SWEEP_LOCK_FILE = ".steadfast_sweep.lock"
 MOUNTINFO = "/proc/self/mountinfo"
 
 
-def filesystem(path: Path, mountinfo: str = MOUNTINFO) -> Tuple[str, str, str]:
+def filesystem(path: Path) -> Tuple[str, str, str]:
     """(type, mount point, options) of the filesystem holding `path`, from the kernel's mount table."""
     target = os.path.realpath(path)
     best: Tuple[str, str, str] = ("unknown", "?", "")
     try:
-        with open(mountinfo) as f:
+        with open(MOUNTINFO) as f:
             lines = f.read().splitlines()
     except OSError:
         return best

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List
 from steadfast.contract.heartbeat import read_heartbeats
 from steadfast.contract.stop import STOP_SIGNALS, request_stop, signal_name, stop_requested
 
-from ._supervise import HOST, alive, kill
+from ._supervise import HOST, alive, kill, mark_stop
 from ._types import Interrupted
 
 
@@ -65,6 +65,7 @@ class LaunchSignals:
         workers = self._registered()
         if not workers:
             raise Interrupted(f"stopped by {signal_name(signum)}", signum=signum)
+        mark_stop(self.run_dir, self.launch_id)
         for pid in workers:  # at once; the supervisor passes it on to workers that register later
             self.forwarded.add(pid)
             kill(pid, signum)

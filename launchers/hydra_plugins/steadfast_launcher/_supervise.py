@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from steadfast.contract import events
 from steadfast.contract.events import Event
 from steadfast.contract.files import STACKS_DIR
-from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats
+from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats, stop_marker
 from steadfast.contract.schemas import RestartConf
 from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
@@ -86,6 +86,15 @@ def alive(pid: int) -> bool:
 def kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def mark_stop(run_dir: Path, launch_id: str) -> None:
+    """Tell this launch's workers that the stop signals they get now are the launcher's stop request
+    (written before the first one is sent; see the workers' start-up guard in _worker)."""
+    try:
+        stop_marker(run_dir, launch_id).touch()
     except OSError:
         pass
 
@@ -205,6 +214,8 @@ class Supervisor:
     # ---- preemption -----------------------------------------------------------------------------
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
         name = signal_name(signum)
+        if live:
+            mark_stop(self.run_dir, self.launch_id)
         for w in live:
             if w.pid not in self.forwarded and w.phase not in ("stop", DONE_PHASE):
                 self.forwarded.add(w.pid)
