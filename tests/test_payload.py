@@ -60,3 +60,20 @@ def test_a_changed_payload_is_never_unpickled(tmp_path: Path) -> None:
         with pytest.raises(PayloadError):
             _payload.load(PayloadRef(str(folder / "missing"), ref.sha256, ref.size))
     assert not marker.exists()
+
+
+def test_a_killed_launcher_s_folder_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    orphan = Path(_payload.tempfile.gettempdir()) / f"steadfast-test-{dead.stdout.strip()}-abc"
+    orphan.mkdir(mode=0o700)
+    (orphan / "payload.pkl").write_bytes(b"x")
+    mine = _payload.private_folder("steadfast-test-")
+    try:
+        assert not orphan.exists() and mine.name.startswith(f"steadfast-test-{os.getpid()}-")
+        assert _payload.private_folder("steadfast-test-") and mine.exists()  # a live launcher's folder stays
+    finally:
+        for leftover in Path(_payload.tempfile.gettempdir()).glob(f"steadfast-test-{os.getpid()}-*"):
+            _payload.shutil.rmtree(leftover)

@@ -40,13 +40,35 @@ class PayloadRef:
 
 
 def private_folder(prefix: str) -> Path:
-    """A new folder only this user can enter (0700), checked after creation."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    """A new folder only this user can enter (0700), checked after creation. Its name carries this
+    process's id, so a later launcher removes it if this one was killed before it could."""
+    _remove_orphans(prefix)
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
         shutil.rmtree(path, ignore_errors=True)
         raise PayloadError(f"temporary folder {path} is not private (mode {oct(stat.S_IMODE(st.st_mode))}, owner {st.st_uid})")
     return path
+
+
+def _remove_orphans(prefix: str) -> None:
+    """This user's folders of `prefix` whose launcher process is gone (killed with SIGKILL)."""
+    root = Path(tempfile.gettempdir())
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):].partition("-")[0]
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # still running: its folder
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 @contextlib.contextmanager
