@@ -56,6 +56,11 @@ class Sweep:
         except ValueError:
             return str(job.run_dir)
 
+    def _shown_folder(self, job: Job) -> str:
+        """For the table: relative to the sweep folder, or (one job, whose run folder is the sweep folder) to here."""
+        folder = self._folder(job)
+        return os.path.relpath(str(job.run_dir)) if folder == "." else folder
+
     def completed_result(self, job: Job) -> Optional[List[Any]]:
         """[value] if the ledger says this very job completed earlier (same config, folder still there)."""
         if self.ledger is None or not self.settings.skip_completed:
@@ -166,7 +171,7 @@ class Sweep:
             shown = [o for o in filter_overrides(job.overrides) if override_key(o) in varying] if varying else filter_overrides(job.overrides)
             rows.append(dict(job=job.idx, overrides=" ".join(shown) or "(defaults)", status=status,
                              restarts=restarts if status != NOT_RUN else "",
-                             result=describe_result(self.results.get(job.idx)), folder=self._folder(job)))
+                             result=describe_result(self.results.get(job.idx)), folder=self._shown_folder(job)))
         counts: Dict[str, int] = {}
         for row in rows:
             counts[row["status"]] = counts.get(row["status"], 0) + 1
