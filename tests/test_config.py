@@ -1,6 +1,8 @@
 """Config schemas, run names, pre-flight checks and the LaunchConfig mapping (no workers)."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -108,11 +110,12 @@ def test_run_name_default_comes_from_the_overrides() -> None:
     cfg = composed("trainer.lr=0.3", "trainer.max_epochs=2")
     HydraConfig.instance().set_config(cfg)
     assert cfg.run.name == "trainer.lr=0.3"
-    assert OmegaConf.select(cfg, "hydra.sweep.subdir") == "trainer.lr=0.3"
+    folder = os.path.join(str(OmegaConf.select(cfg, "hydra.sweep.dir")), str(OmegaConf.select(cfg, "hydra.sweep.subdir")))
+    assert os.path.normpath(folder) == os.path.join("outputs", "trainer.lr=0.3")  # one job: outputs/<run.name>
 
 
 def test_launch_config_mapping(tmp_path: Path) -> None:
-    from hydra_plugins.steadfast_launcher._torchrun import launch_config
+    from hydra_plugins.steadfast_launcher._backends.torchrun import launch_config
 
     lc = launch_config(TorchrunBackendConf(nproc_per_node=3, nnodes="1:2", rdzv_endpoint="node0:29400"),
                        RestartConf(max_restarts=5, monitor_interval=0.25), run_id="my/run", log_dir=tmp_path)

@@ -72,7 +72,7 @@ def _horovod_error(name: str, code: int) -> RuntimeError:
 
 
 def test_root_cause_names_the_failing_rank_and_its_exception(tmp_path: Path) -> None:
-    from hydra_plugins.steadfast_launcher._horovod import root_cause
+    from hydra_plugins.steadfast_launcher._backends.horovod import root_cause
 
     for rank, last in ((0, "horovod.common.exceptions.HorovodInternalError: Horovod has been shut down."),
                        (1, "steadfast.faults.InjectedFault: boom")):

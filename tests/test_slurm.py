@@ -42,7 +42,8 @@ def test_script_has_one_agent_per_node_the_head_node_endpoint_requeue_and_signal
     assert "--ntasks-per-node=1" in srun and "-m pipeline.train" in srun
     assert 'backend.rdzv_endpoint="$HEAD_NODE":29400' in srun and "backend.nnodes=2:3" in srun
     assert "cluster=none" in srun and "cluster.nodes" not in srun and "backend.nproc_per_node=4" in srun
-    assert f"hydra.sweep.dir={tmp_path / 'outputs'}" in srun and "run.name=big" in srun
+    # every node runs in the job's run folder, which is its sweep folder too (multirun.yaml inside it)
+    assert f"hydra.sweep.dir={run_dir(tmp_path, 'big')} hydra.sweep.subdir=. run.name=big" in srun
     subprocess.run(["bash", "-n", str(run_dir(tmp_path, "big") / "slurm" / "job.sbatch")], check=True)
 
 

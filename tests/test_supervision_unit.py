@@ -167,7 +167,7 @@ def test_new_restart_settings_are_checked() -> None:
 
 def test_agent_leaves_stop_signals_to_the_launcher_and_waits_the_grace(tmp_path: Path) -> None:
     from steadfast.contract.schemas import TorchrunBackendConf
-    from hydra_plugins.steadfast_launcher._torchrun import launch_config
+    from hydra_plugins.steadfast_launcher._backends.torchrun import launch_config
 
     config = launch_config(TorchrunBackendConf(), RestartConf(preemption_grace_s=12.5), "r", tmp_path)
     assert config.shutdown_timeout == 13

@@ -23,6 +23,7 @@ STACK_SIGNAL = signal.SIGUSR1  # makes a worker dump its stacks (faulthandler) w
 DONE_PHASE = "done"  # a worker's last heartbeat phase: its task is over (shutting down, or waiting to be collected)
 STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: restart.startup_timeout_s applies
 _RECORD_BYTES = 320
+STOP_MARKER = "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
 
 _state: Dict[str, Any] = {"heartbeat": None, "stacks_file": None}
 
@@ -74,6 +75,12 @@ def read_heartbeats(run_dir: Path) -> Dict[int, Dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("rank"), int) and isinstance(record.get("pid"), int):
             out[record["rank"]] = record
     return out
+
+
+def stop_marker(run_dir: Path, launch_id: str) -> Path:
+    """The file whose presence says a stop signal to this launch's workers came from the launcher
+    (a stop request to save and stop), not from a backend stopping its worker group."""
+    return run_dir / HEARTBEAT_DIR / f"{STOP_MARKER}.{launch_id}"
 
 
 def enable_stack_dumps(run_dir: Path, rank: int) -> Path:

@@ -1,12 +1,16 @@
 """Folder names from the command line: the same command finds the same folders (no timestamps).
 
 A run's name comes from the job's overrides that change what is trained (contract.keys); a sweep's
-from its command line as typed. The launcher registers these as resolvers (`steadfast_run_name`,
-`steadfast_sweep_dir`) for the library's `steadfast` config.
+from its command line as typed. One job's folder is `<root>/<run name>`, and that folder is also
+its sweep folder (Hydra's sweeper writes `multirun.yaml` there, never at the root); a sweep's jobs
+are in `<root>/sweeps/<sweep name>/<run name>`. The launcher registers these as resolvers
+(`steadfast_run_name`, `steadfast_sweep_dir`, `steadfast_sweep_subdir`) for the library's
+`steadfast` config.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from typing import Any, Iterable, Optional, Sequence
 
@@ -68,8 +72,9 @@ def sweep_name(overrides: Sequence[str], sweeper: Optional[str] = None, params: 
 
 
 def sweep_dir(root: str, overrides: Sequence[Any], sweeper: Optional[str] = None, params: Any = None,
-              safe_to_change: Iterable[str] = ()) -> str:
-    """`root` for one job (so a plain run keeps `<root>/<run name>`); `<root>/sweeps/<sweep name>` for a sweep."""
+              safe_to_change: Iterable[str] = (), run: Optional[str] = None) -> str:
+    """`<root>/sweeps/<sweep name>` for a sweep. For one job: its run folder `<root>/<run>` when its
+    run name is given (see sweep_subdir), else `root`."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     overrides = [str(o) for o in overrides]
@@ -78,8 +83,14 @@ def sweep_dir(root: str, overrides: Sequence[Any], sweeper: Optional[str] = None
     if isinstance(safe_to_change, ListConfig):
         safe_to_change = list(safe_to_change)
     if not is_sweep(overrides, sweeper, params):
-        return str(root)
+        return str(root) if run is None else f"{root}/{run}"
     return f"{root}/{SWEEPS}/{sweep_name(overrides, sweeper, params, safe_to_change)}"
+
+
+def sweep_subdir(root: str, sweep_folder: str, run: str) -> str:
+    """A job's folder inside its sweep folder: "." when the sweep folder is the job's own run folder
+    (one job, see sweep_dir), else the job's run name."""
+    return "." if os.path.normpath(str(sweep_folder)) == os.path.normpath(f"{root}/{run}") else str(run)
 
 
 def master_is_sweep(master: Any) -> bool:
@@ -94,12 +105,13 @@ def master_is_sweep(master: Any) -> bool:
 
 
 def register_resolvers() -> None:
-    """`steadfast_run_name` and `steadfast_sweep_dir`, used by the library's `steadfast` config."""
+    """`steadfast_run_name`, `steadfast_sweep_dir` and `steadfast_sweep_subdir`, used by the library's `steadfast` config."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("steadfast_run_name", lambda overrides, safe=(): run_name(list(overrides), list(safe or ())),
                                     replace=True)
     OmegaConf.register_new_resolver("steadfast_sweep_dir", sweep_dir, replace=True)
+    OmegaConf.register_new_resolver("steadfast_sweep_subdir", sweep_subdir, replace=True)
 
 
 register_resolvers()

@@ -26,10 +26,16 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
+from steadfast.contract import events
+from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.files import atomic_write
 from steadfast.contract.schemas import cluster_from
+
+from ._types import Job, job_return
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +63,13 @@ def app_command(app: Optional[str]) -> List[str]:
 def node_overrides(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: Path) -> List[str]:
     """The command line each node runs: the job's own overrides, without the cluster group, in the
     same run folder, as one multi-node torchrun job whose rendezvous is on the first node."""
-    kept = [o for o in overrides if not re.match(r"^[~+]*(cluster|hydra\.sweep\.dir|run\.name|backend\.nnodes|backend\.rdzv_endpoint)\b", o)]
+    kept = [o for o in overrides
+            if not re.match(r"^[~+]*(cluster|hydra\.sweep\.dir|hydra\.sweep\.subdir|run\.name|backend\.nnodes|backend\.rdzv_endpoint)\b", o)]
     nodes = int(cluster["nodes"])
     low = cluster.get("min_nodes") or nodes
     nnodes = f"{low}:{nodes}" if low != nodes else str(nodes)
     return [*kept, "cluster=none", f"backend.nnodes={nnodes}", "backend.rdzv_endpoint=$HEAD_NODE:" + str(cluster.get("rdzv_port", 29400)),
-            f"hydra.sweep.dir={run_dir.parent}", f"run.name={run_dir.name}"]
+            f"hydra.sweep.dir={run_dir}", "hydra.sweep.subdir=.", f"run.name={run_dir.name}"]
 
 
 def sbatch_script(overrides: Sequence[str], cluster: Dict[str, Any], run_dir: Path, job_name: str,
@@ -115,5 +122,29 @@ def submit(script: Path, sbatch: Optional[str] = None, array: Optional[str] = No
     return proc.stdout.strip().split(";")[0]
 
 
-def problems(cluster: Dict[str, Any]) -> List[str]:
-    return cluster_from(cluster).problems()
+def submit_jobs(jobs: List[Job]) -> List[JobReturn]:
+    """cluster=slurm: every job becomes one Slurm batch job (a sweep: one per point). The cluster
+    settings were checked with the rest of the jobs' config (pre-flight)."""
+    returns = []
+    for job in jobs:
+        assert job.run_dir is not None
+        cluster = cluster_of(job.config)
+        script = job.run_dir / "slurm" / SCRIPT_NAME
+        script.parent.mkdir(parents=True, exist_ok=True)
+        app = OmegaConf.select(job.config, "hydra.launcher.app")
+        atomic_write(script, sbatch_script(job.overrides, cluster, job.run_dir, f"steadfast-{job.run_dir.name}", app=app))
+        if not cluster.get("submit", True):
+            log.info("%s: wrote %s (cluster.submit=false: not submitted)", job.label, script)
+            returns.append(job_return(job, JobStatus.COMPLETED, {"slurm_script": str(script)}))
+            continue
+        job_id = submit(script)
+        events.append(job.run_dir, Event.SLURM_SUBMITTED, slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"])
+        log.info("%s: submitted as Slurm job %s (%d node(s)); script %s, output %s/slurm/<job id>.out",
+                 job.label, job_id, cluster["nodes"], script, job.run_dir)
+        returns.append(job_return(job, JobStatus.COMPLETED, {"slurm_job_id": job_id, "slurm_script": str(script)}))
+    return returns
+
+
+def wanted(jobs: List[Job]) -> bool:
+    """Does any job of this launch ask for Slurm (cluster=slurm)?"""
+    return any(cluster_of(j.config).get("name") == "slurm" for j in jobs)

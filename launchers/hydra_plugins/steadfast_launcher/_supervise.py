@@ -5,11 +5,11 @@ launch on this host, a few times a second:
 
 - Stop requests. While a launch runs, SIGTERM/SIGINT/SIGHUP to the launcher only set the stop
   flag (stop_requested() in this process; neither torch elastic's agent nor Horovod's
-  runner installs its own handlers for them, see the adapters). Every registered worker then
+  runner installs its own handlers for them, see _backends). Every registered worker then
   gets the same signal, including workers that register later (a group being restarted); they
   save at their next step boundary and return normally, so the backend sees a clean end. After
-  `restart.preemption_grace_s` the backend is told to stop what still runs (the adapter's
-  `on_grace_expired`), and a few seconds later anything left is killed. Workers register right
+  `restart.preemption_grace_s` the backend is told to stop what still runs (its
+  `stop_on_grace_expired`), and a few seconds later anything left is killed. Workers register right
   after installing their stop handlers, so a forwarded signal never kills a worker that cannot
   handle it.
 - Hangs. A rank whose progress counter has not moved for `restart.hang_timeout_s` (measured on
@@ -24,7 +24,6 @@ launch on this host, a few times a second:
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -36,15 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from steadfast.contract import events, summary
+from steadfast.contract import events
 from steadfast.contract.events import Event
-from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME
-from steadfast.contract.exits import EXIT_PREEMPTED
 from steadfast.contract.files import STACKS_DIR
-from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, read_heartbeats
-from steadfast.contract.summary import Status
-from steadfast.contract.stop import PREEMPTED, STOP_SIGNALS, Stopped, request_stop, restore_handlers, signal_name, stop_requested, stop_requested_at
+from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats, stop_marker
 from steadfast.contract.schemas import RestartConf
+from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +48,6 @@ HOST = socket.gethostname()
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
 # A main thread whose innermost Python frame is in one of these waits for its peers.
 _COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/")
-STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: restart.startup_timeout_s
 OVERDUE_S = 10.0  # after the grace and the backend's own stop, how long before the launcher abandons the launch
 
 
@@ -76,7 +71,7 @@ class _Incarnation:
     recorded: bool = False
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
@@ -88,9 +83,18 @@ def _alive(pid: int) -> bool:
             return False
 
 
-def _kill(pid: int, sig: int) -> None:
+def kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def mark_stop(run_dir: Path, launch_id: str) -> None:
+    """Tell this launch's workers that the stop signals they get now are the launcher's stop request
+    (written before the first one is sent; see the workers' start-up guard in _worker)."""
+    try:
+        stop_marker(run_dir, launch_id).touch()
     except OSError:
         pass
 
@@ -174,7 +178,7 @@ class Supervisor:
             pid = int(beat["pid"])
             w = self.workers.get(pid)
             if w is None:
-                if not _alive(pid):
+                if not alive(pid):
                     continue  # gone before we saw it (an earlier attempt of this launch): not ours to watch
                 w = self.workers[pid] = _Worker(rank=rank, pid=pid, restart=int(beat.get("restart", 0)), last_change=now)
                 self.incarnations.setdefault(w.restart, _Incarnation(w.restart)).pids.append(pid)
@@ -184,7 +188,7 @@ class Supervisor:
                 w.step, w.phase = int(beat.get("step", -1)), str(beat.get("phase"))
         for w in self.workers.values():
             if w.alive:
-                w.alive = _alive(w.pid)
+                w.alive = alive(w.pid)
         for inc in self.incarnations.values():
             if not inc.recorded and not any(self.workers[p].alive for p in inc.pids):
                 self._record_ended(inc)
@@ -210,10 +214,12 @@ class Supervisor:
     # ---- preemption -----------------------------------------------------------------------------
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
         name = signal_name(signum)
+        if live:
+            mark_stop(self.run_dir, self.launch_id)
         for w in live:
             if w.pid not in self.forwarded and w.phase not in ("stop", DONE_PHASE):
                 self.forwarded.add(w.pid)
-                _kill(w.pid, signum)
+                kill(w.pid, signum)
         if live and not self._forward_logged:
             self._forward_logged = True
             log.warning("%s: asked %d worker(s) to save and stop at their next step boundary (restart.preemption_grace_s=%g)",
@@ -232,7 +238,7 @@ class Supervisor:
         if self.grace_expired and (not self._backend_stops or waited >= self.conf.preemption_grace_s + 5):
             for w in live:
                 w.handled = True
-                _kill(w.pid, signal.SIGKILL)
+                kill(w.pid, signal.SIGKILL)
         if waited >= self.conf.preemption_grace_s + OVERDUE_S and not self._overdue and self.on_overdue is not None:
             # still not back (the backend waits for something that will not come, e.g. a
             # rendezvous): the launcher's own main thread gives up the launch
@@ -252,7 +258,7 @@ class Supervisor:
             with open(path, "a") as f:
                 f.write(header)
             sizes[w.rank] = path.stat().st_size
-            _kill(w.pid, STACK_SIGNAL)
+            kill(w.pid, STACK_SIGNAL)
         dumps = self._wait_for_stacks(stuck, sizes)
         frames = {w.rank: main_thread_frames(dumps.get(w.rank, "")) for w in stuck}
         suspects = [w for w in stuck if not waits_in_collective(frames[w.rank])] or stuck
@@ -274,7 +280,7 @@ class Supervisor:
         log.error("%s. Stacks: %s. Killing the stuck worker(s) so the group restarts.", message, ", ".join(stacks))
         for w in stuck:
             w.handled = True
-            _kill(w.pid, signal.SIGKILL)
+            kill(w.pid, signal.SIGKILL)
         self.first_hang = self.first_hang or message
         self.last_hang = message
 
@@ -298,144 +304,3 @@ class Supervisor:
                 f.seek(sizes[w.rank])
                 out[w.rank] = f.read().decode(errors="replace")
         return out
-
-
-# ---- one launch of the workers, as the launcher's relaunch loop sees it ---------------------------
-
-def run_attempt(adapter: Any, payload: bytes, job: Any, env: Dict[str, str], run_dir: Path) -> Any:
-    """`adapter.run` under supervision; turns the ways a launch can end into what _core expects.
-
-    - a result: returned;
-    - a `Stopped` marker from the workers (they saved and stopped on purpose): for a
-      preemption, `Interrupted` (the sweep stops; exit code EXIT_PREEMPTED after SIGTERM); for any
-      other stop (e.g. trainer.max_rss_mb), `JobFailed` (not restarted: it would happen again);
-    - a stop request that ended the launch otherwise (grace expired, a worker killed by it before
-      it could save): `Interrupted` as well; the newest committed checkpoint is intact;
-    - a worker failure: `WorkerFailure`, named after the watchdog's finding if it killed a hung rank.
-
-    For the launch's duration SIGTERM/SIGINT/SIGHUP in the launcher set the stop flag and are
-    passed on to the registered workers, which stop cleanly (see _LauncherSignals, Supervisor).
-    """
-    from ._core import Interrupted, JobFailed, WorkerFailure
-
-    env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{env.get(ENV_LAUNCH_TIME, time.time())}")
-    if env.get(ENV_ATTEMPT, "0") == "0":
-        log.info("Logs: %s (launcher), %s (one per rank)%s", _launcher_log(run_dir), run_dir / "logs" / "rank<r>.log",
-                 f", {run_dir / 'logs' / 'horovod'} (Horovod's per-rank output)" if job.backend.name == "horovod" else "")
-    handler = _LauncherSignals(run_dir, env[ENV_LAUNCH_ID], in_process=job.backend.name == "local",
-                               interrupted=Interrupted)
-    previous = handler.install()
-    launched = time.time()
-    result: Any = None
-    try:
-        if stop_requested() is not None:
-            raise KeyboardInterrupt("stop requested before the workers started")
-        supervisor = (Supervisor(run_dir, job.restart, env[ENV_LAUNCH_ID], getattr(adapter, "on_grace_expired", None),
-                                 on_overdue=handler.interrupt_main, forwarded=handler.forwarded)
-                      if job.backend.name != "local" else contextlib.nullcontext())
-        with supervisor as sup:
-            try:
-                result = adapter.run(payload, job, env, run_dir)
-            except WorkerFailure as failure:
-                if stop_requested() is None:
-                    if sup is not None and sup.last_hang:  # the watchdog knows more than "killed by SIGKILL"
-                        failure.args = (f"{sup.last_hang} (killed by the watchdog after restart.hang_timeout_s="
-                                        f"{job.restart.hang_timeout_s:g})",)
-                    raise
-                log.warning("%s", failure.args[0])
-            except KeyboardInterrupt as stop:
-                request_stop(getattr(stop, "signum", None) or signal.SIGINT)
-            else:
-                if not isinstance(result, Stopped):
-                    return result
-                if result.reason != PREEMPTED:
-                    status = Status(result.reason) if result.reason in {s.value for s in Status} else Status.FAILED
-                    summary.write(run_dir, status, since=_launch_time(env), restarts=int(env.get(ENV_ATTEMPT, "0")),
-                                  wall_seconds=time.time() - _launch_time(env), error=result.message, stop_step=result.step)
-                    events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
-                    raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
-        signum = stop_requested() or getattr(result, "signal", None) or signal.SIGTERM
-        message = _preempted(run_dir, job, launched, signum, env)
-        log.warning("%s", message)
-        raise Interrupted(message, signum=signum)
-    finally:
-        restore_handlers(previous)
-
-
-class _LauncherSignals:
-    """SIGTERM/SIGINT/SIGHUP in the launcher during a launch. A stop request is passed on to the
-    workers (the supervisor forwards it) and the launcher waits for them to save and stop. The
-    launch is abandoned at once instead (an exception in the main thread, as torch elastic's own
-    handler would do) when there is nothing to wait for: no worker of this launch has registered
-    yet (the agent may be waiting in a rendezvous), on a second signal, or when the supervisor
-    finds the launch overdue. The in-process backend (`local`) is never abandoned on the first
-    signal: its worker is this thread, and it stops at its next step boundary."""
-
-    def __init__(self, run_dir: Path, launch_id: str, in_process: bool, interrupted: Any) -> None:
-        self.run_dir, self.launch_id, self.in_process, self.interrupted = run_dir, launch_id, in_process, interrupted
-        self.count, self.force = 0, False
-        self.forwarded: set = set()  # shared with the supervisor: every worker gets the signal once
-
-    def install(self) -> Dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        request_stop(signum)
-        if self.force or self.count > 1:
-            raise self.interrupted(f"stopped by {signal_name(signum)}", signum=signum)
-        if self.in_process:
-            return
-        workers = self._registered()
-        if not workers:
-            raise self.interrupted(f"stopped by {signal_name(signum)}", signum=signum)
-        for pid in workers:  # at once; the supervisor passes it on to workers that register later
-            self.forwarded.add(pid)
-            _kill(pid, signum)
-
-    def _registered(self) -> List[int]:
-        return [int(b["pid"]) for b in read_heartbeats(self.run_dir).values()
-                if b.get("launch") == self.launch_id and b.get("host") == HOST and _alive(int(b.get("pid", 0)))]
-
-    def interrupt_main(self) -> None:
-        import _thread
-
-        self.force = True
-        _thread.interrupt_main(stop_requested() or signal.SIGTERM)
-
-
-def _launch_time(env: Dict[str, str]) -> float:
-    try:
-        return float(env.get(ENV_LAUNCH_TIME) or time.time())
-    except ValueError:
-        return time.time()
-
-
-def _preempted(run_dir: Path, job: Any, since: float, signum: int, env: Dict[str, str]) -> str:
-    """Summary and message of a stop on request: where the workers stopped, and whether it is committed."""
-    stop = events.last(events.read(run_dir, since=since, kinds=(Event.PREEMPTED,)), Event.PREEMPTED)
-    name = str(stop.get("signal")) if stop and stop.get("signal") else signal_name(signum)
-    if stop and stop.get("saved"):
-        how = f"stopped at step {stop.get('step')}, checkpoint committed: no step lost"
-    else:
-        how = ("stopped before the workers could save (restart.preemption_grace_s="
-               f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint")
-    summary.write(run_dir, Status.PREEMPTED, since=since, restarts=int(env.get(ENV_ATTEMPT, "0")),
-                  wall_seconds=time.time() - _launch_time(env), stop_signal=name)
-    return (f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-            f"(exit code {EXIT_PREEMPTED} after SIGTERM).")
-
-
-def _launcher_log(run_dir: Path) -> str:
-    """Hydra's job log file (the launcher's messages for this job), or logs/launcher.log if Hydra writes none."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return handler.baseFilename
-    path = run_dir / "logs" / "launcher.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    logging.getLogger().addHandler(handler)
-    return str(path)

@@ -1,224 +1,296 @@
-"""Sweep-level pieces of the launcher (cheap: no torch): what counts as a sweep, the sweep
-ledger, packing jobs onto the machine, and the end-of-sweep table.
+"""Running the jobs of one launch: one at a time in the launcher's process, or several at once,
+packed onto the machine, one launcher process per job (`_jobproc`); the sweep ledger kept up to
+date after every change (`_ledger`); stop signals; the table at the end.
 
-Generic: nothing here knows the training pipeline. An app names its folders through
-`hydra.sweep.dir`/`hydra.sweep.subdir`; the launcher resolves `hydra.sweep.dir` once, from the
-sweep's own config, and gives that folder to every job (a sweep has one folder, as in Hydra).
+Generic: nothing here knows the training pipeline or which backend a job uses.
 """
 from __future__ import annotations
 
-import base64
-import fcntl
-import hashlib
-import json
+import logging
 import os
-import socket
+import signal
+import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
-from steadfast.contract.files import atomic_write
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides
 
-LEDGER_FILE = "sweep_ledger.json"
-SWEEP_LOCK_FILE = ".steadfast_sweep.lock"
-LEDGER_VERSION = 1
+from steadfast.contract import summary
+from steadfast.contract.exits import exit_code
+from steadfast.contract.keys import override_key
 
-# Job states in the ledger and in the table.
-PENDING = "pending"  # part of the sweep, not started yet
-RUNNING = "running"  # started; stays so in the ledger if the launcher itself was killed
-COMPLETED = "completed"
-SKIPPED = "skipped"  # table only: completed by an earlier run of the sweep, result reused
-FAILED = "failed"  # failed after its restart budget
-INTERRUPTED = "interrupted"  # stopped by a signal (or by fail_fast); resumes from its checkpoints
-NOT_RUN = "not run"  # table only: never started because the sweep stopped first
+from . import _backends, _ledger, _packing, _payload
+from ._job import run_one
+from ._jobproc import JobProcess
+from ._ledger import COMPLETED, FAILED, INTERRUPTED, NOT_RUN, PENDING, RUNNING, SKIPPED, Ledger
+from ._signals import handling_signals
+from ._types import Interrupted, Job, JobFailed, Refused, Settings, first_line, job_return, signame
 
+log = logging.getLogger(__name__)
 
-def job_key(overrides: Sequence[str]) -> str:
-    """A job's identity in the ledger: its overrides, order-independent."""
-    return " ".join(sorted(str(o) for o in overrides)) or "(defaults)"
+STOP_GRACE_S = 90.0  # a parallel job gets this long to stop after a forwarded signal, then it is killed
+SCRATCH_PREFIX = "steadfast-jobs-"  # a parallel sweep's private folder: the jobs' payloads and results
 
 
-def config_digest(task_cfg: Any) -> str:
-    """sha256 of a job's config as composed (unresolved, without the hydra node)."""
-    from omegaconf import OmegaConf
+class Sweep:
+    """Runs the jobs of one launch() call and keeps the ledger and the table up to date."""
 
-    node = OmegaConf.masked_copy(task_cfg, [k for k in task_cfg.keys() if k != "hydra"])
-    return hashlib.sha256(OmegaConf.to_yaml(node).encode()).hexdigest()
+    def __init__(self, launcher: Any, jobs: List[Job], settings: Settings, ledger: Optional[Ledger], sweep_dir: str) -> None:
+        self.launcher, self.jobs, self.settings, self.ledger, self.sweep_dir = launcher, jobs, settings, ledger, sweep_dir
+        self.returns: Dict[int, JobReturn] = {}
+        self.status: Dict[int, str] = {}
+        self.results: Dict[int, Any] = {}
+        self.refused: set = set()  # jobs refused before anything was written (a folder in use)
+        self.signum: Optional[int] = None
+        self.failed_first: Optional[Job] = None  # the failure that stopped the sweep (fail_fast)
+        self.in_job = False
+        self._second_signal = False
 
+    # ---- ledger
 
-def encode_result(value: Any) -> Dict[str, Any]:
-    """A job's return value for the ledger: JSON when it can be, else pickled (base64) plus its repr."""
-    try:
-        json.dumps(value)
-        return {"result": value}
-    except (TypeError, ValueError):
-        pass
-    try:
-        import cloudpickle
-
-        return {"result": repr(value)[:200], "result_pickle": base64.b64encode(cloudpickle.dumps(value)).decode()}
-    except Exception:
-        return {"result": repr(value)[:200], "result_unavailable": True}
-
-
-def decode_result(record: Dict[str, Any]) -> Tuple[bool, Any]:
-    """(available, value) of a ledger record's result."""
-    if record.get("result_unavailable"):
-        return False, None
-    if "result_pickle" in record:
-        import cloudpickle
-
+    def _folder(self, job: Job) -> str:
+        assert job.run_dir is not None
         try:
-            return True, cloudpickle.loads(base64.b64decode(record["result_pickle"]))
-        except Exception:
-            return False, None
-    return "result" in record, record.get("result")
+            return str(job.run_dir.relative_to(os.path.abspath(self.sweep_dir)))
+        except ValueError:
+            return str(job.run_dir)
 
+    def _shown_folder(self, job: Job) -> str:
+        """For the table: relative to the sweep folder, or (one job, whose run folder is the sweep folder) to here."""
+        folder = self._folder(job)
+        return os.path.relpath(str(job.run_dir)) if folder == "." else folder
 
-class Ledger:
-    """`sweep_ledger.json` in the sweep folder: one record per job (keyed by its overrides).
+    def completed_result(self, job: Job) -> Optional[List[Any]]:
+        """[value] if the ledger says this very job completed earlier (same config, folder still there)."""
+        if self.ledger is None or not self.settings.skip_completed:
+            return None
+        rec = self.ledger.get(job.key)
+        if not rec or rec.get("status") != COMPLETED or rec.get("config_sha256") != job.digest:
+            return None
+        if rec.get("run_dir") != self._folder(job) or not (job.run_dir and job.run_dir.is_dir()):
+            return None
+        ok, value = _ledger.decode_result(rec)
+        return [value] if ok else None
 
-    Written only by the launcher's main process, atomically after every change, so a launcher
-    killed at any moment leaves a ledger that reads. A record says: overrides, run folder,
-    status, attempts (launches over all runs of the sweep), restarts, result, error, times.
-    """
+    def _record(self, job: Job, **fields: Any) -> None:
+        if self.ledger is not None:
+            self.ledger.update(job.key, overrides=list(job.overrides), run_dir=self._folder(job), job_num=job.idx,
+                               config_sha256=job.digest, **fields)
 
-    def __init__(self, sweep_dir: Path, header: Dict[str, Any]) -> None:
-        self.path = sweep_dir / LEDGER_FILE
-        self.data: Dict[str, Any] = {"version": LEDGER_VERSION, **header, "jobs": {}}
+    def _try_skip(self, job: Job) -> bool:
+        found = self.completed_result(job)
+        if found is None:
+            return False
+        value = found[0]
+        self.returns[job.idx] = job_return(job, JobStatus.COMPLETED, value)
+        self.status[job.idx], self.results[job.idx] = SKIPPED, value
+        log.info("%s completed in an earlier run of this sweep: skipped (result %s)", job.label, describe_result(value))
+        return True
+
+    def _started(self, job: Job) -> None:
+        attempts = ((self.ledger.get(job.key) or {}).get("attempts", 0) if self.ledger else 0) + 1
+        self._record(job, status=RUNNING, attempts=attempts, started_at=round(time.time(), 3), ended_at=None)
+
+    def _finished(self, job: Job, ret: JobReturn, interrupted: bool = False) -> None:
+        self.returns[job.idx] = ret
+        recorded = summary.read(job.run_dir)
+        restarts = recorded["restarts"] if isinstance(recorded.get("restarts"), int) else job.restarts
+        rec = (self.ledger.get(job.key) or {}) if self.ledger else {}
+        wall = round(time.time() - rec["started_at"], 3) if rec.get("started_at") else None
+        fields: Dict[str, Any] = dict(restarts=restarts, ended_at=round(time.time(), 3), wall_seconds=wall)
+        for stale in ("result", "result_pickle", "result_unavailable", "result_repr"):
+            rec.pop(stale, None)
+        if interrupted:
+            self.status[job.idx] = INTERRUPTED
+            fields.update(status=INTERRUPTED, error=first_line(ret._return_value))
+        elif ret.status == JobStatus.COMPLETED:
+            self.status[job.idx], self.results[job.idx] = COMPLETED, ret._return_value
+            fields.update(status=COMPLETED, error=None, **_ledger.encode_result(ret._return_value))
+        else:
+            self.status[job.idx] = FAILED
+            fields.update(status=FAILED, error=str(ret._return_value).strip())
+            if isinstance(ret._return_value, Refused):
+                self.refused.add(job.idx)
+            if self.failed_first is None:
+                self.failed_first = job
+        self._record(job, **fields)
+
+    # ---- the run
+
+    def run(self, table: bool) -> List[JobReturn]:
+        parallel = self.settings.max_parallel_jobs > 1 and sum(1 for j in self.jobs if self.completed_result(j) is None) > 1
         try:
-            old = json.loads(self.path.read_text())
-            if isinstance(old, dict) and isinstance(old.get("jobs"), dict):
-                self.data["jobs"] = old["jobs"]
-                self.data["created"] = old.get("created", self.data.get("created"))
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:  # unreadable: keep it aside, start a new one
-            aside = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
-            try:
-                os.replace(self.path, aside)
-            except OSError:
-                pass
-            import logging
+            if parallel:
+                self._run_parallel()
+            else:
+                self._run_sequential()
+        finally:
+            self._fill_not_run()
+            if table or self.signum is not None:
+                self._print_table()
+        if self.signum is not None:
+            log.warning("Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
+                        "interrupted ones resume from their checkpoints.", signame(self.signum))
+            sys.exit(exit_code(self.signum))
+        return [self.returns[j.idx] for j in self.jobs]
 
-            logging.getLogger(__name__).warning("Sweep ledger %s was unreadable (%s); moved to %s", self.path, exc, aside)
-        self.data.setdefault("created", round(time.time(), 3))
+    def all_refused(self) -> bool:
+        """Every job was refused before it wrote anything: the launch as a whole was refused."""
+        return bool(self.jobs) and all(j.idx in self.refused for j in self.jobs)
 
-    def get(self, key: str) -> Optional[Dict[str, Any]]:
-        return self.data["jobs"].get(key)
+    def stop_reason(self) -> str:
+        if self.signum is None and self.failed_first is not None:
+            return f"stopped because {self.failed_first.label} failed and hydra.launcher.fail_fast=true"
+        return f"stopped by {signame(self.signum)}"
 
-    def update(self, key: str, **fields: Any) -> Dict[str, Any]:
-        record = self.data["jobs"].setdefault(key, {})
-        record.update(fields)
-        self.save()
-        return record
+    def _stopping(self) -> bool:
+        return self.signum is not None or (self.settings.fail_fast and self.failed_first is not None)
 
-    def save(self) -> None:
-        self.data["updated"] = round(time.time(), 3)
-        atomic_write(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
+    def _fill_not_run(self) -> None:
+        for job in self.jobs:
+            if job.idx in self.returns:
+                continue
+            why = f"not run: the sweep was {self.stop_reason()}"
+            self.returns[job.idx] = job_return(job, JobStatus.FAILED, JobFailed(f"{job.label} was {why}"))
+            self.status[job.idx] = NOT_RUN
+            if self.ledger is not None and (self.ledger.get(job.key) or {}).get("status") in (None, RUNNING):
+                self._record(job, status=PENDING)
+
+    def _interrupted_return(self, job: Job, why: str) -> JobReturn:
+        return job_return(job, JobStatus.FAILED, JobFailed(f"{job.label} was interrupted ({why}); run the command "
+                                                           "again to resume it from its checkpoints", job.restarts))
+
+    def _print_table(self) -> None:
+        varying = _varying(self.jobs)
+        rows = []
+        for job in self.jobs:
+            status = self.status.get(job.idx, NOT_RUN)
+            recorded = summary.read(job.run_dir) if status != NOT_RUN else {}
+            restarts = recorded["restarts"] if isinstance(recorded.get("restarts"), int) else job.restarts
+            shown = [o for o in filter_overrides(job.overrides) if override_key(o) in varying] if varying else filter_overrides(job.overrides)
+            rows.append(dict(job=job.idx, overrides=" ".join(shown) or "(defaults)", status=status,
+                             restarts=restarts if status != NOT_RUN else "",
+                             result=describe_result(self.results.get(job.idx)), folder=self._shown_folder(job)))
+        counts: Dict[str, int] = {}
+        for row in rows:
+            counts[row["status"]] = counts.get(row["status"], 0) + 1
+        lines = [f"Sweep summary: {', '.join(f'{n} {s}' for s, n in counts.items())}"]
+        lines.append(f"  sweep folder: {os.path.relpath(os.path.abspath(self.sweep_dir))}"
+                     + (f" (ledger: {self.ledger.path.name})" if self.ledger is not None else ""))
+        if varying:
+            lines.append("  overrides: those the jobs differ in (all of them are in the ledger)")
+        log.info("%s\n%s", "\n".join(lines), format_table(rows))
+        failed = [j for j in self.jobs if self.status.get(j.idx) == FAILED]
+        if failed:
+            log.error("%d of %d job(s) failed: %s", len(failed), len(self.jobs), ", ".join(f"#{j.idx}" for j in failed))
+
+    # ---- one at a time, in this process
+
+    def _on_signal_sequential(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        if self.in_job:
+            raise Interrupted(signum=signum)
+
+    def _run_sequential(self) -> None:
+        config = self.launcher.config
+        with handling_signals(self._on_signal_sequential) as reinstall:
+            for job in self.jobs:
+                if self._stopping():
+                    break
+                if self._try_skip(job):
+                    continue
+                log.info("Launching %s on %s", job.label, _backends.of(job.backend).describe())
+                self._started(job)
+                try:
+                    self.in_job = True
+                    ret = run_one(self.launcher.hydra_context, self.launcher.task_function, job)
+                except KeyboardInterrupt as stop:
+                    self.in_job = False
+                    self.signum = getattr(stop, "signum", None) or self.signum or signal.SIGINT
+                    self._finished(job, self._interrupted_return(job, self.stop_reason()), interrupted=True)
+                    break
+                finally:
+                    self.in_job = False
+                    reinstall()
+                    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+                self._finished(job, ret)
+
+    # ---- several at once, one launcher process per job
+
+    def _on_signal_parallel(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            self._second_signal = True
+        self.signum = self.signum or signum
+
+    def _run_parallel(self) -> None:
+        box = _packing.machine(self.settings.max_procs)
+        log.info("Running up to %d jobs at once on %d %s%s", self.settings.max_parallel_jobs, box.capacity,
+                 {"gpu": "GPUs", "cpu": "CPU cores", "slots": "worker slots (hydra.launcher.max_procs)"}[box.kind],
+                 "" if box.kind == "slots" else f" ({', '.join(box.labels)})")
+        pending = list(self.jobs)
+        running: Dict[int, JobProcess] = {}
+        forwarded_at: Optional[float] = None
+        with handling_signals(self._on_signal_parallel), _payload.scratch(SCRATCH_PREFIX) as scratch:
+            while pending or running:
+                if self._stopping():
+                    pending_stop = [p for p in running.values() if not p.stop_sent]
+                    for proc in pending_stop:
+                        proc.stop(self.signum or signal.SIGTERM)
+                    if pending_stop and forwarded_at is None:
+                        forwarded_at = time.monotonic()
+                    if self._second_signal or (forwarded_at is not None and time.monotonic() - forwarded_at > STOP_GRACE_S):
+                        for proc in running.values():
+                            proc.kill()
+                else:
+                    self._start_fitting(pending, running, box, scratch)
+                    if not running:
+                        break
+                time.sleep(0.1)
+                for idx, proc in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    del running[idx]
+                    box.give_back(proc.units)
+                    status, ret, note = proc.outcome()
+                    if status == INTERRUPTED:
+                        ret = self._interrupted_return(proc.job, self.stop_reason() + note)
+                    assert ret is not None
+                    self._finished(proc.job, ret, interrupted=status == INTERRUPTED)
+                if self._stopping() and not running:
+                    break
+
+    def _start_fitting(self, pending: List[Job], running: Dict[int, JobProcess], box: _packing.Machine, scratch: Path) -> None:
+        """Start every pending job that fits now (first fit, in sweep order)."""
+        while True:
+            busy = [p.job.run_dir for p in running.values()]
+            folders = {j.idx: j.run_dir for j in pending}
+            idx = _packing.pick([(j.idx, j.procs) for j in pending], box, len(running), self.settings.max_parallel_jobs,
+                                busy, folders)
+            if idx is None:
+                return
+            job = next(j for j in pending if j.idx == idx)
+            pending.remove(job)
+            if self._try_skip(job):
+                continue
+            if job.procs > box.capacity:
+                log.warning("%s needs %d worker processes, more than the %d this machine has: it runs alone",
+                            job.label, job.procs, box.capacity)
+            units = box.take(job.procs)
+            self._started(job)
+            running[job.idx] = JobProcess(self.launcher, job, box, units, scratch)
 
 
-_sweep_locks: Dict[str, int] = {}
+def _varying(jobs: List[Job]) -> set:
+    """The override keys whose values differ between these jobs (empty for a single job)."""
+    if len(jobs) < 2:
+        return set()
+    values = [{override_key(o): o.split("=", 1)[-1] for o in job.overrides} for job in jobs]
+    keys = set().union(*values)
+    return {k for k in keys if len({v.get(k) for v in values}) > 1}
 
 
-def lock_sweep(sweep_dir: Path) -> Optional[str]:
-    """One launcher per sweep folder; held until this process ends. Returns who holds it, if not us."""
-    key = str(sweep_dir.resolve())
-    if key in _sweep_locks:
-        return None
-    fd = os.open(sweep_dir / SWEEP_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.read(fd, 512).decode(errors="replace").strip() or "another launcher"
-        os.close(fd)
-        return owner
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-    _sweep_locks[key] = fd
-    return None
-
-
-# ---------------------------------------------------------------- packing jobs onto the machine
-
-
-@dataclass
-class Machine:
-    """What parallel jobs are packed into: `units` are GPU ids, CPU ids, or abstract slots."""
-
-    kind: str  # "gpu", "cpu" or "slots"
-    units: List[int]
-    labels: List[str] = field(default_factory=list)  # gpu: the ids to put in CUDA_VISIBLE_DEVICES
-    free: List[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.free = list(self.units)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.units)
-
-    def fits(self, procs: int, running: int) -> bool:
-        """A job needing more than the whole machine runs alone."""
-        if procs > self.capacity:
-            return running == 0
-        return procs <= len(self.free)
-
-    def take(self, procs: int) -> List[int]:
-        n = min(procs, len(self.free))
-        taken, self.free = self.free[:n], self.free[n:]
-        return taken
-
-    def give_back(self, units: List[int]) -> None:
-        self.free = sorted(set(self.free) | set(units))
-
-
-def visible_gpus() -> List[str]:
-    """GPU ids this process may use, without importing torch: CUDA_VISIBLE_DEVICES, else the driver's list."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        ids = []
-        for part in (p.strip() for p in env.split(",")):
-            if not part or part.startswith("-"):  # CUDA stops at the first invalid id
-                break
-            ids.append(part)
-        return ids
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
-
-
-def machine(max_procs: Optional[int]) -> Machine:
-    if max_procs is not None:
-        return Machine("slots", list(range(max_procs)))
-    gpus = visible_gpus()
-    if gpus:
-        return Machine("gpu", list(range(len(gpus))), labels=gpus)
-    cpus = sorted(os.sched_getaffinity(0))
-    return Machine("cpu", cpus, labels=[str(c) for c in cpus])
-
-
-def pick(pending: Sequence[Tuple[int, int]], machine: Machine, running: int, max_parallel: int,
-         busy: Iterable[Any] = (), folders: Optional[Dict[int, Any]] = None) -> Optional[int]:
-    """The first pending job (idx, procs) that fits now, or None: first-fit, in sweep order.
-
-    Jobs whose run folder is in use by a running job wait (identical trials of a sweeper).
-    """
-    if running >= max_parallel:
-        return None
-    busy = set(busy)
-    for idx, procs in pending:
-        if folders is not None and folders.get(idx) in busy:
-            continue
-        if machine.fits(procs, running):
-            return idx
-    return None
-
-
-# ---------------------------------------------------------------- the table
-
+# ---- the table
 
 def describe_result(value: Any) -> str:
     if isinstance(value, bool) or value is None:

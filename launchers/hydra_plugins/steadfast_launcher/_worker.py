@@ -1,23 +1,32 @@
-"""What runs on every rank: restore Hydra's state, call the task function, record a failure."""
+"""What runs on every rank: read the job's payload, restore Hydra's state, call the task function,
+record a failure."""
 from __future__ import annotations
 
 import os
+import select
+import signal
+import sys
+import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
-import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import setup_globals
 
 from steadfast.contract import events
 from steadfast.contract.events import Event
-from steadfast.contract.env import current_rank, restart_count, run_dir
-from steadfast.contract.heartbeat import DONE_PHASE, enable_stack_dumps, heartbeat, start_heartbeat
-from steadfast.contract.stop import StopRun, ignore_stop_signals, install_stop_handlers
+from steadfast.contract.env import ENV_LAUNCH_ID, current_rank, restart_count, run_dir
+from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
+from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
+
+from . import _payload
+from ._payload import PayloadRef
 
 
-def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
+def run_rank(ref: PayloadRef, restore_hydra: bool = True) -> Any:
     if restore_hydra:  # a fresh worker process
         # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
         # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
@@ -26,13 +35,14 @@ def run_rank(payload: bytes, restore_hydra: bool = True) -> Any:
         folder = run_dir()
         start_heartbeat(folder, current_rank())
         enable_stack_dumps(folder, current_rank())
-    task_function, task_cfg, job_cfg, hydra_state = cloudpickle.loads(payload)
-    if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
-        Singleton.set_state(hydra_state)
-        setup_globals()
-        HydraConfig.instance().set_config(job_cfg)
-    _record_rendezvous()
+        _guard_start_up(folder)
     try:
+        task_function, task_cfg, job_cfg, hydra_state = _payload.load(ref)  # checks the sha256 first
+        if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
+            Singleton.set_state(hydra_state)
+            setup_globals()
+            HydraConfig.instance().set_config(job_cfg)
+        _record_rendezvous()
         return task_function(task_cfg)
     except StopRun as stop:
         return stop.marker  # a normal exit: no backend treats it as a failure to restart from
@@ -77,3 +87,56 @@ def _record_failure(exc: BaseException) -> None:
         )
     except Exception:  # recording must never hide the original error
         pass
+
+
+MARKER_WAIT_S = 1.0  # how long a stop signal during start-up waits for the launcher's marker
+
+
+def _guard_start_up(folder: Path) -> None:
+    """Until its first step, a worker ends at once on a stop signal that did not come from the launcher.
+
+    Such a signal is the backend stopping the worker group (a peer died: torch elastic restarts the
+    group, Horovod's runner ends the job). A worker still starting up may be blocked in C++ waiting
+    for that peer (connecting to its store, a rendezvous barrier), where its Python stop handler
+    cannot run, so the backend would wait out its own timeout (torch elastic: 30 s) before it kills
+    it. It has nothing to save yet. The signal reaches a thread at once through the wakeup fd
+    (written by the C-level handler); a stop request from the launcher (it writes its stop marker
+    before it signals) is left to the stop handler, as at any other time.
+    """
+    launch_id = os.environ.get(ENV_LAUNCH_ID, "")
+    if threading.current_thread() is not threading.main_thread() or not launch_id:
+        return
+    readable, writable = os.pipe()
+    os.set_blocking(writable, False)
+    try:
+        signal.set_wakeup_fd(writable, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(readable)
+        os.close(writable)
+        return
+    marker = stop_marker(folder, launch_id)
+    threading.Thread(target=_start_up_watch, args=(readable, marker), name="steadfast-startup-guard", daemon=True).start()
+
+
+def _starting() -> bool:
+    beat = heartbeat()
+    return beat is not None and beat.phase in STARTUP_PHASES
+
+
+def _start_up_watch(readable: int, marker: Path) -> None:
+    stops = {int(s) for s in STOP_SIGNALS}
+    while _starting():
+        if not select.select([readable], [], [], 0.2)[0]:
+            continue
+        received = set(os.read(readable, 64)) & stops
+        if not received:
+            continue
+        deadline = time.monotonic() + MARKER_WAIT_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if marker.exists() or not _starting():
+            return  # the launcher's stop request: the stop handler saves and stops at the first step
+        name = signal.Signals(min(received)).name
+        print(f"[rank {current_rank()}] {name} during start-up (the backend is stopping the worker group): exiting now",
+              file=sys.stderr, flush=True)
+        os._exit(128 + min(received))
