@@ -1,0 +1,403 @@
+"""What happened in a run, from its records: launches, attempts, lost work, where the time went.
+
+Pure: functions from already-read records (`records.RunRecords`, or the events and metric rows
+alone) to dataclasses. No files, no printing, no plotting; `loader` reads, `text` and `plot` show.
+
+An attempt is one incarnation of the worker group: from its launch (or the end of the attempt
+before it) to its end. The events of a launch carry the worker-side restart count (`restart`),
+which tells the attempts of one launch apart (torch elastic's restarts and the launcher's
+relaunches alike).
+
+The time breakdown of a run (all launches of the same run folder together):
+  useful       steps that are part of the final model, at the measured time per step
+  redone       steps trained and then lost to a failure (trained again after the resume)
+  checkpoint   time training waited for checkpoints (the whole save when synchronous, the
+               snapshot when asynchronous)
+  startup      from a launch or a failure to the first step of the next attempt: process start,
+               rendezvous, restore (restarts included)
+  hung         from a hung rank's last progress to the watchdog's detection
+  other        the rest: validation, shutdown, waiting
+goodput = useful / wall time.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from ..config import FaultKind
+from ..contract.events import LAUNCH_ENDS, Event
+from .records import CheckpointCheck, MetricRow, RunRecords, Summary, integer, number, text
+
+# Where an attempt resumed from: the `source` of its `resumed` event (absent in older records: disk).
+DISK, MEMORY = "disk", "memory"
+# Injected faults that end the attempt they fire in (hangs end through the watchdog's hang_detected).
+FAILURE_FAULTS = frozenset(k.value for k in (FaultKind.kill, FaultKind.crash_in_save, FaultKind.exception, FaultKind.save_error))
+_STARTS = (Event.ATTEMPT_STARTED, Event.RESUMED, Event.FIRST_STEP)
+_END_STATUS = {Event.JOB_COMPLETED: "completed", Event.JOB_FAILED: "failed", Event.JOB_INTERRUPTED: "preempted",
+               Event.JOB_STOPPED: "stopped"}
+NO_END_RECORDED = "running, or its launcher was killed"
+
+
+class Outcome(str, Enum):
+    COMPLETED = "completed"
+    PREEMPTED = "preempted"  # stopped on request (saved, or not within the grace period)
+    FAILED = "failed"
+    STOPPED = "stopped"  # stopped on purpose, not to be restarted (memory limit, a refused resume)
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Launch:
+    """One launch of the run folder: from its `launch` record to its last record."""
+
+    index: int
+    start: float
+    end: float
+    ended_by: Optional[Event] = None  # the launcher's record of its end; None: none (running, or killed)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Attempt:
+    """One incarnation of the worker group within a launch."""
+
+    index: int
+    launch: int
+    restart: int
+    start: float
+    first_step: Optional[float] = None
+    end: Optional[float] = None
+    resumed_from: int = 0
+    source: Optional[str] = None  # where it resumed from (DISK, MEMORY); None: it started from scratch
+    last_step: Optional[int] = None
+    outcome: Outcome = Outcome.UNKNOWN
+    cause: str = ""
+    lost_steps: int = 0  # steps it reached beyond where the next attempt resumed
+    step_time: Optional[float] = None  # seconds per step
+    checkpoints: List[Tuple[float, int]] = field(default_factory=list)  # (time, step)
+    hung: Optional[Tuple[float, float]] = None  # (last progress, detection) when the watchdog found it stuck
+
+    def reached(self, step: Optional[int]) -> None:
+        if step is not None:
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+    def ends(self, outcome: Outcome, cause: str) -> None:
+        self.outcome, self.cause = outcome, cause
+
+    @property
+    def how_it_ended(self) -> str:
+        return self.cause or self.outcome.value
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds of the run's wall time (all launches) by what they were spent on; see the module doc."""
+
+    wall: float = 0.0
+    useful: float = 0.0
+    redone: float = 0.0
+    checkpoint: float = 0.0
+    startup: float = 0.0
+    hung: float = 0.0
+    other: float = 0.0
+
+    @staticmethod
+    def parts() -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(TimeBreakdown) if f.name != "wall")
+
+    def part(self, name: str) -> float:
+        return float(getattr(self, name))
+
+    @property
+    def goodput(self) -> Optional[float]:
+        return self.useful / self.wall if self.wall > 0 else None
+
+
+@dataclass(frozen=True)
+class Fault:
+    fault: str
+    rank: Optional[int]
+    step: Optional[int]
+    restart: Optional[int]
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """A checkpoint the resume found unusable and skipped (a `checkpoint_invalid` record)."""
+
+    step: Optional[int]
+    error: str
+
+
+@dataclass
+class RunReport:
+    folder: Path
+    status: str
+    summary: Summary
+    metrics: List[MetricRow]
+    launches: List[Launch]
+    attempts: List[Attempt]
+    breakdown: TimeBreakdown
+    checkpoints_saved: int
+    checkpoint_dir: Optional[Path]
+    checkpoints_on_disk: List[CheckpointCheck]
+    invalid_on_resume: List[Unusable]
+    faults: List[Fault]
+    problems: List[str]
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.attempts) - len(self.launches))
+
+    @property
+    def preemptions(self) -> int:
+        return sum(1 for a in self.attempts if a.outcome is Outcome.PREEMPTED)
+
+    @property
+    def wall(self) -> float:
+        return self.breakdown.wall
+
+    @property
+    def goodput(self) -> Optional[float]:
+        return self.breakdown.goodput
+
+    @property
+    def resumed_from_memory(self) -> bool:
+        return any(a.source == MEMORY for a in self.attempts)
+
+
+# ---- the timeline of launches and attempts ------------------------------------------------------
+def _kind(e: Mapping[str, Any]) -> Optional[Event]:
+    try:
+        return Event(e.get("event"))
+    except ValueError:
+        return None
+
+
+def _time(e: Mapping[str, Any]) -> float:
+    return number(e.get("time")) or 0.0
+
+
+def _saved(e: Mapping[str, Any]) -> str:
+    return "(not saved)" if e.get("saved") is False else "(saved)"
+
+
+def timeline(events: Iterable[Mapping[str, Any]], relative_to: Optional[str] = None) -> Tuple[List[Launch], List[Attempt]]:
+    """The launches and attempts the events describe, each attempt with how it ended and the steps it lost.
+
+    `relative_to`: a folder prefix cut from the source locations a hang names (the working directory)."""
+    launches: List[Launch] = []
+    attempts: List[Attempt] = []
+    current: Dict[int, Attempt] = {}  # restart -> attempt, in the current launch
+    records = sorted(((k, e) for e in events if (k := _kind(e)) is not None and number(e.get("time")) is not None),
+                     key=lambda ke: _time(ke[1]))
+    for kind, e in records:
+        t = _time(e)
+        if kind is Event.LAUNCH:
+            launches.append(Launch(index=len(launches), start=t, end=t))
+            current = {}
+            continue
+        if not launches:  # records before any launch record (an older folder): one implicit launch
+            launches.append(Launch(index=0, start=t, end=t))
+        launch = launches[-1]
+        launch.end = max(launch.end, t)
+        restart = integer(e.get("restart"))
+        a = current.get(restart) if restart is not None else None
+        if a is None and kind in _STARTS and restart is not None:
+            a = _new_attempt(attempts, launch, restart, t)
+            current[restart] = a
+        newest = max(current.values(), key=lambda x: x.index) if current else None
+        if kind in LAUNCH_ENDS:
+            launch.ended_by = kind
+            _end_launch(list(current.values()), newest, kind, e, t)
+        elif kind is Event.RELAUNCH and newest is not None and newest.outcome is Outcome.UNKNOWN:
+            cause = text(e.get("cause"), 300)
+            if cause:
+                newest.ends(Outcome.FAILED, cause)
+        elif kind is Event.PREEMPTION_GRACE_EXPIRED:
+            for x in current.values():
+                if x.outcome is Outcome.UNKNOWN:
+                    x.ends(Outcome.PREEMPTED, f"preempted by {e.get('signal')}: not saved within the grace period")
+        elif a is not None:
+            _attempt_event(a, kind, e, t, relative_to)
+    _close(launches, attempts)
+    return launches, attempts
+
+
+def _new_attempt(attempts: List[Attempt], launch: Launch, restart: int, t: float) -> Attempt:
+    prev = attempts[-1] if attempts and attempts[-1].launch == launch.index else None
+    if prev is not None and prev.end is None:  # its end was not recorded: it had ended by now
+        prev.end = t
+    a = Attempt(index=len(attempts), launch=launch.index, restart=restart, start=prev.end if prev else launch.start)
+    attempts.append(a)
+    return a
+
+
+def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, relative_to: Optional[str]) -> None:
+    step = integer(e.get("step"))
+    if kind is Event.RESUMED:
+        a.resumed_from = step or 0
+        a.source = text(e.get("source"), 40) or DISK
+    elif kind is Event.FIRST_STEP:
+        a.first_step = a.first_step or t
+    elif kind is Event.ATTEMPT_ENDED:
+        a.end = t
+        a.reached(integer(e.get("last_step")))
+    elif kind is Event.CHECKPOINT_SAVED and step is not None:
+        a.checkpoints.append((t, step))
+        a.reached(step)
+    elif kind is Event.TRAINING_COMPLETED:
+        a.ends(Outcome.COMPLETED, "completed")
+        a.reached(step)
+        a.end = a.end or t
+    elif kind is Event.PREEMPTED:
+        a.ends(Outcome.PREEMPTED, f"preempted by {e.get('signal')} at step {step} {_saved(e)}")
+        a.reached(step)
+    elif kind is Event.MEMORY_LIMIT:
+        a.ends(Outcome.STOPPED, f"memory limit at step {step} {_saved(e)}")
+        a.reached(step)
+    elif a.outcome is not Outcome.UNKNOWN:
+        return  # the first failure recorded is the cause; what follows is its consequence
+    elif kind is Event.HANG_DETECTED:
+        where = text(e.get("where"), 300) or "?"
+        if relative_to:
+            where = where.replace(relative_to.rstrip("/") + "/", "")
+        a.ends(Outcome.FAILED, f"hang: rank {e.get('rank')} at step {step} ({where})")
+        a.hung = (t - (number(e.get("seconds_without_progress")) or 0.0), t)
+        a.end = a.end or t
+    elif kind is Event.FAULT_FIRED and e.get("fault") in FAILURE_FAULTS:
+        a.ends(Outcome.FAILED, f"fault={e.get('fault')} on rank {e.get('rank')} at step {step}")
+        a.reached(step)
+    elif kind is Event.WORKER_FAILED:
+        a.ends(Outcome.FAILED, f"rank {e.get('rank')}: {text(e.get('error'), 300)}")
+
+
+def _end_launch(current: List[Attempt], newest: Optional[Attempt], kind: Event, e: Mapping[str, Any], t: float) -> None:
+    for a in current:
+        a.end = a.end or t
+    if newest is None or newest.outcome is not Outcome.UNKNOWN:
+        return
+    if kind is Event.JOB_INTERRUPTED:
+        newest.ends(Outcome.PREEMPTED, f"stopped by {e.get('signal')}")
+    elif kind is Event.JOB_STOPPED:
+        newest.ends(Outcome.STOPPED, f"stopped: {text(e.get('message'), 300) or e.get('reason')}")
+    elif kind is Event.JOB_COMPLETED:
+        newest.ends(Outcome.COMPLETED, "completed")
+
+
+def _close(launches: List[Launch], attempts: List[Attempt]) -> None:
+    """Whatever ended an attempt without a cause of its own, and the work each attempt lost."""
+    newest_of = {a.launch: a for a in attempts}
+    for a in attempts:
+        launch = launches[a.launch]
+        if a.end is None:
+            a.end = launch.end
+        if a.outcome is not Outcome.UNKNOWN:
+            continue
+        if a is not newest_of[a.launch] or launch.ended_by is Event.JOB_FAILED:
+            a.ends(Outcome.FAILED, "a worker died without recording an error (killed by a signal?)")
+        elif launch.ended_by is None:
+            a.cause = NO_END_RECORDED if launch is launches[-1] else "the launch ended without a record (its launcher was killed?)"
+    for a, nxt in zip(attempts, attempts[1:]):
+        if a.last_step is not None and a.outcome is not Outcome.COMPLETED:
+            a.lost_steps = max(0, a.last_step - nxt.resumed_from)
+
+
+# ---- time -----------------------------------------------------------------------------------------
+def _rows_of(a: Attempt, rows: Sequence[MetricRow]) -> List[MetricRow]:
+    end = a.end if a.end is not None else float("inf")
+    return [r for r in rows if a.start <= r.time <= end and r.restart == a.restart]
+
+
+def attempt_rows(a: Attempt, metrics: Sequence[MetricRow]) -> List[MetricRow]:
+    """The logged training steps of one attempt, in time order."""
+    return _rows_of(a, sorted((r for r in metrics if r.loss is not None), key=lambda r: r.time))
+
+
+def step_times(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> None:
+    """Seconds per step of each attempt: the median over consecutive logged steps (else the run's median)."""
+    every: List[float] = []
+    for a in attempts:
+        mine = attempt_rows(a, metrics)
+        gaps = [(b.time - x.time) / (b.step - x.step) for x, b in zip(mine, mine[1:]) if b.step > x.step]
+        if gaps:
+            a.step_time = statistics.median(gaps)
+            every += gaps
+    fallback = statistics.median(every) if every else None
+    for a in attempts:
+        if a.step_time is None:
+            a.step_time = fallback
+
+
+def breakdown(attempts: Sequence[Attempt], launches: Sequence[Launch], events: Iterable[Mapping[str, Any]]) -> TimeBreakdown:
+    """Where the wall time of all launches went (step times must be known: `step_times`)."""
+    wall = sum(launch.seconds for launch in launches)
+    startup = sum(((a.first_step or a.end or a.start) - a.start) for a in attempts)
+    checkpoint = 0.0
+    snapshots = set()
+    saves: List[Tuple[Any, Any, float]] = []
+    for e in events:
+        kind = _kind(e)
+        if kind is Event.CHECKPOINT_SNAPSHOT:  # an asynchronous save: training waited for the snapshot only
+            snapshots.add((e.get("pid"), e.get("step")))
+            checkpoint += number(e.get("blocked_seconds")) or 0.0
+        elif kind is Event.CHECKPOINT_SAVED:
+            saves.append((e.get("pid"), e.get("step"), number(e.get("seconds")) or 0.0))
+    checkpoint += sum(seconds for pid, step, seconds in saves if (pid, step) not in snapshots)
+    useful = redone = 0.0
+    for a, nxt in zip(attempts, [*attempts[1:], None]):
+        reached = a.last_step if a.last_step is not None else a.resumed_from
+        kept_to = min(reached, nxt.resumed_from) if nxt is not None else reached
+        useful += max(0, kept_to - a.resumed_from) * (a.step_time or 0.0)
+        redone += a.lost_steps * (a.step_time or 0.0)
+    hung = sum(h1 - h0 for h0, h1 in (a.hung for a in attempts if a.hung))
+    other = max(0.0, wall - startup - checkpoint - useful - redone - hung)
+    return TimeBreakdown(wall=wall, useful=useful, redone=redone, checkpoint=checkpoint, startup=startup, hung=hung, other=other)
+
+
+# ---- the whole run --------------------------------------------------------------------------------
+def status(summary: Summary, launches: Sequence[Launch]) -> str:
+    """The run's status: summary.json's, unless the newest launch has not recorded its end (then the
+    summary, if any, is an earlier launch's); from the launch's end record when there is no summary."""
+    if not launches:
+        return summary.status or "no record"
+    last = launches[-1]
+    if last.ended_by is None:
+        return NO_END_RECORDED
+    return summary.status or _END_STATUS[last.ended_by]
+
+
+def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport:
+    """The report of one run folder from its records (see `loader.load_run`)."""
+    events = records.events
+    launches, attempts = timeline(events, relative_to)
+    step_times(attempts, records.metrics)
+    invalid, faults, saved = [], [], 0
+    for e in events:
+        kind = _kind(e)
+        if kind is Event.CHECKPOINT_SAVED:
+            saved += 1
+        elif kind is Event.CHECKPOINT_INVALID:
+            invalid.append(Unusable(step=integer(e.get("step")), error=text(e.get("error"), 500) or "?"))
+        elif kind is Event.FAULT_FIRED:
+            faults.append(Fault(fault=text(e.get("fault"), 60) or "?", rank=integer(e.get("rank")),
+                                step=integer(e.get("step")), restart=integer(e.get("restart"))))
+    return RunReport(
+        folder=records.folder, status=status(records.summary, launches), summary=records.summary,
+        metrics=records.metrics, launches=launches, attempts=attempts, breakdown=breakdown(attempts, launches, events),
+        checkpoints_saved=saved, checkpoint_dir=records.checkpoint_dir, checkpoints_on_disk=records.checkpoints,
+        invalid_on_resume=invalid, faults=faults, problems=list(records.problems),
+    )
