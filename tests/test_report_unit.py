@@ -15,7 +15,7 @@ from helpers import env
 
 from steadfast.contract.events import Event
 from steadfast.report import analysis, loader, text
-from steadfast.report.analysis import Outcome, RunReport
+from steadfast.report.model import Outcome, RunReport
 from steadfast.report.records import RunRecords, Summary, metric_rows
 
 STEP_S = 0.1  # every hand-made attempt trains at 0.1 s a step
@@ -133,6 +133,16 @@ def test_a_relaunch_by_the_launcher_names_the_cause_it_recorded() -> None:
     assert (a0.outcome, a0.cause, a0.lost_steps) == (Outcome.FAILED, "rank 1 exited with -9 (SIGKILL)", 30)
     assert (a1.cause, a1.lost_steps) == ("rank 0: RuntimeError: boom", 20)  # the worker's own record comes first
     assert (a1.start, a2.start) == (20, 31) and a2.outcome is Outcome.COMPLETED
+
+
+def test_a_stop_that_must_not_be_restarted() -> None:
+    # trainer.max_rss_mb: the task saves, records memory_limit and the launcher job_stopped (no summary.json here)
+    r = Records().ev(0, Event.LAUNCH).ev(4, Event.ATTEMPT_STARTED, restart=0).train(5, 1, 10, restart=0)
+    r.ev(7, Event.MEMORY_LIMIT, restart=0, step=10, saved=True, rank=0, rss_mb=80)
+    r.ev(8, Event.ATTEMPT_ENDED, restart=0, last_step=10).ev(9, Event.JOB_STOPPED, reason="memory_limit", step=10, message="m")
+    rep = r.report()
+    (a,) = rep.attempts
+    assert (rep.status, a.outcome, a.cause, rep.preemptions) == ("memory_limit", Outcome.STOPPED, "memory limit at step 10 (saved)", 0)
 
 
 def test_a_worker_that_died_without_a_record_and_the_launch_interrupted_after() -> None:
@@ -265,9 +275,9 @@ def test_the_checkpoints_are_verified_where_the_runs_config_put_them(tmp_path: P
 
 
 HOSTILE = {
-    "events.jsonl": [b"\x00\xff garbage\n{\"time\": 1, \"event\": \"launch\"}\n[1, 2]\n", "2 line(s) that are not an event"],
+    "events.jsonl": [b"\x00\xff garbage\n{\"time\": 1, \"event\": \"launch\"}\n[1, 2]\n", "2 line(s) that are not an event of this version"],
     "metrics.jsonl": [b'{"time": 1, "step": 1, "loss": 1.0}\n{"cut by a cra', "1 line(s) that are not a JSON object"],
-    "summary.json": [b"[1, 2, 3]", "summary.json: not a JSON object"],
+    "summary.json": [b"[1, 2, 3]", "summary.json: empty, or not a JSON object"],
     "config.yaml": [b"checkpoint: {dir: [unclosed\n", "config.yaml: not valid YAML"],
 }
 
@@ -334,3 +344,16 @@ def test_a_sweep_folder_lists_its_runs_and_compares_them(tmp_path: Path) -> None
 def test_not_a_run_folder(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "steadfast.report", str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "neither a run folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_relative_checkpoint_dir_is_looked_up_from_where_the_run_was_launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = write_run(tmp_path / "launched_here" / "outputs" / "run", crash_and_restart(), config="checkpoint:\n  dir: ck/run\n")
+    commit_checkpoints(tmp_path / "launched_here" / "ck" / "run", [400])
+    monkeypatch.chdir(tmp_path / "launched_here")
+    records = loader.load_run(Path("outputs/run"))
+    assert records.checkpoint_dir == Path("ck/run") and [c.step for c in records.checkpoints] == [400] and not records.problems
+    monkeypatch.chdir(tmp_path)
+    records = loader.load_run(folder)
+    assert records.checkpoints == [] and records.problems == [
+        "checkpoint folder ck/run: not found from here (a relative checkpoint.dir is relative to the folder the run was "
+        "launched from: run the report there)"]

@@ -12,11 +12,12 @@ events), metrics.jsonl, summary.json, config.yaml (where the checkpoints are) an
 themselves, verified against their manifests. Times are wall-clock times of one machine's records.
 
   loader       reads and validates a run folder's files   -> records.RunRecords
-  analysis     pure: records -> launches, attempts, lost steps, time breakdown, goodput (RunReport)
+  analysis     pure: records -> launches, attempts, lost steps, time breakdown, goodput (model.RunReport)
   text, plot   the words and the picture (matplotlib only in plot, imported when drawing)
   cli          the command (`main`)
 """
-from .analysis import Attempt, Launch, Outcome, RunReport, TimeBreakdown, analyse
+from .analysis import analyse
+from .model import Attempt, Launch, Outcome, RunReport, TimeBreakdown
 from .cli import main, report
 from .loader import find_runs, is_run, load_run
 from .records import RunRecords

@@ -1,182 +1,30 @@
 """What happened in a run, from its records: launches, attempts, lost work, where the time went.
 
 Pure: functions from already-read records (`records.RunRecords`, or the events and metric rows
-alone) to dataclasses. No files, no printing, no plotting; `loader` reads, `text` and `plot` show.
+alone) to the dataclasses of `model`. No files, no printing, no plotting; `loader` reads, `text`
+and `plot` show.
 
-An attempt is one incarnation of the worker group: from its launch (or the end of the attempt
-before it) to its end. The events of a launch carry the worker-side restart count (`restart`),
-which tells the attempts of one launch apart (torch elastic's restarts and the launcher's
-relaunches alike).
-
-The time breakdown of a run (all launches of the same run folder together):
-  useful       steps that are part of the final model, at the measured time per step
-  redone       steps trained and then lost to a failure (trained again after the resume)
-  checkpoint   time training waited for checkpoints (the whole save when synchronous, the
-               snapshot when asynchronous)
-  startup      from a launch or a failure to the first step of the next attempt: process start,
-               rendezvous, restore (restarts included)
-  hung         from a hung rank's last progress to the watchdog's detection
-  other        the rest: validation, shutdown, waiting
-goodput = useful / wall time.
+The events of a launch carry the worker-side restart count (`restart`), which tells the attempts
+of one launch apart (torch elastic's restarts and the launcher's relaunches alike). What each
+part of the time breakdown holds: see `model`.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, fields
-from enum import Enum
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import FaultKind
 from ..contract.events import LAUNCH_ENDS, Event
-from .records import CheckpointCheck, MetricRow, RunRecords, Summary, integer, number, text
+from ..contract.summary import Status
+from .model import DISK, Attempt, Fault, Launch, Outcome, RunReport, TimeBreakdown, Unusable
+from .records import MetricRow, RunRecords, Summary, integer, number, text
 
-# Where an attempt resumed from: the `source` of its `resumed` event (absent in older records: disk).
-DISK, MEMORY = "disk", "memory"
 # Injected faults that end the attempt they fire in (hangs end through the watchdog's hang_detected).
 FAILURE_FAULTS = frozenset(k.value for k in (FaultKind.kill, FaultKind.crash_in_save, FaultKind.exception, FaultKind.save_error))
 _STARTS = (Event.ATTEMPT_STARTED, Event.RESUMED, Event.FIRST_STEP)
-_END_STATUS = {Event.JOB_COMPLETED: "completed", Event.JOB_FAILED: "failed", Event.JOB_INTERRUPTED: "preempted",
-               Event.JOB_STOPPED: "stopped"}
+# The run's status when summary.json is missing: what the launcher would have written there (see summary.write).
+_END_STATUS = {Event.JOB_COMPLETED: Status.COMPLETED, Event.JOB_FAILED: Status.FAILED, Event.JOB_INTERRUPTED: Status.PREEMPTED}
 NO_END_RECORDED = "running, or its launcher was killed"
-
-
-class Outcome(str, Enum):
-    COMPLETED = "completed"
-    PREEMPTED = "preempted"  # stopped on request (saved, or not within the grace period)
-    FAILED = "failed"
-    STOPPED = "stopped"  # stopped on purpose, not to be restarted (memory limit, a refused resume)
-    UNKNOWN = "unknown"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass
-class Launch:
-    """One launch of the run folder: from its `launch` record to its last record."""
-
-    index: int
-    start: float
-    end: float
-    ended_by: Optional[Event] = None  # the launcher's record of its end; None: none (running, or killed)
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class Attempt:
-    """One incarnation of the worker group within a launch."""
-
-    index: int
-    launch: int
-    restart: int
-    start: float
-    first_step: Optional[float] = None
-    end: Optional[float] = None
-    resumed_from: int = 0
-    source: Optional[str] = None  # where it resumed from (DISK, MEMORY); None: it started from scratch
-    last_step: Optional[int] = None
-    outcome: Outcome = Outcome.UNKNOWN
-    cause: str = ""
-    lost_steps: int = 0  # steps it reached beyond where the next attempt resumed
-    step_time: Optional[float] = None  # seconds per step
-    checkpoints: List[Tuple[float, int]] = field(default_factory=list)  # (time, step)
-    hung: Optional[Tuple[float, float]] = None  # (last progress, detection) when the watchdog found it stuck
-
-    def reached(self, step: Optional[int]) -> None:
-        if step is not None:
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
-
-    def ends(self, outcome: Outcome, cause: str) -> None:
-        self.outcome, self.cause = outcome, cause
-
-    @property
-    def how_it_ended(self) -> str:
-        return self.cause or self.outcome.value
-
-
-@dataclass
-class TimeBreakdown:
-    """Seconds of the run's wall time (all launches) by what they were spent on; see the module doc."""
-
-    wall: float = 0.0
-    useful: float = 0.0
-    redone: float = 0.0
-    checkpoint: float = 0.0
-    startup: float = 0.0
-    hung: float = 0.0
-    other: float = 0.0
-
-    @staticmethod
-    def parts() -> Tuple[str, ...]:
-        return tuple(f.name for f in fields(TimeBreakdown) if f.name != "wall")
-
-    def part(self, name: str) -> float:
-        return float(getattr(self, name))
-
-    @property
-    def goodput(self) -> Optional[float]:
-        return self.useful / self.wall if self.wall > 0 else None
-
-
-@dataclass(frozen=True)
-class Fault:
-    fault: str
-    rank: Optional[int]
-    step: Optional[int]
-    restart: Optional[int]
-
-
-@dataclass(frozen=True)
-class Unusable:
-    """A checkpoint the resume found unusable and skipped (a `checkpoint_invalid` record)."""
-
-    step: Optional[int]
-    error: str
-
-
-@dataclass
-class RunReport:
-    folder: Path
-    status: str
-    summary: Summary
-    metrics: List[MetricRow]
-    launches: List[Launch]
-    attempts: List[Attempt]
-    breakdown: TimeBreakdown
-    checkpoints_saved: int
-    checkpoint_dir: Optional[Path]
-    checkpoints_on_disk: List[CheckpointCheck]
-    invalid_on_resume: List[Unusable]
-    faults: List[Fault]
-    problems: List[str]
-
-    @property
-    def name(self) -> str:
-        return self.folder.name
-
-    @property
-    def restarts(self) -> int:
-        return max(0, len(self.attempts) - len(self.launches))
-
-    @property
-    def preemptions(self) -> int:
-        return sum(1 for a in self.attempts if a.outcome is Outcome.PREEMPTED)
-
-    @property
-    def wall(self) -> float:
-        return self.breakdown.wall
-
-    @property
-    def goodput(self) -> Optional[float]:
-        return self.breakdown.goodput
-
-    @property
-    def resumed_from_memory(self) -> bool:
-        return any(a.source == MEMORY for a in self.attempts)
 
 
 # ---- the timeline of launches and attempts ------------------------------------------------------
@@ -221,7 +69,7 @@ def timeline(events: Iterable[Mapping[str, Any]], relative_to: Optional[str] = N
             current[restart] = a
         newest = max(current.values(), key=lambda x: x.index) if current else None
         if kind in LAUNCH_ENDS:
-            launch.ended_by = kind
+            launch.ended_by, launch.stop_reason = kind, text(e.get("reason"), 60)
             _end_launch(list(current.values()), newest, kind, e, t)
         elif kind is Event.RELAUNCH and newest is not None and newest.outcome is Outcome.UNKNOWN:
             cause = text(e.get("cause"), 300)
@@ -238,10 +86,13 @@ def timeline(events: Iterable[Mapping[str, Any]], relative_to: Optional[str] = N
 
 
 def _new_attempt(attempts: List[Attempt], launch: Launch, restart: int, t: float) -> Attempt:
+    start = launch.start
     prev = attempts[-1] if attempts and attempts[-1].launch == launch.index else None
-    if prev is not None and prev.end is None:  # its end was not recorded: it had ended by now
-        prev.end = t
-    a = Attempt(index=len(attempts), launch=launch.index, restart=restart, start=prev.end if prev else launch.start)
+    if prev is not None:
+        if prev.end is None:  # its end was not recorded: it had ended by now
+            prev.end = t
+        start = prev.end
+    a = Attempt(index=len(attempts), launch=launch.index, restart=restart, start=start)
     attempts.append(a)
     return a
 
@@ -377,7 +228,11 @@ def status(summary: Summary, launches: Sequence[Launch]) -> str:
     last = launches[-1]
     if last.ended_by is None:
         return NO_END_RECORDED
-    return summary.status or _END_STATUS[last.ended_by]
+    if summary.status:
+        return summary.status
+    if last.ended_by is Event.JOB_STOPPED:
+        return last.stop_reason if last.stop_reason in {s.value for s in Status} else Status.FAILED.value
+    return _END_STATUS[last.ended_by].value
 
 
 def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport:

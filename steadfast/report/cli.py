@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from ..contract.files import EVENTS_FILE, SUMMARY_FILE
-from .analysis import RunReport, analyse
+from .analysis import analyse
+from .model import RunReport
 from .loader import find_runs, is_run, load_run
 from .text import format_run, format_sweep
 

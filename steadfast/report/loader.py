@@ -50,12 +50,14 @@ def _events(folder: Path, problems: List[str]) -> List[Any]:
     if state is not None:
         problems.append(f"{EVENTS_FILE}: {state}: no launches or attempts to show")
         return []
+    lines = _lines(path, MAX_JSONL_BYTES)  # counted first: a running job only appends, so never over-counted
     records = events.read(folder)
-    skipped = _lines(path, MAX_JSONL_BYTES) - len(records)
+    skipped = lines - len(records)
     if not records:
         problems.append(f"{EVENTS_FILE}: no usable event in it: no launches or attempts to show")
     elif skipped > 0:
-        problems.append(f"{EVENTS_FILE}: {skipped} line(s) that are not an event skipped (cut by a crash, or damaged)")
+        problems.append(f"{EVENTS_FILE}: {skipped} line(s) that are not an event of this version skipped "
+                        "(cut by a crash, damaged, or written by a newer version)")
     return records
 
 
@@ -65,9 +67,10 @@ def _metrics(folder: Path, records: RunRecords) -> None:
     if state is not None:
         records.problems.append(f"{METRICS_FILE}: {state}: no loss curve, no time per step")
         return
+    lines = _lines(path, MAX_JSONL_BYTES)
     raw = read_jsonl(path)
     records.metrics, unusable = metric_rows(raw)
-    damaged = _lines(path, MAX_JSONL_BYTES) - len(raw)
+    damaged = lines - len(raw)
     if damaged > 0:
         records.problems.append(f"{METRICS_FILE}: {damaged} line(s) that are not a JSON object skipped (cut by a crash, or damaged)")
     if unusable:
@@ -82,7 +85,7 @@ def _summary(folder: Path, records: RunRecords) -> None:
         return
     raw = summary.read(folder)
     if not raw:
-        records.problems.append(f"{SUMMARY_FILE}: not a JSON object (damaged): no status, steps or losses from it")
+        records.problems.append(f"{SUMMARY_FILE}: empty, or not a JSON object (damaged): no status, steps or losses from it")
         return
     records.summary, bad = summary_from(raw)
     if bad:
@@ -124,6 +127,10 @@ def _checkpoints(folder: Path, records: RunRecords) -> None:
     if problem is not None:
         records.problems.append(f"{CONFIG_FILE}: {state or problem}: verified the default checkpoint folder "
                                 f"{records.checkpoint_dir}")
+    custom = records.checkpoint_dir != folder / DEFAULT_CHECKPOINT_DIR
+    if custom and not records.checkpoint_dir.is_absolute() and not records.checkpoint_dir.is_dir():
+        records.problems.append(f"checkpoint folder {records.checkpoint_dir}: not found from here (a relative checkpoint.dir "
+                                "is relative to the folder the run was launched from: run the report there)")
     try:
         records.checkpoints = checkpoints.verify(records.checkpoint_dir)
     except OSError as exc:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, List, Sequence, Tuple
 
-from .analysis import MEMORY, Outcome, RunReport, TimeBreakdown, attempt_rows
+from .analysis import attempt_rows
+from .model import MEMORY, Outcome, RunReport, TimeBreakdown
 from .text import seconds
 
 PART_COLORS = {"useful": "#2ca02c", "redone": "#d62728", "checkpoint": "#1f77b4", "startup": "#c7c7c7",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 DEFAULT_CHECKPOINT_DIR = "checkpoints"  # <run folder>/checkpoints unless the run's checkpoint.dir says otherwise
 
@@ -50,7 +50,7 @@ class Summary:
     error: Optional[str] = None
 
 
-_SUMMARY_FIELDS = {"status": text, "epochs_completed": integer, "global_step": integer, "final_loss": number,
+_SUMMARY_FIELDS: Dict[str, Callable[[Any], Any]] = {"status": text, "epochs_completed": integer, "global_step": integer, "final_loss": number,
                    "val_loss": number, "val_accuracy": number, "model_sha256": text, "error": text}
 
 
@@ -79,7 +79,7 @@ class MetricRow:
     val_loss: Optional[float] = None
 
 
-def metric_rows(raw: List[Mapping[str, Any]]) -> Tuple[List[MetricRow], int]:
+def metric_rows(raw: Sequence[Mapping[str, Any]]) -> Tuple[List[MetricRow], int]:
     """The usable rows (a numeric time and step), and how many were not."""
     rows: List[MetricRow] = []
     for r in raw:

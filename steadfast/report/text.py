@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from .analysis import DISK, MEMORY, Attempt, RunReport
+from .model import DISK, MEMORY, Attempt, RunReport
 from .records import DEFAULT_CHECKPOINT_DIR
 
 
