@@ -168,14 +168,11 @@ def _close(launches: List[Launch], attempts: List[Attempt]) -> None:
 
 
 # ---- time -----------------------------------------------------------------------------------------
-def _rows_of(a: Attempt, rows: Sequence[MetricRow]) -> List[MetricRow]:
-    end = a.end if a.end is not None else float("inf")
-    return [r for r in rows if a.start <= r.time <= end and r.restart == a.restart]
-
-
 def attempt_rows(a: Attempt, metrics: Sequence[MetricRow]) -> List[MetricRow]:
     """The logged training steps of one attempt, in time order."""
-    return _rows_of(a, sorted((r for r in metrics if r.loss is not None), key=lambda r: r.time))
+    end = a.end if a.end is not None else float("inf")
+    return sorted((r for r in metrics if r.loss is not None and a.start <= r.time <= end and r.restart == a.restart),
+                  key=lambda r: r.time)
 
 
 def step_times(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> None:
