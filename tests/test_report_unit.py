@@ -121,7 +121,7 @@ def test_a_relaunch_by_the_launcher_names_the_cause_it_recorded() -> None:
     r = Records().ev(0, Event.LAUNCH).ev(4, Event.ATTEMPT_STARTED, restart=0).train(5, 10, 130, restart=0)
     r.ev(15, Event.CHECKPOINT_SAVED, restart=0, step=100, seconds=0.5).ev(20, Event.ATTEMPT_ENDED, restart=0, last_step=130)
     r.ev(21, Event.RELAUNCH, attempt=1, cause="rank 1 exited with -9 (SIGKILL)")
-    r.ev(28, Event.ATTEMPT_STARTED, restart=1).ev(28.5, Event.RESUMED, restart=1, step=100).train(29, 110, 300, restart=1)
+    r.ev(28, Event.ATTEMPT_STARTED, restart=1).ev(28.5, Event.RESUMED, restart=1, step=100).train(29, 110, 120, restart=1)
     r.ev(30, Event.WORKER_FAILED, restart=1, rank=0, error="RuntimeError: boom", where="x.py:1")
     r.ev(31, Event.ATTEMPT_ENDED, restart=1, last_step=120)
     r.ev(32, Event.RELAUNCH, attempt=2, cause="the relaunch's own wording")
@@ -357,3 +357,18 @@ def test_a_relative_checkpoint_dir_is_looked_up_from_where_the_run_was_launched(
     assert records.checkpoints == [] and records.problems == [
         "checkpoint folder ck/run: not found from here (a relative checkpoint.dir is relative to the folder the run was "
         "launched from: run the report there)"]
+
+
+def test_the_steps_reached_are_the_furthest_any_record_shows() -> None:
+    # the watchdog's view of a hung rank can lag (heartbeats are not every step); the fault and the
+    # logged steps say how far the attempt really got
+    r = Records().ev(0, Event.LAUNCH).ev(4, Event.ATTEMPT_STARTED, restart=0).train(5, 10, 30, restart=0)
+    r.ev(6, Event.CHECKPOINT_SAVED, restart=0, step=13, seconds=0.1).ev(8, Event.FAULT_FIRED, restart=0, fault="hang", rank=1, step=40)
+    r.ev(12, Event.HANG_DETECTED, restart=0, rank=1, step=14, seconds_without_progress=4.0, where="f.py:1")
+    r.ev(12.5, Event.ATTEMPT_ENDED, restart=0, last_step=14)
+    r.ev(20, Event.ATTEMPT_STARTED, restart=1).ev(21, Event.RESUMED, restart=1, step=13).train(22, 20, 52, restart=1)
+    r.ev(26, Event.TRAINING_COMPLETED, restart=1, step=52).ev(27, Event.JOB_COMPLETED)
+    a0, a1 = r.report().attempts
+    assert (a0.last_step, a0.lost_steps, a0.cause) == (40, 27, "hang: rank 1 at step 14 (f.py:1)")
+    r.events = [e for e in r.events if e["event"] != Event.FAULT_FIRED.value]
+    assert r.report().attempts[0].last_step == 30  # the last logged step

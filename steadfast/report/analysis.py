@@ -44,7 +44,7 @@ def _saved(e: Mapping[str, Any]) -> str:
 
 
 def timeline(events: Iterable[Mapping[str, Any]], relative_to: Optional[str] = None) -> Tuple[List[Launch], List[Attempt]]:
-    """The launches and attempts the events describe, each attempt with how it ended and the steps it lost.
+    """The launches and attempts the events describe, each attempt with how it ended and the steps it reached.
 
     `relative_to`: a folder prefix cut from the source locations a hang names (the working directory)."""
     launches: List[Launch] = []
@@ -99,6 +99,8 @@ def _new_attempt(attempts: List[Attempt], launch: Launch, restart: int, t: float
 
 def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, relative_to: Optional[str]) -> None:
     step = integer(e.get("step"))
+    if kind is Event.FAULT_FIRED:  # any rank records the step it had reached when its fault fired
+        a.reached(step)
     if kind is Event.RESUMED:
         a.resumed_from = step or 0
         a.source = text(e.get("source"), 40) or DISK
@@ -131,7 +133,6 @@ def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, rela
         a.end = a.end or t
     elif kind is Event.FAULT_FIRED and e.get("fault") in FAILURE_FAULTS:
         a.ends(Outcome.FAILED, f"fault={e.get('fault')} on rank {e.get('rank')} at step {step}")
-        a.reached(step)
     elif kind is Event.WORKER_FAILED:
         a.ends(Outcome.FAILED, f"rank {e.get('rank')}: {text(e.get('error'), 300)}")
 
@@ -150,7 +151,7 @@ def _end_launch(current: List[Attempt], newest: Optional[Attempt], kind: Event, 
 
 
 def _close(launches: List[Launch], attempts: List[Attempt]) -> None:
-    """Whatever ended an attempt without a cause of its own, and the work each attempt lost."""
+    """Whatever ended an attempt without a cause of its own."""
     newest_of = {a.launch: a for a in attempts}
     for a in attempts:
         launch = launches[a.launch]
@@ -162,6 +163,15 @@ def _close(launches: List[Launch], attempts: List[Attempt]) -> None:
             a.ends(Outcome.FAILED, "a worker died without recording an error (killed by a signal?)")
         elif launch.ended_by is None:
             a.cause = NO_END_RECORDED if launch is launches[-1] else "the launch ended without a record (its launcher was killed?)"
+
+
+def lost_steps(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> None:
+    """The steps each attempt lost: those it reached (its records, or its logged steps) beyond the
+    step the next attempt resumed from."""
+    for a in attempts:
+        rows = attempt_rows(a, metrics)
+        if rows:
+            a.reached(max(r.step for r in rows))
     for a, nxt in zip(attempts, attempts[1:]):
         if a.last_step is not None and a.outcome is not Outcome.COMPLETED:
             a.lost_steps = max(0, a.last_step - nxt.resumed_from)
@@ -236,6 +246,7 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
     """The report of one run folder from its records (see `loader.load_run`)."""
     events = records.events
     launches, attempts = timeline(events, relative_to)
+    lost_steps(attempts, records.metrics)
     step_times(attempts, records.metrics)
     invalid, faults, saved = [], [], 0
     for e in events:
