@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from steadfast.contract import events as event_log
+from steadfast.contract.events import Event
+from steadfast.contract.files import METRICS_FILE, read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 TRACE_DIR = Path(__file__).resolve().parent / "trace"
@@ -160,8 +164,8 @@ class Run:
         return self.returncode == 0 or bool(self.extra.get("aborted_at_exit"))
 
     def first_step_time(self, restart: int = 0) -> Optional[float]:
-        for e in self.events:
-            if e.get("event") == "first_step" and e.get("restart", 0) == restart:
+        for e in self.events:  # the baseline's records use the same kind name (bench/baseline_ddp.py)
+            if e.get("event") == Event.FIRST_STEP and e.get("restart", 0) == restart:
                 return float(e["time"])
         return None
 
@@ -174,18 +178,6 @@ class Run:
 
     def tail(self, n: int = 3000) -> str:
         return self.output[-n:]
-
-
-def read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def _cpu_counters() -> Tuple[float, float, float]:
@@ -322,8 +314,7 @@ def finish_ours(proc: subprocess.Popen, started: float, folder: Path, timeout: f
     if sampler is not None:
         sampler.stop.set()
     wall = time.time() - started
-    run = Run("ours", started, wall, rc, out, folder, read_jsonl(folder / "events.jsonl"), read_jsonl(folder / "metrics.jsonl"),
-              pid=proc.pid)
+    run = Run("ours", started, wall, rc, out, folder, event_log.read(folder), read_jsonl(folder / METRICS_FILE), pid=proc.pid)
     if counters is not None:
         run.extra["load"] = _load(counters, wall)
     if sampler is not None:
@@ -360,7 +351,7 @@ def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trac
     if sampler:
         sampler.stop.set()
     wall = time.time() - started
-    rows = read_jsonl(records)
+    rows = read_jsonl(records)  # the baseline's own records: its kinds ("first_step", "done") are not our events
     events = [{**r, "restart": 0} for r in rows if "event" in r]
     metrics = [{**r, "loss": r.get("loss", 0.0)} for r in rows if "event" not in r]
     extra: Dict[str, Any] = {"load": _load(counters, wall)}
@@ -378,7 +369,7 @@ def check(run: Run, what: str) -> None:
 
 # ---- reading the records -------------------------------------------------------------------------
 def checkpoint_steps(run: Run) -> List[int]:
-    return [int(e["step"]) for e in run.events if e.get("event") in ("checkpoint_saved", "checkpoint_snapshot")]
+    return [int(e["step"]) for e in run.events if e.get("event") in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_SNAPSHOT)]
 
 
 def steady_rate(run: Run, warmup_steps: int = 30, exclude_checkpoints: bool = True, how: str = "median") -> Optional[float]:
