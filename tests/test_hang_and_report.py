@@ -29,7 +29,7 @@ def _check_hang(folder: Path, baseline: dict) -> dict:
     assert fired["step"] == 20 and found is not None
     assert found["rank"] == 1 and found["step"] == 20 and found["suspects"] == [1] and found["waiting"] == [0]
     assert found["time"] - fired["time"] <= 4.0 + 0.5, "detected within restart.hang_timeout_s (plus one look)"
-    assert "pipeline/faults.py" in found["where"] and "_fire" in found["where"]
+    assert "steadfast/faults.py" in found["where"] and "_fire" in found["where"]
     stacks = (folder / "logs" / "stacks" / "rank1.txt").read_text()
     assert "watchdog: rank 1" in stacks and "in _fire" in stacks and "in _fit" in stacks
     waiting = (folder / "logs" / "stacks" / "rank0.txt").read_text()
@@ -61,7 +61,7 @@ def test_a_hang_on_every_restart_exhausts_the_budget_and_names_the_first(tmp_pat
     message = proc.stderr
     assert "failed after 1 restart(s)" in message
     first = message.split("First failure: ", 1)[1]
-    assert first.startswith("rank 1 on ") and "hung after step 20" in first and "pipeline/faults.py" in first
+    assert first.startswith("rank 1 on ") and "hung after step 20" in first and "steadfast/faults.py" in first
     folder = run_dir(tmp_path, "r")
     assert len([e for e in events(folder) if e["event"] == "hang_detected"]) == 2
     assert summary(folder)["status"] == "failed"

@@ -36,7 +36,7 @@ RULES: Tuple[KeyRule, ...] = (
     KeyRule("restart.", False, False, "the restart policy"),
     KeyRule("cluster.", False, False, "where the job is submitted"),
     KeyRule("logger.", False, False, "what a person sees"),
-    KeyRule("fault.", False, False, "rehearsed failures: a recovered run ends with the same weights"),
+    KeyRule("fault.", True, False, "a rehearsal is a run of its own, but a recovered run ends with the same weights"),
     KeyRule("backend.name", True, False, "the world size's layout: names the run; resuming with another is elastic"),
     KeyRule("backend.nproc_per_node", True, False, "the world size: names the run; resuming with another is elastic"),
     KeyRule("backend.nnodes", True, False, "the world size: names the run; resuming with another is elastic"),
