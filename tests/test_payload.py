@@ -8,7 +8,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
-from hydra_plugins.steadfast_launcher import _payload
+from hydra_plugins.steadfast_launcher import _forkserver, _payload
 from hydra_plugins.steadfast_launcher._payload import PayloadError, PayloadRef
 
 PIPE_BUFFER = 64 << 10  # Linux's default pipe capacity: what multiprocessing's spawn writes a worker's arguments into
@@ -27,10 +27,11 @@ def test_what_a_spawned_worker_is_given_stays_far_under_the_pipe_buffer(tmp_path
     with _payload.scratch("steadfast-test-") as folder:
         ref = _payload.write(folder, "payload.pkl", big)
         assert ref.size > PIPE_BUFFER
-        # torch elastic passes every rank's arguments to every worker it spawns: here 8 ranks
-        spawn_args = {rank: (ref,) for rank in range(8)}
+        environ = _forkserver.environment_file(folder)  # a forkserver's worker is also handed the launcher's environment
+        # torch elastic passes every rank's arguments to every worker it starts: here 8 ranks
+        spawn_args = {rank: (ref, environ) for rank in range(8)}
         sent = len(ForkingPickler.dumps(spawn_args))
-        assert sent < 2048, sent
+        assert sent < 4096, sent
         assert _payload.load(ref) == big
 
 

@@ -29,8 +29,8 @@ ROUNDS = 5
 RESTART_WITHIN_S = 15.0
 
 
-def spawned_workers(launcher: int) -> List[int]:
-    """The launcher's children that multiprocessing's spawn started (torch elastic's workers), alive."""
+def _processes() -> List[tuple]:
+    """(pid, parent pid, command line) of every live process."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -42,9 +42,18 @@ def spawned_workers(launcher: int) -> List[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == launcher and fields[0] != "Z" and b"spawn_main" in cmdline:
-            out.append(int(entry))
-    return sorted(out)
+        if fields[0] != "Z":
+            out.append((int(entry), int(fields[1]), cmdline))
+    return out
+
+
+def spawned_workers(launcher: int) -> List[int]:
+    """torch elastic's workers of this launcher, alive: its children that multiprocessing's spawn
+    started, or the children of its forkserver (the default start method)."""
+    procs = _processes()
+    servers = {pid for pid, parent, cmd in procs if parent == launcher and b"multiprocessing.forkserver" in cmd}
+    return sorted(pid for pid, parent, cmd in procs
+                  if (parent == launcher and b"spawn_main" in cmd) or parent in servers)
 
 
 def new_pair(launcher: int, seen: set) -> Optional[List[int]]:

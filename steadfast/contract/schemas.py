@@ -76,7 +76,7 @@ class TorchrunBackendConf(BackendConf):
     master_port: Optional[int] = None  # only for rdzv_backend=static
     node_rank: int = 0  # only for rdzv_backend=static
     local_addr: Optional[str] = None
-    start_method: str = "spawn"
+    start_method: str = "forkserver"  # torch elastic forks its workers from a server that imported torch once
 
     @property
     def procs_per_node(self) -> int:

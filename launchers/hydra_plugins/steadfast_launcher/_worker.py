@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -22,16 +22,20 @@ from steadfast.contract.env import ENV_LAUNCH_ID, current_rank, restart_count, r
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
 from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
 
-from . import _payload
+from . import _forkserver, _payload
 from ._payload import PayloadRef
 
 
-def run_rank(ref: PayloadRef, restore_hydra: bool = True) -> Any:
+def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydra: bool = True) -> Any:
+    """One rank's task. `environ`: the launcher's environment at the launch, for a worker forked from
+    the forkserver (a spawned one inherits it)."""
     if restore_hydra:  # a fresh worker process
         # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
         # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
         # ask it for its stacks.
         install_stop_handlers()
+        if environ is not None:
+            _forkserver.adopt_environment(environ)
         folder = run_dir()
         start_heartbeat(folder, current_rank())
         enable_stack_dumps(folder, current_rank())

@@ -16,6 +16,7 @@ from steadfast.contract.env import TORCH
 from steadfast.contract.schemas import RestartConf, TorchrunBackendConf
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, restore_handlers
 
+from .. import _forkserver
 from .._payload import PayloadRef
 from .._types import Interrupted, Job, WorkerFailure
 from .._worker import run_rank
@@ -57,6 +58,9 @@ class TorchrunBackend(Backend):
         return root_cause(error)
 
     def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+        forkserver = self.conf.start_method == "forkserver"
+        if forkserver:  # first: the server imports torch while this process does (2 cores: in parallel)
+            _forkserver.start()
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
@@ -74,8 +78,10 @@ class TorchrunBackend(Backend):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
         config = launch_config(self.conf, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
         handlers = {s: signal.getsignal(s) for s in (*STOP_SIGNALS, _AGENT_STOP, signal.SIGQUIT)}  # the agent keeps its own
+        # Forked workers do not inherit this process's environment: they are handed it (see _forkserver).
+        args = (payload, _forkserver.environment_file(Path(payload.path).parent)) if forkserver else (payload,)
         try:
-            results = elastic_launch(config, run_rank)(payload)
+            results = elastic_launch(config, run_rank)(*args)
         except ChildFailedError as err:
             raise WorkerFailure(self.root_cause(err, run_dir), restarts=job.restart.max_restarts) from None
         except SignalException as err:  # the agent was asked to stop (and has stopped its workers): not a failure
