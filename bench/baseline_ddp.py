@@ -1,11 +1,14 @@
 """The baseline: a minimal hand-written DDP training script, the kind users write before a framework.
 
-    torchrun --standalone --nproc_per_node 2 bench/baseline_ddp.py [--hidden 512,512] [--num-features 256] ...
+    torchrun --standalone --nproc_per_node 2 bench/baseline_ddp.py [--hidden 512,512] [--num-features 256] [--loader slices] ...
 
-Gloo, DistributedDataParallel, DistributedSampler, SGD with momentum: the same model
-(pipeline.models.MLP), the same data (pipeline.data.synthetic, same seed and split), batch size
-and torch threads per worker as `python -m pipeline.train data=synthetic ...`. Nothing else: no
-validation, no checkpoints, no records besides what the benchmark reads.
+Gloo, DistributedDataParallel, SGD with momentum: the same model (pipeline.models.MLP), the same
+data (pipeline.data.synthetic, same seed and split), batch size and torch threads per worker as
+`python -m pipeline.train data=synthetic ...`. Nothing else: no validation, no checkpoints, no
+records besides what the benchmark reads. Batches (--loader):
+  dataloader  DistributedSampler + DataLoader over the TensorDataset (the usual script)
+  slices      no DataLoader: each epoch one permutation (seeded by the epoch), this rank's share of
+              it, and every batch indexed out of the in-memory tensors (the least a loop can do)
 
 Rank 0 appends JSON lines to --out: {"event": "first_step", "time": ...} after the first completed
 step, then {"step", "epoch", "time"} every --log-every steps (after loss.item(), the usual print),
@@ -43,6 +46,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers, as the trainer)")
+    p.add_argument("--loader", choices=("dataloader", "slices"), default="dataloader")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -58,6 +62,16 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler)
+    features, labels = data.train.tensors
+
+    def slices(epoch: int):  # type: ignore[no-untyped-def]
+        g = torch.Generator()
+        g.manual_seed(args.seed + epoch)
+        order = torch.randperm(len(features), generator=g)
+        order = order[: len(order) - len(order) % world][rank::world]
+        for begin in range(0, len(order), args.batch_size):
+            index = order[begin : begin + args.batch_size]
+            yield features[index], labels[index]
 
     out = open(args.out, "a") if rank == 0 else None
 
@@ -69,7 +83,7 @@ def main() -> None:
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for x, y in (loader if args.loader == "dataloader" else slices(epoch)):
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()

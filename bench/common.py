@@ -334,12 +334,13 @@ def run_ours(work: Workdir, label: str, overrides: Sequence[str], timeout: float
 
 
 def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trace: Optional[Path] = None,
-                 sample_cpu: bool = False) -> Run:
+                 sample_cpu: bool = False, loader: str = "dataloader") -> Run:
+    """bench/baseline_ddp.py under torchrun; loader "slices": batches indexed out of the tensors, no DataLoader."""
     folder = work.path / "baseline" / work.name(label)
     folder.mkdir(parents=True)
     records = folder / "records.jsonl"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(job.workers), str(ROOT / "bench" / "baseline_ddp.py"),
-           *job.baseline_args(), "--out", str(records)]
+           *job.baseline_args(), "--loader", loader, "--out", str(records)]
     counters = _cpu_counters()
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

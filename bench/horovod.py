@@ -1,11 +1,17 @@
 """Horovod vs torchrun on the same job: training steps/s and time to first step.
 
-    python -m bench.horovod [--rounds 2] [--quick | --tiny] [--json PATH]
+    python -m bench.horovod [--rounds 2] [--tuning] [--quick | --tiny] [--json PATH]
 
 `python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller) and the default
-torchrun backend, alternated, on the hot-loop job (bench.common.HOT, 3 epochs); steps/s as in
-bench.hot_loop (median logged interval after warm-up, epoch ends left out), time to first step
-from the command.
+torchrun backend, alternated, on the hot-loop job (bench.common.HOT with half its data); steps/s as
+in bench.hot_loop (median logged interval after warm-up, epoch ends left out), time to first step
+from the command. Horovod settings are varied through the launcher's environment (a value there
+wins over the backend's TUNING):
+  horovod            the backend's defaults (HOROVOD_CYCLE_TIME=1 ms, HOROVOD_CACHE_CAPACITY=1024)
+  horovod_unpatched  cycle time 0 and no response cache: what horovod.run 0.28.1 hands its workers
+                     when nothing overrides it (its '(None,)' values parse as 0)
+  --tuning adds cycle times of 0.2, 3 and 10 ms, tensor fusion off (HOROVOD_FUSION_THRESHOLD=0)
+  and a 64 KiB fusion buffer: the measurement the defaults were chosen from.
 """
 from __future__ import annotations
 
@@ -27,33 +33,60 @@ def horovod_available() -> bool:
     return True
 
 
-def measure(job: Job, rounds: int, timeout: float = 300, backends: tuple = ("torchrun", "horovod")) -> Dict[str, Any]:
+VARIANTS: Dict[str, Dict[str, str]] = {
+    "horovod": {},
+    "horovod_unpatched": {"HOROVOD_CYCLE_TIME": "0", "HOROVOD_CACHE_CAPACITY": "0"},
+}
+TUNING_VARIANTS: Dict[str, Dict[str, str]] = {
+    "horovod_cycle_0.2ms": {"HOROVOD_CYCLE_TIME": "0.2"},
+    "horovod_cycle_3ms": {"HOROVOD_CYCLE_TIME": "3"},
+    "horovod_cycle_10ms": {"HOROVOD_CYCLE_TIME": "10"},
+    "horovod_no_fusion": {"HOROVOD_FUSION_THRESHOLD": "0"},
+    "horovod_fusion_64k": {"HOROVOD_FUSION_THRESHOLD": str(64 << 10)},
+}
+
+
+def measure(job: Job, rounds: int, timeout: float = 300, variants: Optional[Dict[str, Dict[str, str]]] = None,
+            torchrun: bool = True) -> Dict[str, Any]:
     warm = min(30, job.steps_per_epoch() // 2)
     extra = ["checkpoint.every_n_epochs=1000"]
+    variants = VARIANTS if variants is None else variants
     with Workdir() as work:
-        makers = [(b, lambda b=b: run_ours(work, b, job.overrides(b) + extra, timeout, sample_cpu=True)) for b in backends]
+        makers = [("torchrun", lambda: run_ours(work, "torchrun", job.overrides() + extra, timeout, sample_cpu=True))] if torchrun else []
+        makers += [(name, lambda name=name, e=e: run_ours(work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e))
+                   for name, e in variants.items()]
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"horovod bench {name}")
-            log(f"  round {r + 1} {name:<9} steps/s {fmt(steady_rate(run, warm), 1):>7}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s")
+            cpu = cpu_per_step(run, warm) or {}
+            log(f"  round {r + 1} {name:<20} steps/s {fmt(steady_rate(run, warm), 1):>7}  CPU ms/step "
+                f"{fmt((cpu.get('total_cpu_s_per_step') or 0) * 1e3, 2)}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s")
 
         runs = alternate(rounds, makers, show)
     rates = {k: [steady_rate(r, warm) for r in v] for k, v in runs.items()}
     cpu = {k: [(cpu_per_step(r, warm) or {}).get("total_cpu_s_per_step") for r in v] for k, v in runs.items()}
     ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
-    return {
-        "job": job.describe(), "rounds": rounds, "warmup_steps": warm,
+    out: Dict[str, Any] = {
+        "job": job.describe(), "rounds": rounds, "warmup_steps": warm, "variants": variants,
         "steps_per_s": {k: spread(v) for k, v in rates.items()},
         "cpu_s_per_step": {k: spread(v) for k, v in cpu.items()},
         "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
         "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
         "foreign_load": {k: foreign(v) for k, v in runs.items()},
-        "ratios": {} if len(backends) < 2 else {
-            "horovod/torchrun steps_per_s": ratio(median(rates["horovod"]), median(rates["torchrun"])),
-            "horovod/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu["horovod"])),
-            "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
-            "horovod/torchrun wall": ratio(median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]]))},
+        "ratios": {},
     }
+    if torchrun:
+        for name in variants:
+            out["ratios"].update({
+                f"{name}/torchrun steps_per_s": ratio(median(rates[name]), median(rates["torchrun"])),
+                f"{name}/torchrun steps_per_s (median of paired rounds)": median(
+                    [ratio(h, t) for h, t in zip(rates[name], rates["torchrun"])]),
+                f"{name}/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu[name]))})
+        if "horovod" in variants:
+            out["ratios"].update({
+                "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
+                "horovod/torchrun wall": ratio(median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]]))})
+    return out
 
 
 def report(res: Dict[str, Any]) -> None:
@@ -62,15 +95,16 @@ def report(res: Dict[str, Any]) -> None:
         return
     print(f"\nHorovod vs torchrun ({res['rounds']} rounds)")
     for k in res["steps_per_s"]:
-        print(f"  {k:<9} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
+        print(f"  {k:<20} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
               f"  wall {fmt(res['wall_s'][k]['median'], 1)} s")
     for k, v in res["ratios"].items():
-        print(f"  {k:<32} {fmt(v)}")
+        print(f"  {k:<55} {fmt(v)}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tuning", action="store_true", help="also cycle times, tensor fusion off and a small fusion buffer")
     p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
     p.add_argument("--tiny", action="store_true", help="one Horovod run of a tiny job, no torchrun run (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
@@ -86,7 +120,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         out["skipped"] = "horovod.torch cannot be imported (STEADFAST_WITHOUT_HOROVOD=1 setup?)"
     else:
         log(f"horovod vs torchrun: {rounds} rounds")
-        out.update(measure(job, rounds, backends=("horovod",) if args.tiny else ("torchrun", "horovod")))
+        variants = {"horovod": {}} if args.tiny else {**VARIANTS, **(TUNING_VARIANTS if args.tuning else {})}
+        out.update(measure(job, rounds, variants=variants, torchrun=not args.tiny))
     report(out)
     write_json(args.json, out)
     return 0

@@ -1,24 +1,21 @@
 """Time to first step: `python -m pipeline.train` vs `torchrun --standalone --nproc_per_node 2` on the
-hand-written baseline, where our extra time goes, and what the candidate fixes would save.
+hand-written baseline, for each worker start method, and where our time goes.
 
     python -m bench.startup [--rounds 3] [--traced 1] [--quick | --tiny] [--json PATH]
 
 Time to first step (TTFS) is measured from just before the command's process is created to the
 wall-clock time of the first completed training step (the trainer's "first_step" event; the
-baseline writes its own). The tiny synthetic job, so start-up is not diluted by work.
+baseline writes its own). The tiny synthetic job, so start-up is not diluted by work. The
+untraced runs, alternated in a rotated order, give the headline ratios:
+  ours        the default (backend.start_method=forkserver: workers fork from a server that
+              imported torch, DDP's imports and the library once, in parallel with the launcher)
+  ours_spawn  backend.start_method=spawn: every worker is a new interpreter that imports torch
+  ours_fork   backend.start_method=fork: workers are copies of the launcher (fast, not safe:
+              the launcher has threads)
 
 The breakdown comes from separate traced runs: bench/trace/sitecustomize.py (opt-in, on
 PYTHONPATH only for those runs) records when each process was created, when watched modules
-finish importing and when the launcher's, the agent's and the trainer's steps start and end.
-The untraced runs give the headline ratio. Variants:
-  fork       (untraced, alternated with the headline runs) backend.start_method=fork: the
-             workers inherit the launcher's imported torch instead of importing it again
-  zlib       (traced) the job payload handed to the workers zlib-compressed: emulates a
-             proposed launcher change (a payload over the 64 KiB pipe buffer makes
-             multiprocessing start the workers one after the other)
-  forkserver (traced) backend.start_method=forkserver with torch, torch._dynamo and the
-             launcher's worker module preloaded in the forkserver: emulates a proposed launcher
-             change (multiprocessing.set_forkserver_preload before the agent starts)
+finish importing and when the launcher's, the agent's and the library's steps start and end.
 """
 from __future__ import annotations
 
@@ -31,9 +28,7 @@ from .common import (RESULTS, TINY, Job, Run, Workdir, alternate, check, command
                      read_jsonl, run_baseline, run_ours, spread, write_json)
 
 TARGET = ("<=", 1.10)
-PREIMPORT = "torch.distributed.launcher.api,torch.distributed.elastic.multiprocessing.errors"
-# What a forkserver would preload: generic (torch, what DDP imports, the launcher's worker module), not the app's own modules.
-FORKSERVER_PRELOAD = "torch,torch._dynamo,torch.nn.parallel,hydra_plugins.steadfast_launcher._worker"
+START_METHODS = {"ours": [], "ours_spawn": ["backend.start_method=spawn"], "ours_fork": ["backend.start_method=fork"]}
 
 
 def ours_overrides(job: Job) -> List[str]:
@@ -60,12 +55,29 @@ def _total(recs: List[Dict[str, Any]], what: str) -> Tuple[float, int]:
     return sum(durations), len(durations)
 
 
+def worker_records(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[int, List[Dict[str, Any]]]:
+    """Every worker's records: the processes that initialised a process group (spawned by the launcher,
+    forked from its forkserver, or forked from it)."""
+    return {pid: recs for pid, recs in _by_pid(trace).items()
+            if pid != launcher_pid and any(r["what"] == "init_process_group:start" for r in recs)}
+
+
+def _started(recs: List[Dict[str, Any]]) -> float:
+    """When a worker process was created (spawned), else its first record (forked: it starts in its parent's state)."""
+    return float(recs[0]["created"]) if recs[0]["what"] == "process" else float(recs[0]["t"])
+
+
+def forkserver_records(trace: List[Dict[str, Any]], launcher_pid: int) -> List[Dict[str, Any]]:
+    """The records of the launcher's forkserver (the parent of its workers, when that is not the launcher)."""
+    parents = {recs[0]["ppid"] for recs in worker_records(trace, launcher_pid).values()} - {launcher_pid}
+    return [r for r in trace if r["pid"] in parents]
+
+
 def milestones(run: Run, trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Optional[float]]:
     """Seconds from the command to each milestone on the critical path (the later worker for worker steps)."""
-    pids = _by_pid(trace)
-    main = pids.get(launcher_pid, [])
-    workers = [recs for pid, recs in pids.items() if recs[0].get("ppid") == launcher_pid and
-               any(r["what"] == "init_process_group:start" for r in recs)]
+    main = _by_pid(trace).get(launcher_pid, [])
+    workers = list(worker_records(trace, launcher_pid).values())
+    server = forkserver_records(trace, launcher_pid)
 
     def latest(what: str) -> Optional[float]:
         times = [_first(w, what) for w in workers]
@@ -78,9 +90,9 @@ def milestones(run: Run, trace: List[Dict[str, Any]], launcher_pid: int) -> Dict
         "launch_start": _first(main, "launcher_run_job:start"),
         "adapter_start": _first(main, "torchrun_adapter_run:start"),
         "launcher_torch_imported": _first(main, "import:torch"),
-        "workers_started": min((float(w[0]["created"]) for w in workers if w[0]["what"] == "process"), default=None)
-        or _first(main, "agent_start_workers:end"),  # the first worker created (forked workers leave no "process" record)
-        "workers_torch_imported": latest("import:torch"),
+        "forkserver_ready": _first(server, "import:steadfast.run"),  # its last preload
+        "workers_started": min((_started(w) for w in workers), default=None) or _first(main, "agent_start_workers:end"),
+        "workers_torch_imported": latest("import:torch"),  # spawned workers only: forked ones have it
         "workers_init_pg_start": latest("init_process_group:start"),
         "workers_init_pg_end": latest("init_process_group:end"),
         "workers_ddp_end": latest("ddp_init:end"),
@@ -97,8 +109,8 @@ SEGMENTS = [
     ("Hydra compose x N, plugin discovery, pre-flight", "hydra_imported", "launch_start"),
     ("run lock, config freeze, payload pickle", "launch_start", "adapter_start"),
     ("torch import in the launcher / torchrun", "adapter_start", "launcher_torch_imported"),
-    ("agent rendezvous, first worker created", "launcher_torch_imported", "workers_started"),
-    ("workers: spawn + imports (Python, Hydra, torch)", "workers_started", "workers_torch_imported"),
+    ("agent rendezvous, first worker created (forkserver: its imports done)", "launcher_torch_imported", "workers_started"),
+    ("workers: spawn + imports (Python, Hydra, torch; none when forked)", "workers_started", "workers_torch_imported"),
     ("workers: Hydra state, trainer import, wait for peers", "workers_torch_imported", "workers_init_pg_start"),
     ("init_process_group", "workers_init_pg_start", "workers_init_pg_end"),
     ("data + model + DDP init (DDP imports torch._dynamo)", "workers_init_pg_end", "workers_ddp_end"),
@@ -124,36 +136,37 @@ def segments(ms: Dict[str, Optional[float]]) -> Dict[str, float]:
 
 def details(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Any]:
     main = [r for r in trace if r["pid"] == launcher_pid]
-    workers = [r for r in trace if r.get("ppid") == launcher_pid]
+    workers = [r for recs in worker_records(trace, launcher_pid).values() for r in recs]
+    server = forkserver_records(trace, launcher_pid)
     compose, n = _total(main, "hydra_compose:end")
     scan, _ = _total(main, "hydra_plugin_scan:end")
     worker_imports = {name: max([r["t"] - r["start"] for r in workers if r["what"] == f"import:{name}"] or [0.0])
                       for name in ("hydra", "torch")}
+    created = [r["created"] for r in server if r["what"] == "process"]
+    ready = _first(server, "import:steadfast.run")
     return {"hydra_compose_calls": n, "hydra_compose_s": compose, "plugin_scan_s": scan,
             "preflight_s": _total(main, "launcher_preflight:end")[0],
             "launcher_torch_import_s": max([r["t"] - r["start"] for r in main if r["what"] == "import:torch"] or [0.0]),
             "worker_hydra_import_s (slowest)": worker_imports["hydra"], "worker_torch_import_s (slowest)": worker_imports["torch"],
             "ddp_init_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "ddp_init:end"] or [0.0]),
             "checkpoint_discovery_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "trainer_resume:end"] or [0.0]),
-            "preimport_s": _total(main, "preimport:end")[0],
+            "forkserver_preload_s": (ready - created[0]) if ready is not None and created else None,
             "payload_bytes": next((r["bytes"] for r in main if r["what"] == "payload"), None),
             "workers_created_apart_s": _spawn_gap(trace, launcher_pid)}
 
 
 def _spawn_gap(trace: List[Dict[str, Any]], launcher_pid: int) -> Optional[float]:
-    """Seconds between the creation of the first and the last worker (spawned workers only)."""
-    created = [r["created"] for r in trace if r["what"] == "process" and r.get("ppid") == launcher_pid
-               and "--multiprocessing-fork" in r.get("argv", [])]
-    return max(created) - min(created) if len(created) > 1 else None
+    """Seconds between the creation of the first and the last worker."""
+    started = [_started(recs) for recs in worker_records(trace, launcher_pid).values()]
+    return max(started) - min(started) if len(started) > 1 else None
 
 
-def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Optional[Dict[str, str]] = None,
-           extra_overrides: Sequence[str] = ()) -> Tuple[Run, Dict[str, Any]]:
+def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_overrides: Sequence[str] = ()) -> Tuple[Run, Dict[str, Any]]:
     path = work.path / f"trace-{work.count + 1}.jsonl"
     if kind == "baseline":
         run = run_baseline(work, "traced-baseline", job, timeout, trace=path)
     else:
-        run = run_ours(work, "traced-ours", ours_overrides(job) + list(extra_overrides), timeout, trace=path, extra_env=extra_env)
+        run = run_ours(work, "traced-ours", ours_overrides(job) + list(extra_overrides), timeout, trace=path)
     check(run, f"traced {kind}")
     trace = read_jsonl(path)
     launcher = run.pid
@@ -163,9 +176,8 @@ def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_env: Option
     return run, {"milestones_s": ms, "segments_s": segments(ms), "details": details(trace, launcher)}
 
 
-# Traced variants: extra environment (the tracer emulates the change), extra overrides.
-VARIANTS = {"ours_zlib": ({"STEADFAST_BENCH_ZLIB_PAYLOAD": "1"}, []),
-            "ours_forkserver": ({"STEADFAST_BENCH_FORKSERVER_PRELOAD": FORKSERVER_PRELOAD}, ["backend.start_method=forkserver"])}
+# Traced variants besides the default: the other start methods.
+VARIANTS = {k: v for k, v in START_METHODS.items() if k != "ours"}
 
 
 def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True, baseline: bool = True) -> Dict[str, Any]:
@@ -173,9 +185,9 @@ def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bo
     makers = [("ours", lambda: traced(work, "ours", job, timeout))]
     if baseline:
         makers.insert(0, ("baseline", lambda: traced(work, "baseline", job, timeout)))
-    for name, (extra, overrides) in VARIANTS.items() if variants else ():
+    for name, overrides in VARIANTS.items() if variants else ():
         samples[name] = []
-        makers.append((name, lambda extra=extra, overrides=overrides: traced(work, "ours", job, timeout, extra, overrides)))
+        makers.append((name, lambda overrides=overrides: traced(work, "ours", job, timeout, overrides)))
 
     def keep(name: str, r: int, item: Any) -> None:
         run, info = item
@@ -205,10 +217,9 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
         return {"job": job.describe(), "rounds": 0, "traced_only": True, "ttfs_s": {"ours": spread([b["ours"]["ttfs_s"]])},
                 "ratios": {}, "breakdown": b}
     with Workdir() as work:
-        makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout)),
-                  ("ours", lambda: run_ours(work, "ours", ours_overrides(job), timeout))]
-        if variants:
-            makers.append(("ours_fork", lambda: run_ours(work, "fork", ours_overrides(job) + ["backend.start_method=fork"], timeout)))
+        makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout))]
+        for name, overrides in START_METHODS.items() if variants else [("ours", [])]:
+            makers.append((name, lambda name=name, overrides=overrides: run_ours(work, name, ours_overrides(job) + overrides, timeout)))
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"startup {name}")
@@ -222,7 +233,7 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
             "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
             "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
             "foreign_load": {k: foreign(v) for k, v in runs.items()},
-        "baseline_aborted_at_exit": aborted_at_exit(runs["baseline"]),
+            "baseline_aborted_at_exit": aborted_at_exit(runs["baseline"]),
             "ratios": {f"{k}/baseline ttfs": ratio(median(v), base) for k, v in ttfs.items() if k != "baseline"},
         }
         out["ratios"]["ours/baseline ttfs (median of paired rounds)"] = median(

@@ -6,6 +6,7 @@ distributed, Horovod and a single process lives behind `Comm`.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
@@ -150,8 +151,29 @@ class TorchDistComm(Comm):
         self.dist.barrier()
 
     def shutdown(self) -> None:
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        if not self.dist.is_initialized():
+            return
+        if sys.exc_info()[0] is None:  # a normal end (not unwinding an error): every rank is here
+            for group in (None, self.control) if self.control is not None else (None,):
+                self._settle(group)
+        self.dist.destroy_process_group()
+
+    def _settle(self, group: Any) -> None:
+        """One barrier, so Gloo's threads have released the last collectives before the group goes.
+
+        Gloo's worker thread drops its reference to a finished collective after the waiting rank
+        has moved on; when that frees a tensor made in Python it needs the GIL. The group itself is
+        freed later, often by DDP's reducer when the model goes, and its destructor joins that
+        thread while holding the GIL: a deadlock at the very end of a run, seen after the last
+        `gather_object` of a save (the rank hangs with its work done). Entering a collective
+        releases the GIL and waits for that thread; the barrier's own work holds no tensor."""
+        try:
+            self.dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=SETTLE_TIMEOUT_S))
+        except Exception:  # a peer already gone: nothing left to settle with it
+            pass
+
+
+SETTLE_TIMEOUT_S = 30.0
 
 
 def init(collective: str = env.NONE, timeout_s: float = 600.0) -> Comm:

@@ -88,6 +88,27 @@ def test_root_cause_names_the_failing_rank_and_its_exception(tmp_path: Path) -> 
     assert root_cause(ValueError("bad hosts\nmore"), tmp_path) == "horovod runner: ValueError: bad hosts"
 
 
+def test_workers_get_a_real_cycle_time_and_response_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """horovod.run (0.28.1) writes '(None,)' for both, which Horovod's C++ side reads as 0: a
+    background thread that never waits between cycles and no response cache."""
+    from horovod.runner import _HorovodArgs
+    from horovod.runner.common.util import config_parser
+
+    from hydra_plugins.steadfast_launcher._backends.horovod import TUNING, tuned
+
+    for key in TUNING:
+        monkeypatch.delenv(key, raising=False)
+    horovods: dict = {}
+    config_parser.set_env_from_args(horovods, _HorovodArgs())
+    assert horovods["HOROVOD_CYCLE_TIME"] == horovods["HOROVOD_CACHE_CAPACITY"] == "(None,)"  # the bug, still there
+    ours: dict = {}
+    tuned(config_parser.set_env_from_args)(ours, _HorovodArgs())
+    assert float(ours["HOROVOD_CYCLE_TIME"]) > 0 and int(ours["HOROVOD_CACHE_CAPACITY"]) > 0
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")  # the user's own value wins
+    tuned(config_parser.set_env_from_args)(ours, _HorovodArgs())
+    assert ours["HOROVOD_CYCLE_TIME"] == "2.5"
+
+
 HIDE_HOROVOD = '''
 import sys
 from importlib.machinery import PathFinder

@@ -5,51 +5,44 @@ imports `sitecustomize` at start-up; child processes inherit both). Every Python
 appends JSON lines to that file: when the process was created (from /proc), when it reached
 this module, when watched modules start and finish importing, and when watched functions
 (Hydra compose and plugin scan, the launcher's steps, torch elastic's rendezvous and worker
-start/stop, init_process_group, the trainer's set-up and checkpoint discovery, ...) start and
-end. bench/startup.py turns the records into a breakdown. Without the variable this does nothing.
-
-Two proposed launcher changes can be emulated (tracing on) without editing the launcher:
-STEADFAST_BENCH_PREIMPORT=mod1,mod2 imports those modules in a background thread as soon as
-Hydra builds the launcher (joined before the workers start); STEADFAST_BENCH_ZLIB_PAYLOAD=1
-hands the workers the job payload zlib-compressed (and decompresses it in the worker);
-STEADFAST_BENCH_FORKSERVER_PRELOAD=mod1,mod2 (with backend.start_method=forkserver) has the
-forkserver import those modules once, so every worker, first or restarted, forks from it warm.
+start/stop, init_process_group, the library's set-up and checkpoint discovery, ...) start and
+end. Workers forked from the launcher's forkserver inherit the server's tracer (the server is a
+Python process of its own): their records carry their own pid. bench/startup.py and
+bench/recovery.py turn the records into breakdowns. Without the variable this does nothing.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import os
 import sys
-import threading
 import time
-import zlib
 
 _PATH = os.environ.get("STEADFAST_BENCH_TRACE")
 
 # Modules whose import is timed (first import in each process).
 WATCH_IMPORTS = {
-    "hydra", "omegaconf", "torch", "numpy", "cloudpickle", "horovod.torch", "horovod.runner",
-    "pipeline.train", "pipeline.trainer", "pipeline.data", "steadfast.checkpoint.manager",
+    "hydra", "omegaconf", "torch", "torch._dynamo", "numpy", "cloudpickle", "horovod.torch", "horovod.runner",
+    "pipeline.train", "pipeline.trainer", "pipeline.data", "steadfast.run", "steadfast.checkpoint.manager",
     "hydra_plugins.steadfast_launcher", "hydra_plugins.steadfast_launcher._core",
     "hydra_plugins.steadfast_launcher._worker", "torch.distributed.elastic.agent.server.local_elastic_agent",
 }
 
+_L = "hydra_plugins.steadfast_launcher"
 # module -> [(attribute path, label)]: functions wrapped when the module has been imported.
 WRAP = {
     "hydra.core.plugins": [("Plugins._scan_all_plugins", "hydra_plugin_scan"),
                            ("Plugins.instantiate_launcher", "hydra_instantiate_launcher")],
     "hydra._internal.config_loader_impl": [("ConfigLoaderImpl.load_configuration", "hydra_compose"),
                                            ("ConfigLoaderImpl.load_sweep_config", "hydra_sweep_config")],
-    "hydra_plugins.steadfast_launcher._core": [("launch", "launcher_launch"), ("_prepare", "launcher_prepare"),
-                                               ("_preflight", "launcher_preflight"),
-                                               ("_run_job_distributed", "launcher_run_job")],
-    "hydra_plugins.steadfast_launcher._torchrun": [("run", "torchrun_adapter_run"),
-                                                   ("launch_config", "torchrun_launch_config")],
-    "hydra_plugins.steadfast_launcher._horovod": [("run", "horovod_adapter_run")],
-    "hydra_plugins.steadfast_launcher._worker": [("run_rank", "worker_run_rank")],
+    f"{_L}._core": [("launch", "launcher_launch")],
+    f"{_L}._compose": [("prepare", "launcher_prepare"), ("preflight", "launcher_preflight")],
+    f"{_L}._job": [("_run", "launcher_run_job")],
+    f"{_L}._backends.torchrun": [("TorchrunBackend.launch", "torchrun_adapter_run"), ("launch_config", "torchrun_launch_config")],
+    f"{_L}._backends.horovod": [("HorovodBackend.launch", "horovod_adapter_run")],
+    f"{_L}._forkserver": [("start", "forkserver_start"), ("adopt_environment", "worker_adopt_environment")],
+    f"{_L}._worker": [("run_rank", "worker_run_rank")],
     "torch.distributed": [("init_process_group", "init_process_group")],
     "torch.distributed.elastic.agent.server.api": [
         ("SimpleElasticAgent._rendezvous", "agent_rendezvous"), ("SimpleElasticAgent._restart_workers", "agent_restart_workers"),
@@ -58,10 +51,9 @@ WRAP = {
         ("LocalElasticAgent._start_workers", "agent_start_workers"), ("LocalElasticAgent._stop_workers", "agent_stop_workers"),
         ("LocalElasticAgent._monitor_workers", "agent_monitor")],
     "torch.nn.parallel.distributed": [("DistributedDataParallel.__init__", "ddp_init")],
-    "pipeline.trainer": [("Trainer.__init__", "trainer_init"), ("Trainer._resume", "trainer_resume"),
-                         ("build_data", "build_data"), ("build_model", "build_model")],
+    "steadfast.run": [("Run.__init__", "run_init"), ("Run.setup", "run_setup"), ("Run.resume", "trainer_resume")],
+    "pipeline.trainer": [("build_data", "build_data"), ("build_model", "build_model")],
     "steadfast.comm": [("init", "comm_init")],
-    "steadfast.checkpoint.manager": [("CheckpointManager.__init__", "checkpoint_manager_init")],
     "horovod.torch": [("init", "horovod_init")],
 }
 QUIET = {"agent_monitor"}  # polled: only calls that return a non-HEALTHY state are recorded; the rest are counted
@@ -86,48 +78,12 @@ def _process_created() -> float:
     return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def _preimport() -> None:
-    """Emulates a proposed fix: import these modules in a background thread once the launcher is set up.
-
-    STEADFAST_BENCH_PREIMPORT is a comma-separated list (e.g. torch.distributed.launcher.api,torch._dynamo).
-    """
-    names = [n for n in os.environ.get("STEADFAST_BENCH_PREIMPORT", "").split(",") if n]
-
-    def work() -> None:
-        start = time.time()
-        for name in names:
-            importlib.import_module(name)
-        record("preimport:end", start=start, modules=names)
-
-    if names:
-        global _preimport_thread
-        _preimport_thread = threading.Thread(target=work, name="bench-preimport", daemon=True)
-        _preimport_thread.start()
-
-
-_preimport_thread = None
-
-
 def _wrap(label: str, fn):  # type: ignore[no-untyped-def]
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
         start = time.time()
-        if label == "hydra_instantiate_launcher":
-            _preimport()  # the launcher is about to be set up
-        if label == "torchrun_adapter_run" and os.environ.get("STEADFAST_BENCH_FORKSERVER_PRELOAD"):
-            import multiprocessing  # emulates a proposed fix: start_method=forkserver with the worker's imports preloaded
-
-            multiprocessing.set_forkserver_preload(os.environ["STEADFAST_BENCH_FORKSERVER_PRELOAD"].split(","))
-        if label in ("torchrun_adapter_run", "horovod_adapter_run") and _preimport_thread is not None:
-            _preimport_thread.join()  # never start (let alone fork) workers while a thread is importing
-            record("preimport:joined", start=start)
-        if label in ("torchrun_adapter_run", "horovod_adapter_run") and args and isinstance(args[0], (bytes, bytearray)):
-            record("payload", bytes=len(args[0]))  # what every worker unpickles
-            if os.environ.get("STEADFAST_BENCH_ZLIB_PAYLOAD"):  # emulates a proposed fix: a compressed payload
-                args = (b"ZLIB" + zlib.compress(bytes(args[0])),) + tuple(args[1:])
-                record("payload_compressed", bytes=len(args[0]))
-        if label == "worker_run_rank" and args and isinstance(args[0], (bytes, bytearray)) and args[0][:4] == b"ZLIB":
-            args = (zlib.decompress(args[0][4:]),) + tuple(args[1:])
+        if label in ("torchrun_adapter_run", "horovod_adapter_run") and len(args) > 1 and hasattr(args[1], "size"):
+            record("payload", bytes=int(args[1].size))  # the job payload every worker reads (a PayloadRef's file)
         if label not in QUIET:
             record(label + ":start")
         try:

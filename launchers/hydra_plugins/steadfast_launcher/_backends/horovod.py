@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from steadfast.contract.env import ENV_ATTEMPT, HOROVOD
 from steadfast.contract.schemas import HorovodBackendConf
@@ -35,6 +35,15 @@ _FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 _PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
 _NONE = "no error recorded"
 LOGS = Path("logs") / "horovod"  # in the run folder: Horovod's per-rank output, one folder per attempt
+# Horovod 0.28.1's horovod.run hands every worker HOROVOD_CYCLE_TIME='(None,)' and
+# HOROVOD_CACHE_CAPACITY='(None,)' (its runner/__init__.py sets `cycle_time_ms = None,` and
+# `cache_capacity = None,`: tuples), whatever the environment says. The C++ side parses both with
+# strto*, so they become 0, and fixed (the autotuner may not change them): a background thread
+# that never waits between cycles, spinning on one of the cores the workers train on, and no
+# response cache, so every cycle negotiates every tensor by name. These are the values the
+# workers get instead; a value in the launcher's environment wins. Chosen from bench/horovod.py's
+# measurement (see bench/NOTES.md): Horovod's own defaults for the two it meant to leave alone.
+TUNING = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_CACHE_CAPACITY": "1024"}
 
 
 class HorovodBackend(Backend):
@@ -70,6 +79,7 @@ class HorovodBackend(Backend):
     def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
         import horovod
         from horovod.runner import gloo_run
+        from horovod.runner.common.util import config_parser
 
         b = self.conf
         attempt = int(env.get(ENV_ATTEMPT, "0"))
@@ -96,6 +106,8 @@ class HorovodBackend(Backend):
 
         register = gloo_run.register_shutdown_event
         gloo_run.register_shutdown_event = event_without_handlers
+        parse_args = config_parser.set_env_from_args
+        config_parser.set_env_from_args = tuned(parse_args)
         os.environ.update(worker_env)
         try:
             results = horovod.run(
@@ -122,6 +134,7 @@ class HorovodBackend(Backend):
             raise WorkerFailure(self.root_cause(err, run_dir, attempt)) from None
         finally:
             gloo_run.register_shutdown_event = register
+            config_parser.set_env_from_args = parse_args
             restore_handlers(saved_signals)
             for key, value in saved_env.items():
                 if value is None:
@@ -132,6 +145,16 @@ class HorovodBackend(Backend):
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
         return results[0]  # the list is in rank order
+
+
+def tuned(set_env_from_args: Callable[[Dict[str, str], Any], None]) -> Callable[[Dict[str, str], Any], None]:
+    """Horovod's `config_parser.set_env_from_args` (what horovod.run builds the workers' environment
+    with), followed by TUNING: explicit values instead of the '(None,)' it writes."""
+    def with_tuning(env: Dict[str, str], args: Any) -> None:
+        set_env_from_args(env, args)
+        env.update({key: os.environ.get(key) or value for key, value in TUNING.items()})
+
+    return with_tuning
 
 
 def root_cause(err: BaseException, logs: Path) -> str:
