@@ -297,7 +297,7 @@ class Workdir:
 def start_ours(work: Workdir, name: str, overrides: Sequence[str], trace: Optional[Path] = None,
                extra_env: Optional[Dict[str, str]] = None, python_flags: Sequence[str] = (),
                cli_flags: Sequence[str] = ()) -> Tuple[subprocess.Popen, float, Path]:
-    extra = os.environ.get("STEADFAST_BENCH_OVERRIDES", "").split()  # for the smoke test: backend.start_method=fork
+    extra = os.environ.get("STEADFAST_BENCH_OVERRIDES", "").split()  # extra overrides for every run of ours (debugging a benchmark)
     if "backend=horovod" in overrides:
         extra = [o for o in extra if not o.startswith("backend.")]
     cmd = [PY, *python_flags, "-m", "pipeline.train", *cli_flags, *overrides, *extra, f"run.name={name}"]

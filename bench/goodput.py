@@ -163,7 +163,8 @@ def analyse(run: Run, rate: float, total_steps: int, validation_factor: float = 
             continue
         since = max([t for t in firsts if t <= kill] or [first or kill])
         before = [m for m in rows if since <= m["time"] <= kill]
-        resumed_from = next((st for t, st in resumes if t > kill), None)
+        # the resume of the attempt that followed the kill; none before its first step: it started from scratch
+        resumed_from = next((st for t, st in resumes if kill < t <= back), 0) if back is not None else None
         reached = None
         if before:
             reached = before[-1]["step"] + min(LOG_EVERY, int((kill - before[-1]["time"]) * rate))

@@ -1,14 +1,17 @@
-"""What the per-step stop agreement costs: `python -m bench.stop_agreement [--quick]`.
+"""What the stop agreement costs: `python -m bench.stop_agreement [--quick | --tiny] [--json PATH]`.
 
-Every step (trainer.stop_check_every_n_steps=1) the ranks agree whether to stop, with one
-all-reduce (MAX) of two floats on CPU tensors. Measured two ways, on 2 local workers:
+The ranks agree on stop requests (and rank 0's "a timed save is due") with one all-reduce (MAX)
+of two floats on CPU tensors, pipelined: started at one check, read at the next. Measured two ways
+on 2 local workers:
 
-1. the bare collective: `Comm.max_each` in a loop (torch.distributed over Gloo, and Horovod);
-2. the training step of a small job (synthetic data, the MLP): median seconds per step from
-   metrics.jsonl, with the check every step against a check every 10**6 steps (never), runs
-   alternated so that drift of the machine hits both alike.
-
-Writes bench/results/stop_agreement.json and prints a table.
+1. the bare collective, waited for at once: `Comm.max_each` in a loop (torch.distributed over
+   Gloo, and Horovod when it is installed): its latency, what a blocking check would add;
+2. its cost in training (bench.step_cost's harness: the hot-loop job, configurations switched
+   every 20 steps inside one pair of processes, in a rotated order): the agreement every step
+   (trainer.stop_check_every_n_steps=1), at the default automatic interval
+   (stop_check_every_n_steps=null: every 2**k steps, about CHECK_INTERVAL_S of rank 0's measured
+   step time), and never (every 10**6 steps), each against the same loop without it; wall-clock
+   and CPU time (both workers), medians of the blocks.
 """
 from __future__ import annotations
 
@@ -16,15 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _env() -> Dict[str, str]:
@@ -43,7 +44,7 @@ def _gloo_worker(rank: int, port: int, n: int, out: str) -> None:
     from steadfast.comm import TorchDistComm
 
     comm = TorchDistComm(60)
-    for _ in range(200):
+    for _ in range(min(200, n)):
         comm.max_each([0.0, 0.0])
     times = []
     for _ in range(n):
@@ -75,7 +76,7 @@ def _hvd_worker(n: int) -> List[float]:
     from steadfast.comm_horovod import HorovodComm
 
     comm = HorovodComm()
-    for _ in range(200):
+    for _ in range(min(200, n)):
         comm.max_each([0.0, 0.0])
     times = []
     for _ in range(n):
@@ -89,64 +90,80 @@ def _hvd_worker(n: int) -> List[float]:
 def bare_horovod(n: int) -> List[float]:
     import horovod
 
+    from hydra_plugins.steadfast_launcher._backends.horovod import TUNING
+
     sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+    os.environ.update({k: os.environ.get(k) or v for k, v in TUNING.items()})  # as the launcher's Horovod backend
     return horovod.run(_hvd_worker, args=(n,), np=2, hosts="localhost:2", use_gloo=True, executable=sys.executable)[0]
 
 
-# ---- 2. the training step --------------------------------------------------------------------
-JOB = ["data=synthetic", "data.num_samples=16384", "data.batch_size=16", "trainer.max_epochs=2", "checkpoint=every_epoch",
-       "restart.monitor_interval=0.1", "trainer.log_every_n_steps=10", "logger.progress=none"]
+def _latency(times: List[float]) -> Dict[str, float]:
+    ordered = sorted(times)
+    return {"median_us": statistics.median(ordered) * 1e6, "p90_us": ordered[int(0.9 * len(ordered))] * 1e6, "n": len(ordered)}
 
 
-def step_time(backend: str, every: int, workdir: Path, i: int) -> float:
-    name = f"{backend}-{every}-{i}"
-    cmd = [sys.executable, "-m", "pipeline.train", *JOB, f"trainer.stop_check_every_n_steps={every}", f"run.name={name}",
-           f"hydra.sweep.dir={workdir}"] + (["backend=horovod"] if backend == "horovod" else [])
-    subprocess.run(cmd, env=_env(), check=True, capture_output=True)
-    rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
-    gaps = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(rows, rows[1:])
-            if b["step"] - a["step"] == 10 and b["epoch"] == a["epoch"]]
-    return statistics.median(gaps)
+# ---- 2. in training --------------------------------------------------------------------------
+CONFIGS = {"every step": "agreement@1", "auto (default)": "agreement", "never": "agreement@1000000"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def in_training(rounds: int, block: int) -> Dict[str, Any]:
+    from .step_cost import measure
+
+    res = measure(rounds, block, ",".join(["bare", *CONFIGS.values()]))
+    out: Dict[str, Any] = {"rounds": rounds, "block_steps": block, "auto_every_n_steps": res["agreement_every"],
+                           "bare_ms_per_step": res["ms_per_step"]["bare"]}
+    for label, config in CONFIGS.items():
+        out[label] = {"ms_per_step": res["ms_per_step"][config], "extra_us_per_step": res["extra_us_per_step"][config],
+                      "speed vs without": res["bare/config steps_per_s"][config],
+                      "extra_cpu_us_per_step": res["extra_cpu_us_per_step"][config],
+                      "speed per CPU-second vs without": res["bare/config steps per CPU-second"][config]}
+    return out
+
+
+def report(out: Dict[str, Any]) -> None:
+    print("\nThe all-reduce of 2 floats, waited for at once:")
+    for backend, c in out["collective"].items():
+        print(f"  {backend:<10} median {c['median_us']:8.1f} us   p90 {c['p90_us']:8.1f} us")
+    t = out["in_training"]
+    print(f"\nIn training ({t['rounds']} rounds of {t['block_steps']}-step blocks; a step without it {t['bare_ms_per_step']:.3f} ms;"
+          f" auto = every {t['auto_every_n_steps']} steps here)")
+    for label in CONFIGS:
+        r = t[label]
+        print(f"  {label:<15} {r['extra_us_per_step']:+8.1f} us/step (speed {r['speed vs without']:.3f})"
+              f"   CPU {r['extra_cpu_us_per_step']:+8.1f} us/step (per CPU-second {r['speed per CPU-second vs without']:.3f})")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .common import RESULTS, command_line, log, machine, write_json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    n = 500 if args.quick else 3000
-    repeats = 1 if args.quick else args.repeats
-    out: Dict[str, Any] = {"collective_us": {}, "step_ms": {}}
-    backends = ["torchrun"]
+    parser.add_argument("--tiny", action="store_true", help="a few of everything (smoke test)")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds of blocks in training")
+    parser.add_argument("--json", type=Path, default=RESULTS / "stop_agreement.json")
+    args = parser.parse_args(argv)
+    n, rounds, block = 3000, args.rounds, 20
+    if args.quick:
+        n, rounds = 500, 20
+    if args.tiny:
+        n, rounds, block = 50, 1, 5
+    out: Dict[str, Any] = {"benchmark": "stop_agreement", "command": command_line("bench.stop_agreement", argv), "machine": machine(),
+                           "collective": {}}
+    log(f"stop agreement: {n} bare all-reduces, {rounds} rounds in training")
+    out["collective"]["torchrun"] = _latency(bare_gloo(n))
     try:
         import horovod.torch  # noqa: F401
 
-        backends.append("horovod")
+        if not args.tiny:
+            out["collective"]["horovod"] = _latency(bare_horovod(n))
     except ImportError:
         pass
-    for backend in backends:
-        times = bare_gloo(n) if backend == "torchrun" else bare_horovod(n)
-        out["collective_us"][backend] = {"median": statistics.median(times) * 1e6, "p90": sorted(times)[int(0.9 * len(times))] * 1e6}
-    with tempfile.TemporaryDirectory() as tmp:
-        for backend in backends:
-            per: Dict[int, List[float]] = {1: [], 10**6: []}
-            for i in range(repeats):
-                for every in (10**6, 1):
-                    per[every].append(step_time(backend, every, Path(tmp), i))
-            out["step_ms"][backend] = {("every step" if k == 1 else "never"): [round(v * 1e3, 4) for v in vals] for k, vals in per.items()}
-    print(f"{'backend':<10} {'all-reduce of 2 floats (median, p90)':<38} {'step, check every step':<24} {'step, no check':<16} {'cost/step':<10}")
-    for backend in backends:
-        c = out["collective_us"][backend]
-        s = out["step_ms"][backend]
-        on, off = statistics.median(s["every step"]), statistics.median(s["never"])
-        out["step_ms"][backend]["cost_ms"] = round(on - off, 4)
-        print(f"{backend:<10} {c['median']:>7.1f} us, {c['p90']:>7.1f} us{'':<19} {on:>8.3f} ms{'':<13} {off:>8.3f} ms{'':<5} "
-              f"{on - off:+.3f} ms ({100 * (on - off) / off:+.1f}%)")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "stop_agreement.json").write_text(json.dumps(out, indent=2) + "\n")
+    out["in_training"] = in_training(rounds, block)
+    report(out)
+    write_json(args.json, out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

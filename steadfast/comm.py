@@ -29,10 +29,10 @@ class Pending:
     def __init__(self, finish: Any) -> None:
         self._finish, self._result = finish, None
 
-    def wait(self) -> List[float]:
+    def wait(self) -> Any:
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
-        return self._result  # type: ignore[return-value]
+        return self._result
 
 
 class Comm:
@@ -72,6 +72,11 @@ class Comm:
         overlaps the next step instead of adding its latency to this one. Every rank must start
         and wait in the same order, like any collective."""
         return Pending(lambda: [float(v) for v in values])
+
+    def start_sum(self, tensor: torch.Tensor) -> "Pending":
+        """`all_reduce_sum` without waiting: `.wait()` returns the summed tensor. Like start_max_each,
+        every rank must start and wait in the same order."""
+        return Pending(lambda: tensor)
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         """Every rank's object, in rank order, on rank 0 (None elsewhere)."""
@@ -134,6 +139,15 @@ class TorchDistComm(Comm):
         def finish() -> List[float]:
             work.wait()
             return t.tolist()
+
+        return Pending(finish)
+
+    def start_sum(self, tensor: torch.Tensor) -> Pending:
+        work = self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return tensor
 
         return Pending(finish)
 

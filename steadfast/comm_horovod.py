@@ -56,6 +56,10 @@ class HorovodComm(Comm):
         handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max, name="steadfast.control")
         return Pending(lambda: self.hvd.synchronize(handle).tolist())
 
+    def start_sum(self, tensor: torch.Tensor) -> Pending:
+        handle = self.hvd.allreduce_async(tensor, op=self.hvd.Sum, name="steadfast.telemetry")
+        return Pending(lambda: self.hvd.synchronize(handle))
+
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         gathered = self.hvd.allgather_object(obj)  # Horovod has no gather to one rank
         return gathered if self.rank == 0 else None

@@ -1,15 +1,21 @@
 """What a person sees of the loop: the loss and memory of every rank in metrics.jsonl, the progress
 display, TensorBoard; and the memory guard.
 
-The loss is summed on the device as the steps go (no host sync per step); every
-`log_every_n_steps` steps one all-reduce carries the loss window and every rank's peak memory
-(each rank in its own slot), so every rank sees the same numbers and takes the same decisions.
+The loss is summed on the device as the steps go (no host sync per step). Every
+`log_every_n_steps` steps one all-reduce carries the loss window, rank 0's time per step and
+every rank's peak memory (each rank in its own slot), so every rank sees the same numbers and
+takes the same decisions. It is pipelined like the stop agreement: started at one log step and
+read at the next, so its latency (a fraction of a millisecond, several on a loaded machine) never
+holds up a step; the row of step s is written at step s + log_every_n_steps, with step s's time.
+The epoch's end, a stop and the end of the run read what is in flight at once.
 """
 from __future__ import annotations
 
 import resource
+import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -21,6 +27,19 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+@dataclass
+class _Window:
+    """The numbers of one metrics window, their all-reduce in flight."""
+
+    step: Optional[int]  # None: the rest of an epoch, reduced for its mean only (no row)
+    epoch: int
+    time: float
+    wall: float
+    lr: Optional[float]
+    rss_mb: float  # this rank's, when the window closed
+    reduced: Any  # comm.Pending: the summed tensor
+
+
 class Telemetry:
     def __init__(self, comm: Any, record: RunRecord, progress_mode: str, progress_every_s: float, log_every_n_steps: int,
                  started: float, restarts: int, tensorboard_dir: Any = None, max_rss_mb: Optional[float] = None) -> None:
@@ -29,12 +48,14 @@ class Telemetry:
         self.cuda = comm.device.type == "cuda"
         self._window: Optional[torch.Tensor] = None  # summed losses since the last log, on the device
         self._count = 0
-        self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's logged windows
-        self.last_loss: Optional[float] = None  # the mean loss of the last logged window (all ranks)
+        self._in_flight: Optional[_Window] = None
+        self._over: Optional[Tuple[int, float]] = None  # (rank, MB) over max_rss_mb, read but not yet acted on
+        self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's reduced windows
+        self.last_loss: Optional[float] = None  # the mean loss of the last reduced window (all ranks)
         self.display = ProgressDisplay(progress_mode, progress_every_s, 0, 0, enabled=comm.rank == 0)
         self._tb_dir, self._tb = tensorboard_dir, None
         self.lr: Optional[float] = None
-        self.step_seconds: Optional[float] = None  # rank 0's time per step over the last window, the same on every rank
+        self.step_seconds: Optional[float] = None  # rank 0's time per step over a recent window, the same on every rank
         self._window_start = (0, time.perf_counter())  # (step, time) where the current window began
 
     def plan(self, total_steps: int, max_epochs: int) -> None:
@@ -48,42 +69,54 @@ class Telemetry:
         self._count += 1
 
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
-        """Per step: the display; every log_every_n_steps a metrics row. Returns (rank, MB) when a
-        rank's peak memory passed max_rss_mb (the same answer on every rank), else None."""
+        """Per step: the display; every log_every_n_steps the previous window's metrics row and the
+        next window's all-reduce. Returns (rank, MB) when a rank's peak memory passed max_rss_mb
+        (the same answer on every rank, at the first step after the window that showed it was read), else None."""
         if step % self.every:
             self.display.update(step, epoch)
-            return None
-        mean, rss, extra = self._reduce(step)
-        row: Dict[str, Any] = {"step": step, "epoch": epoch}
-        if mean is not None:
-            row["loss"] = round(mean, 6)
-        if self.lr is not None:
-            row["lr"] = self.lr
-        self.metrics(**row, wall=round(time.time() - self.started, 3), restart=self.restarts, rss_mb=peak_rss_mb(),
-                     rss_mb_per_rank=rss, rss_mb_max=max(rss), **extra)
-        self.display.update(step, epoch, mean)
-        if self.max_rss_mb and max(rss) > self.max_rss_mb:
-            return rss.index(max(rss)), max(rss)
-        return None
+            return self._pop_over()
+        self._collect()
+        over = self._pop_over()
+        self._in_flight = self._start(step, epoch)
+        if self.last_loss is None:
+            self.display.update(step, epoch)
+        else:
+            self.display.update(step, epoch, self.last_loss)
+        return over
 
-    def _reduce(self, step: Optional[int] = None) -> Tuple[Optional[float], List[float], Dict[str, Any]]:
-        """One all-reduce: the loss window, rank 0's time per step, and every rank's peak memory in its own slot."""
+    def _start(self, step: Optional[int], epoch: int) -> _Window:
+        """This window's numbers, packed, their all-reduce started: the loss sum and count, rank 0's
+        time per step, and every rank's peak memory in its own slot."""
         ws = self.comm.world_size
-        packed = torch.zeros(3 + ws * (2 if self.cuda else 1), dtype=torch.float64)
         now = time.perf_counter()
         first, then = self._window_start
+        packed = torch.zeros(3 + ws * (2 if self.cuda else 1), dtype=torch.float64, device=self.comm.device)
+        if self._window is not None:
+            packed[0] = self._window  # stays on the device: no host sync
+        packed[1] = self._count
         if self.comm.rank == 0 and step is not None and step > first:
             packed[-1] = (now - then) / (step - first)
         if step is not None:
             self._window_start = (step, now)
-        if self._window is not None:
-            packed[0] = float(self._window)
-        packed[1] = self._count
-        packed[2 + self.comm.rank] = peak_rss_mb()
+        rss = peak_rss_mb()
+        packed[2 + self.comm.rank] = rss
         if self.cuda:
             packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
-        packed = self.comm.all_reduce_sum(packed.to(self.comm.device)).cpu()
         self._window, self._count = None, 0
+        return _Window(step, epoch, time.time(), time.time() - self.started, self.lr, rss, self.comm.start_sum(packed))
+
+    def _pop_over(self) -> Optional[Tuple[int, float]]:
+        over, self._over = self._over, None
+        return over
+
+    def _collect(self) -> None:
+        """The window in flight, if any: its reduced numbers into the epoch's sums, its metrics row,
+        and (rank, MB) kept for the next after_step if a rank's peak memory passed max_rss_mb."""
+        window, self._in_flight = self._in_flight, None
+        if window is None:
+            return
+        packed = window.reduced.wait().cpu()
+        ws = self.comm.world_size
         total, batches = float(packed[0]), int(packed[1])
         self._epoch[0] += total
         self._epoch[1] += batches
@@ -93,12 +126,25 @@ class Telemetry:
         if float(packed[-1]) > 0:
             self.step_seconds = float(packed[-1])
         rss = [round(v, 1) for v in packed[2 : 2 + ws].tolist()]
+        if self.max_rss_mb and max(rss) > self.max_rss_mb and self._over is None:
+            self._over = rss.index(max(rss)), max(rss)
+        if window.step is None:
+            return
+        row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step, "epoch": window.epoch}
+        if mean is not None:
+            row["loss"] = round(mean, 6)
+        if window.lr is not None:
+            row["lr"] = window.lr
         extra = {"cuda_mb_per_rank": [round(v, 1) for v in packed[2 + ws : 2 + 2 * ws].tolist()]} if self.cuda else {}
-        return mean, rss, extra
+        self.metrics(**row, wall=round(window.wall, 3), restart=self.restarts, rss_mb=window.rss_mb,
+                     rss_mb_per_rank=rss, rss_mb_max=max(rss), **extra)
 
     def end_epoch(self) -> Optional[float]:
-        """The epoch's mean loss over every rank and batch (collective); starts the next epoch's count."""
-        self._reduce()
+        """The epoch's mean loss over every rank and batch (collective; reads what is in flight at
+        once); starts the next epoch's count."""
+        self._collect()
+        self._in_flight = self._start(None, 0)
+        self._collect()
         total, batches = self._epoch
         self._epoch = [0.0, 0]
         return total / batches if batches else None
@@ -124,7 +170,13 @@ class Telemetry:
                     self._tb.add_scalar(f"system/{key[:-9]}/rank{r}", v, step)
 
     def close(self) -> None:
+        """The last window's row (every rank, at the same step), unless an error is unwinding: then a
+        peer may be gone and what is in flight is left."""
+        if self._in_flight is not None and sys.exc_info()[0] is None:
+            self._collect()
+        self._in_flight = None
         self.display.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+

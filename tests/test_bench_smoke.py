@@ -37,12 +37,10 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
 
 
 # ---- the other benchmark scripts, each once on its --tiny size -----------------------------------
-# Each launches real jobs (1-2 runs of a few seconds); `python -m pipeline.train` runs use
-# backend.start_method=fork here (STEADFAST_BENCH_OVERRIDES) to keep the whole file under a minute.
+# Each launches real jobs (1-2 runs of a few seconds) with the default configuration.
 def _run_bench(tmp_path: Path, module: str, *args: str, timeout: float = 150) -> dict:
     out = tmp_path / f"{module}.json"
     e = env()
-    e["STEADFAST_BENCH_OVERRIDES"] = "backend.start_method=fork"
     cmd = [sys.executable, "-m", f"bench.{module}", "--tiny", *args, "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -94,6 +92,15 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
     if r.get("skipped"):
         return  # set up without Horovod
     assert _positive(r["steps_per_s"]["horovod"]["median"]) and _positive(r["ttfs_s"]["horovod"]["median"])
+
+
+@pytest.mark.slow
+def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
+    r = _run_bench(tmp_path, "step_cost")
+    assert all(_positive(v) for v in r["ms_per_step"].values()) and set(r["ms_per_step"]) >= {"bare", "run_step"}
+    r = _run_bench(tmp_path, "stop_agreement")
+    assert _positive(r["collective"]["torchrun"]["median_us"])
+    assert all(_positive(r["in_training"][k]["ms_per_step"]) for k in ("every step", "auto (default)", "never"))
 
 
 @pytest.mark.slow

@@ -99,11 +99,12 @@ def test_memory_guard_stops_after_a_checkpoint_and_metrics_reach_tensorboard(tmp
     assert proc.returncode == 1
     assert "stopped: peak resident memory of rank" in proc.stderr and "trainer.max_rss_mb=50" in proc.stderr
     hit = event_of(folder, "memory_limit")
-    assert hit["step"] == 10 and hit["saved"] and committed_steps(folder) == [10]
     assert summary(folder)["status"] == "memory_limit"
     assert not event_of(folder, "relaunch") and not event_of(folder, "attempt_started", restart=1), "not restarted"
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 10 and len(rows[0]["rss_mb_per_rank"]) == 2 and rows[0]["rss_mb_max"] > 50
+    # acted on when step 10's (pipelined) all-reduce is read: within one log interval, after a checkpoint
+    assert 10 < hit["step"] <= 20 and hit["saved"] and committed_steps(folder)[-1] == hit["step"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(folder / "tensorboard"))

@@ -1,0 +1,235 @@
+"""Where a training step's time goes: the library's per-step work, piece by piece, inside one run.
+
+    python -m bench.step_cost [--rounds 12] [--block 40] [--quick | --tiny] [--json PATH]
+
+Wall-clock ratios between separate runs move with other tenants' load (+-10% here); this
+benchmark measures inside one pair of processes instead. Two workers under torchrun train the
+hot-loop job (bench.common.HOT: MLP 256-512-512-10, batch 64, SGD, Gloo) and switch every
+`--block` steps between configurations, in a rotated order, `--rounds` times; each
+configuration's time per step is the median of its blocks, as a ratio to `bare`, in wall-clock
+time (rank 0) and in CPU time (both workers' processes, every thread: what the step costs the
+machine, which other tenants' load hardly moves):
+
+  bare        batches indexed out of the in-memory tensors, forward, backward, SGD step
+  loader      the same batches through the library's loader (ResumableSampler + TensorBatches)
+  heartbeat   bare + the heartbeat's pwrite every step
+  telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
+  agreement   bare + the stop agreement (its automatic interval: every 2**k steps, about 50 ms)
+  run_step    what steadfast.Run.step does: all of the above, in its order (with the loader)
+  reduce_sync   bare + only a blocking all-reduce of 8 floats every 10 steps (telemetry's collective)
+  reduce_async  bare + only an all-reduce of 2 floats every `agreement.every` steps, started at one
+                and waited for at the next (the agreement's collective)
+
+Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("bare", "loader", "heartbeat", "telemetry", "agreement", "run_step", "reduce_sync", "reduce_async")
+# NAME@N: the configuration with the stop agreement every N steps instead of its automatic interval
+CHECK_INTERVAL_S = 0.05  # as steadfast.Run's automatic stop_check_every_n_steps
+
+
+def _worker(args: argparse.Namespace) -> None:
+    sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
+    import torch
+    import torch.nn.functional as F
+
+    from bench.common import HOT
+    from pipeline.data import synthetic
+    from pipeline.models import MLP
+    from steadfast.agreement import StopAgreement
+    from steadfast.comm import TorchDistComm
+    from steadfast.contract.heartbeat import Heartbeat
+    from steadfast.data import ResumableSampler, TensorBatches
+    from steadfast.records import RunRecord
+    from steadfast.state import Progress
+    from steadfast.telemetry import Telemetry
+
+    comm = TorchDistComm(120)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))
+    torch.manual_seed(0)
+    job = HOT
+    data = synthetic(num_samples=job.num_samples, num_features=job.num_features, num_classes=job.num_classes, val_fraction=0.2, seed=0)
+    model = comm.wrap_model(MLP(data.input_shape, data.num_classes, list(job.hidden), dropout=0.1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    features, labels = data.train.tensors
+    folder = Path(args.dir)
+    progress = Progress()
+    sampler = ResumableSampler(len(features), comm.world_size, comm.rank, 0, job.batch_size, True, progress)
+    record = RunRecord(folder, comm.rank)
+    beat = Heartbeat(folder / "heartbeats", comm.rank)
+    telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
+    agreement = StopAgreement(comm, 1)
+
+    def slices() -> Iterator[Tuple[Any, Any]]:
+        g = torch.Generator()
+        g.manual_seed(progress.epoch)
+        order = torch.randperm(len(features), generator=g)
+        order = order[: len(order) - len(order) % comm.world_size][comm.rank :: comm.world_size]
+        for begin in range(0, len(order), job.batch_size):
+            index = order[begin : begin + job.batch_size]
+            yield features[index], labels[index]
+
+    def library() -> Iterator[Tuple[Any, Any]]:
+        return iter(TensorBatches((features, labels), sampler, job.batch_size))
+
+    def retune() -> None:  # steadfast.Run._retune_checks
+        per_step = telemetry.step_seconds
+        if per_step and not fixed:
+            every = 1
+            while every * 2 * per_step <= CHECK_INTERVAL_S and every * 2 <= 200:
+                every *= 2
+            agreement.every = every
+
+    fixed: List[int] = []
+
+    def after(name: str, loss: Any) -> None:
+        p = progress
+        p.global_step += 1
+        p.batch_in_epoch += 1
+        p.sample_in_epoch += job.batch_size * comm.world_size
+        if name in ("telemetry", "run_step"):
+            telemetry.add_loss(loss)
+            telemetry.after_step(p.global_step, p.epoch)
+            if p.global_step % telemetry.every == 0:
+                retune()
+        if name in ("heartbeat", "run_step"):
+            beat.beat(p.global_step, "train")
+        if name in ("agreement", "run_step"):
+            agreement.at_step(p.global_step, lambda: False)
+        if name == "reduce_sync" and p.global_step % telemetry.every == 0:
+            comm.all_reduce_sum(torch.zeros(8, dtype=torch.float64))
+        if name == "reduce_async" and p.global_step % agreement.every == 0:
+            if pending:
+                pending.pop().wait()
+            pending.append(comm.start_max_each([0.0, 0.0]))
+
+    pending: List[Any] = []
+
+    batches: Dict[str, Optional[Iterator[Any]]] = {"slices": None, "library": None}
+
+    def next_batch(kind: str) -> Tuple[Any, Any]:
+        while True:
+            it = batches[kind]
+            if it is not None:
+                try:
+                    return next(it)
+                except StopIteration:
+                    pass
+            progress.epoch, progress.batch_in_epoch, progress.sample_in_epoch = progress.epoch + 1, 0, 0
+            batches["slices"], batches["library"] = slices(), library()
+
+    def block(config: str, steps: int) -> Tuple[float, float]:
+        name, _, every = config.partition("@")
+        kind = "library" if name in ("loader", "run_step") else "slices"
+        auto = agreement.every
+        fixed[:] = [int(every)] if every else []
+        agreement.every = int(every) if every else auto
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            x, y = next_batch(kind)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            after(name, loss)
+        agreement.drain()
+        while pending:
+            pending.pop().wait()
+        if every:
+            agreement.every = auto
+        return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
+
+    block("run_step", 3 * args.block)  # warm-up (and the first step-time measurement for the agreement's interval)
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    times: Dict[str, List[float]] = {name: [] for name in configs}
+    cpu: Dict[str, List[float]] = {name: [] for name in configs}
+    for r in range(args.rounds):
+        k = r % len(configs)
+        for name in configs[k:] + configs[:k]:
+            wall, used = block(name, args.block)
+            times[name].append(wall)
+            cpu[name].append(used)
+    telemetry.close()
+    every_rank = comm.gather_object(cpu)
+    comm.shutdown()
+    if comm.rank == 0:
+        total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
+        Path(args.out).write_text(json.dumps({"seconds_per_step": times, "cpu_seconds_per_step": total, "agreement_every": agreement.every}))
+
+
+def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) -> Dict[str, Any]:
+    from .common import TORCHRUN, env
+
+    with tempfile.TemporaryDirectory(prefix="steadfast-step-cost-") as tmp:
+        out = Path(tmp) / "times.json"
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()), "--worker",
+               "--rounds", str(rounds), "--block", str(block), "--dir", tmp, "--out", str(out), *(["--configs", configs] if configs else [])]
+        done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+        if not out.exists():
+            raise RuntimeError(f"step_cost workers failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        raw = json.loads(out.read_text())
+    per = {k: statistics.median(v) for k, v in raw["seconds_per_step"].items()}
+    cpu = {k: statistics.median(v) for k, v in raw["cpu_seconds_per_step"].items()}
+    first = next(iter(per))  # "bare", unless --configs says otherwise
+    bare, bare_cpu = per[first], cpu[first]
+    return {"rounds": rounds, "block_steps": block, "agreement_every": raw["agreement_every"],
+            "ms_per_step": {k: v * 1e3 for k, v in per.items()},
+            "extra_us_per_step": {k: (v - bare) * 1e6 for k, v in per.items()},
+            "bare/config steps_per_s": {k: bare / v for k, v in per.items()},
+            "cpu_ms_per_step (both workers)": {k: v * 1e3 for k, v in cpu.items()},
+            "extra_cpu_us_per_step": {k: (v - bare_cpu) * 1e6 for k, v in cpu.items()},
+            "bare/config steps per CPU-second": {k: bare_cpu / v for k, v in cpu.items()},
+            "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["seconds_per_step"].items()},
+            "cpu_samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["cpu_seconds_per_step"].items()}}
+
+
+def report(res: Dict[str, Any]) -> None:
+    print(f"\nStep cost ({res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every {res['agreement_every']} steps)")
+    for k in res["ms_per_step"]:
+        print(f"  {k:<10} {res['ms_per_step'][k]:7.3f} ms/step  {res['extra_us_per_step'][k]:+8.1f} us  "
+              f"speed vs bare {res['bare/config steps_per_s'][k]:.3f}   CPU {res['cpu_ms_per_step (both workers)'][k]:7.3f} ms/step"
+              f"  {res['extra_cpu_us_per_step'][k]:+8.1f} us  per CPU-second vs bare {res['bare/config steps per CPU-second'][k]:.3f}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--block", type=int, default=20)
+    p.add_argument("--configs", default="", help=f"comma-separated, from {', '.join(CONFIGS)} (NAME@N: the agreement every N steps)")
+    p.add_argument("--quick", action="store_true", help="15 rounds")
+    p.add_argument("--tiny", action="store_true", help="1 round of 5-step blocks (smoke test)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    from .common import RESULTS, command_line, log, machine, write_json
+
+    rounds, block = (15 if args.quick else args.rounds), args.block
+    if args.tiny:
+        rounds, block = 1, 5
+    log(f"step cost: {rounds} rounds of {block}-step blocks")
+    out = {"benchmark": "step_cost", "command": command_line("bench.step_cost", argv), "machine": machine(), **measure(rounds, block, args.configs)}
+    report(out)
+    write_json(args.json or RESULTS / "step_cost.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
