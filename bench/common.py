@@ -9,14 +9,12 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from steadfast.contract import events as event_log
 from steadfast.contract.events import Event
 from steadfast.contract.files import METRICS_FILE, read_jsonl
+
+from .cpu import CpuSampler, cpu_counters, foreign_load
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -180,78 +180,6 @@ class Run:
         return self.output[-n:]
 
 
-def _cpu_counters() -> Tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, stolen by the hypervisor, used by our finished children)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (user + nice + system + irq + softirq) / tick, steal / tick, ru.ru_utime + ru.ru_stime
-
-
-def _load(before: Tuple[float, float, float], wall: float) -> Dict[str, float]:
-    """How much of the machine other tenants used during a run (our own process tree left out)."""
-    busy, steal, ours = (b - a for a, b in zip(before, _cpu_counters()))
-    capacity = max(wall, 1e-9) * (os.cpu_count() or 1)
-    return {"our_cpu_s": round(ours, 2), "foreign_cpu_s": round(max(0.0, busy - ours), 2), "steal_s": round(steal, 2),
-            "foreign_share": round(max(0.0, busy - ours + steal) / capacity, 3)}
-
-
-class CpuSampler(threading.Thread):
-    """Samples the CPU time (user + system) of a process and of its descendants every `period` s.
-
-    Unlike wall-clock speed, CPU seconds per step hardly move when other tenants take the
-    cores: it is the low-noise measure of what each step costs. Processes that end keep their
-    last reading, so the sums only grow.
-    """
-
-    def __init__(self, root: int, period: float = 0.2) -> None:
-        super().__init__(daemon=True)
-        self.root, self.period = root, period
-        self.stop = threading.Event()
-        self.samples: List[Tuple[float, float, float]] = []  # (time, root's CPU s, descendants' CPU s)
-        self._last: Dict[int, float] = {}
-        self._tick = os.sysconf("SC_CLK_TCK")
-
-    def _read(self) -> Tuple[float, float]:
-        tree, frontier = [], [self.root]
-        while frontier:  # walk down /proc/<pid>/task/<tid>/children (cheaper than scanning /proc)
-            pid = frontier.pop()
-            tree.append(pid)
-            try:
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    frontier.extend(int(c) for c in (task / "children").read_text().split())
-            except OSError:
-                continue
-        for pid in tree:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-                cpu = (int(fields[11]) + int(fields[12])) / self._tick
-            except (OSError, ValueError, IndexError):
-                continue
-            self._last[pid] = max(self._last.get(pid, 0.0), cpu)
-        root = self._last.get(self.root, 0.0)
-        return root, sum(v for pid, v in self._last.items() if pid != self.root)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            t = time.time()
-            root, rest = self._read()
-            self.samples.append((t, root, rest))
-            self.stop.wait(self.period)
-
-    def at(self, t: float) -> Optional[Tuple[float, float]]:
-        """(root, descendants) CPU seconds at time t, linearly interpolated between samples."""
-        s = self.samples
-        if len(s) < 2 or not s[0][0] <= t <= s[-1][0]:
-            return None
-        for a, b in zip(s, s[1:]):
-            if a[0] <= t <= b[0]:
-                w = (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
-                return a[1] + w * (b[1] - a[1]), a[2] + w * (b[2] - a[2])
-        return None
-
-
 def _communicate(proc: subprocess.Popen, timeout: float) -> Tuple[Optional[int], str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -301,7 +229,7 @@ def start_ours(work: Workdir, name: str, overrides: Sequence[str], trace: Option
     if "backend=horovod" in overrides:
         extra = [o for o in extra if not o.startswith("backend.")]
     cmd = [PY, *python_flags, "-m", "pipeline.train", *cli_flags, *overrides, *extra, f"run.name={name}"]
-    work.counters = _cpu_counters()
+    work.counters = cpu_counters()
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace, extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -316,7 +244,7 @@ def finish_ours(proc: subprocess.Popen, started: float, folder: Path, timeout: f
     wall = time.time() - started
     run = Run("ours", started, wall, rc, out, folder, event_log.read(folder), read_jsonl(folder / METRICS_FILE), pid=proc.pid)
     if counters is not None:
-        run.extra["load"] = _load(counters, wall)
+        run.extra["load"] = foreign_load(counters, wall)
     if sampler is not None:
         run.extra["cpu"] = sampler
     if not keep:
@@ -341,7 +269,7 @@ def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trac
     records = folder / "records.jsonl"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(job.workers), str(ROOT / "bench" / "baseline_ddp.py"),
            *job.baseline_args(), "--loader", loader, "--out", str(records)]
-    counters = _cpu_counters()
+    counters = cpu_counters()
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -355,7 +283,7 @@ def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trac
     rows = read_jsonl(records)  # the baseline's own records: its kinds ("first_step", "done") are not our events
     events = [{**r, "restart": 0} for r in rows if "event" in r]
     metrics = [{**r, "loss": r.get("loss", 0.0)} for r in rows if "event" not in r]
-    extra: Dict[str, Any] = {"load": _load(counters, wall)}
+    extra: Dict[str, Any] = {"load": foreign_load(counters, wall)}
     if sampler:
         extra["cpu"] = sampler
     if rc not in (0, None) and any(e["event"] == "done" for e in events) and "terminate called" in out:

@@ -21,7 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import RESULTS, ROOT, _cpu_counters, _load, log, machine, write_json
+from .common import RESULTS, ROOT, log, machine, write_json
+from .cpu import cpu_counters, foreign_load
 
 # name, module, [arguments]: expected seconds on the 2-core reference machine when nobody else
 # uses it (full, quick).
@@ -78,9 +79,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                               "budget_s": args.budget, "benchmarks": {}}
     failed = []
     # Other tenants' share of the machine right now: the first guess of how much slower than expected it runs.
-    before = _cpu_counters()
+    before = cpu_counters()
     time.sleep(2.0)
-    record["foreign_share_at_start"] = _load(before, 2.0)["foreign_share"]
+    record["foreign_share_at_start"] = foreign_load(before, 2.0)["foreign_share"]
     prior = slow = 1.0 + record["foreign_share_at_start"]
     spent = expected = 0.0  # how the machine keeps up with the expected durations so far
     for i, (name, module, extra, (full_s, quick_s)) in enumerate(suite):

@@ -22,7 +22,7 @@ OURS = ("steadfast", "pipeline", "hydra_plugins", "bench", "tests", "helpers", "
 MAX_LINES = 450
 SKIP_DIRS = {".venv", ".git", "outputs", "build", "dist", "__pycache__", "steadfast.egg-info", "multirun"}
 # Over MAX_LINES today and outside the launcher's area (their owners split them): reported, not failed.
-KNOWN_OVER = ["bench/common.py"]
+KNOWN_OVER: List[str] = []
 
 
 def module_name(path: Path, root: Path, prefix: str) -> str:
