@@ -77,14 +77,17 @@ def test_damage_is_detected(tmp_path: Path) -> None:
         tensorfile.load(path)  # even without a manifest, a truncated file does not parse
 
 
-def test_committed_lists_by_step_number_and_ignores_partial_folders(tmp_path: Path) -> None:
-    for step in (9, 10, 100):
-        (tmp_path / mf.step_dir_name(step)).mkdir()
-        (tmp_path / mf.step_dir_name(step) / mf.MANIFEST).write_text("{}")
+def test_committed_lists_by_commit_sequence_and_ignores_partial_folders(tmp_path: Path) -> None:
+    m = manager(tmp_path, keep_last=10)
+    for step in (100, 9, 10):  # committed in this order: 10 is the newest, whatever the step numbers say
+        m.save(step, {"model": Box({"w": torch.ones(1)})}, {}, {})
+    m.close()
     (tmp_path / mf.step_dir_name(1000)).mkdir()  # no manifest: not committed
     (tmp_path / f"{mf.TMP_PREFIX}step_000002000-abc").mkdir()
     (tmp_path / "step_5").mkdir()
-    assert [s for s, _ in mf.committed(tmp_path)] == [100, 10, 9]
+    assert [s for s, _ in mf.committed(tmp_path)] == [10, 9, 100]
+    assert [mf.read(p)["commit"] for _, p in mf.committed(tmp_path)] == [3, 2, 1]
+    assert mf.newest_manifest(tmp_path)["step"] == 10
 
 
 def test_training_config_changes_separate_safe_keys() -> None:

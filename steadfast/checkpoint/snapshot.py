@@ -23,11 +23,11 @@ import torch
 
 from .tensorfile import Entry, Layout
 
-Key = Tuple[str, int]  # (device type, data pointer) of a tensor's first element
+Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 
 
 def _key(t: torch.Tensor) -> Key:
-    return (t.device.type, t.data_ptr())
+    return (t.is_cuda, t.data_ptr())
 
 
 def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer], Set[Key]]:
@@ -84,8 +84,10 @@ class Snapshot:
         for name, layout in layouts.items():
             dst = buffers.get(name, layout.data_bytes, pinned=on_gpu)
             self.data[name] = dst
-            now = [e for e in layout.entries if _key(e.tensor) not in deferred]
-            later = [e for e in layout.entries if _key(e.tensor) in deferred]
+            now: List[Entry] = []
+            later: List[Entry] = []
+            for e in layout.entries:
+                (later if (e.tensor.is_cuda, e.tensor.data_ptr()) in deferred else now).append(e)
             _copy(now, dst)
             if later:
                 self._later.append((later, dst))

@@ -19,12 +19,14 @@ node kinds above. Tensors are ordered by element size (largest first), so each i
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -63,16 +65,13 @@ def _error(name: str, what: str, reason: str = "format") -> TensorFileError:
 
 
 # ---- writing ---------------------------------------------------------------------------------------
-@dataclass
 class Entry:
     """One tensor of a file: its name, dtype code, shape, span in the data and the tensor itself."""
 
-    name: str
-    code: str
-    shape: Tuple[int, ...]
-    begin: int
-    end: int
-    tensor: torch.Tensor
+    __slots__ = ("name", "code", "shape", "begin", "end", "tensor")
+
+    def __init__(self, name: str, code: str, shape: Tuple[int, ...], begin: int, end: int, tensor: torch.Tensor) -> None:
+        self.name, self.code, self.shape, self.begin, self.end, self.tensor = name, code, shape, begin, end, tensor
 
 
 @dataclass
@@ -88,22 +87,26 @@ class Layout:
     def header(self) -> bytes:
         """The length prefix and the padded JSON header (built once)."""
         if self._header is None:
-            meta = dict(FORMAT_META)
-            if self.skeleton is not None:
-                meta[TREE_KEY] = json.dumps(self.skeleton, separators=(",", ":"))
-            if self.metadata:
-                meta.update(self.metadata)
-            head: Dict[str, Any] = {"__metadata__": meta}
-            for e in self.entries:
-                head[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-            text = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
-            padded = len(text) + (-(8 + len(text)) % ALIGN)
-            if padded > MAX_HEADER_BYTES or json_values(text) > MAX_HEADER_VALUES:
-                raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and "
-                                 f"{json_values(text)} JSON values; the loader accepts at most {MAX_HEADER_BYTES} "
-                                 f"bytes and {MAX_HEADER_VALUES} values: split the state into more objects")
-            self._header = padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
+            with gc_paused():
+                self._header = self._build_header()
         return self._header
+
+    def _build_header(self) -> bytes:
+        meta = dict(FORMAT_META)
+        if self.skeleton is not None:
+            meta[TREE_KEY] = json.dumps(self.skeleton, separators=(",", ":"))
+        if self.metadata:
+            meta.update(self.metadata)
+        head: Dict[str, Any] = {"__metadata__": meta}
+        for e in self.entries:
+            head[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+        text = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+        padded = len(text) + (-(8 + len(text)) % ALIGN)
+        if padded > MAX_HEADER_BYTES or json_values(text) > MAX_HEADER_VALUES:
+            raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and "
+                             f"{json_values(text)} JSON values; the loader accepts at most {MAX_HEADER_BYTES} "
+                             f"bytes and {MAX_HEADER_VALUES} values: split the state into more objects")
+        return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
 
     @property
     def size(self) -> int:
@@ -112,9 +115,8 @@ class Layout:
     def buffers(self) -> List[Any]:
         """The file's bytes as buffers straight over the tensors' memory (host copies of device tensors)."""
         out: List[Any] = [self.header()]
-        for e in self.entries:
-            if e.end > e.begin:
-                out.append(host_bytes(e.tensor))
+        with gc_paused():
+            out += [host_bytes(e.tensor) for e in self.entries if e.end > e.begin]
         return out
 
     def copy_into(self, dst: torch.Tensor, entries: Optional[List[Entry]] = None) -> None:
@@ -132,68 +134,69 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def host_bytes(t: torch.Tensor) -> Any:
     """A buffer over a tensor's bytes in host memory, without a copy when it is already there."""
-    t = t.detach().resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    buf = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    if not (t.is_cpu and t.is_contiguous()) or (t.is_complex() and t.is_conj()) or t.is_neg():
+        t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
+    buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
     buf._keep = t  # type: ignore[attr-defined]  # the tensor lives as long as the buffer
     return buf
 
 
+_STRIDED = torch.strided
+
+
 class _Planner:
+    """Walks a state once: its skeleton (copies of every non-tensor value) and its tensors' entries.
+    Tensors are named by their dotted path in the state; a path is also what an error names."""
+
     def __init__(self) -> None:
         self.entries: List[Entry] = []
         self.names: set = {"__metadata__"}
 
-    def name(self, path: List[str]) -> str:
-        base = ".".join(path) or "tensor"
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}#{k}"
+    def tensor(self, t: torch.Tensor, path: str) -> str:
+        code = CODES.get(t.dtype)  # quantized dtypes are not there
+        if code is None or t.layout is not _STRIDED:
+            raise TypeError(f"cannot store a tensor of dtype {t.dtype} and layout {t.layout} at {path or 'the top'} "
+                            f"(safetensors stores strided tensors of {', '.join(str(d).removeprefix('torch.') for d in CODES)})")
+        name = path or "tensor"
+        if name in self.names:
+            k = 1
+            while f"{name}#{k}" in self.names:
+                k += 1
+            name = f"{name}#{k}"
         self.names.add(name)
+        self.entries.append(Entry(name, code, tuple(t.shape), 0, t.numel() * ITEMSIZE[code], t))
         return name
 
-    def tensor(self, t: torch.Tensor, path: List[str], where: str) -> str:
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise TypeError(f"cannot store a {t.layout} / quantized / meta tensor at {where} in a checkpoint")
-        code = CODES.get(t.dtype)
-        if code is None:
-            raise TypeError(f"cannot store a tensor of dtype {t.dtype} at {where} (safetensors has no such dtype; "
-                            f"allowed: {', '.join(str(d).removeprefix('torch.') for d in CODES)})")
-        name = self.name(path)
-        self.entries.append(Entry(name, code, tuple(t.shape), 0, t.numel() * ITEMSIZE[code], t.detach()))
-        return name
-
-    def encode(self, obj: Any, path: List[str], depth: int) -> Any:
-        where = "state" + "".join(f"[{p!r}]" for p in path)
-        if depth > MAX_DEPTH:
-            raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {where}")
+    def encode(self, obj: Any, path: str, depth: int) -> Any:
         if isinstance(obj, torch.Tensor):
-            return {"__t": self.tensor(obj, path, where)}
+            return {"__t": self.tensor(obj, path)}
+        if depth >= MAX_DEPTH:
+            raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {path}")
+        prefix = f"{path}." if path else ""
+        if isinstance(obj, dict):
+            items = []
+            for k, v in obj.items():
+                if k.__class__ is not str and (not isinstance(k, (str, int)) or isinstance(k, bool)):
+                    raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path or 'the top'}")
+                if isinstance(v, torch.Tensor):  # the common case, without a call of encode
+                    items.append([k, {"__t": self.tensor(v, f"{prefix}{k}")}])
+                else:
+                    items.append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
+            return {"__d": items}
+        if isinstance(obj, (list, tuple)):
+            nodes = [self.encode(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
+            return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
         if isinstance(obj, np.ndarray):
             try:
                 t = torch.from_numpy(np.ascontiguousarray(obj))
             except (TypeError, ValueError) as exc:
-                raise TypeError(f"cannot store a numpy array of dtype {obj.dtype} at {where}: {exc}") from None
-            return {"__n": self.tensor(t, path, where)}
-        if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {where}")
-                items.append([k, self.encode(v, path + [str(k)], depth + 1)])
-            return {"__d": items}
-        if isinstance(obj, (list, tuple)):
-            nodes = [self.encode(v, path + [str(i)], depth + 1) for i, v in enumerate(obj)]
-            return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
+                raise TypeError(f"cannot store a numpy array of dtype {obj.dtype} at {path}: {exc}") from None
+            return {"__n": self.tensor(t, path)}
         if isinstance(obj, np.generic):
             return obj.item()
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
-        raise TypeError(f"cannot store an object of type {type(obj).__name__} at {where} in a checkpoint")
+        raise TypeError(f"cannot store an object of type {type(obj).__name__} at {path or 'the top'} in a checkpoint")
 
 
 def _place(entries: List[Entry]) -> int:
@@ -207,10 +210,24 @@ def _place(entries: List[Entry]) -> int:
     return offset
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while a state's many small objects are made (a full collection in the
+    middle costs more than the rest of the work)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan(tree: Any) -> Layout:
     """The layout of `tree`'s file; the skeleton holds copies of every non-tensor value."""
     planner = _Planner()
-    skeleton = planner.encode(tree, [], 0)
+    with gc_paused():
+        skeleton = planner.encode(tree, "", 0)
     data_bytes = _place(planner.entries)
     return Layout(skeleton, planner.entries, data_bytes)
 
@@ -229,7 +246,7 @@ def export_safetensors(state_dict: Dict[str, torch.Tensor], path: Path) -> Tuple
         if not isinstance(name, str) or name == "__metadata__" or not isinstance(t, torch.Tensor):
             raise TypeError(f"export_safetensors needs str -> tensor (not '__metadata__'); got {name!r}: {type(t).__name__}")
         planner = _Planner()
-        planner.tensor(t, [name], name)
+        planner.tensor(t, name)
         entries.append(planner.entries[0])
     entries.sort(key=lambda e: e.name)
     layout = Layout(None, entries, _place(entries))
@@ -271,7 +288,7 @@ def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tupl
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise _error(name, f"tensor {tname[:80]!r}: needs exactly dtype, shape and data_offsets")
         code, shape, span = info["dtype"], info["shape"], info["data_offsets"]
-        if code not in DTYPES:
+        if not isinstance(code, str) or code not in DTYPES:
             raise _error(name, f"tensor {tname[:80]!r}: unknown dtype {str(code)[:20]!r}")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
             raise _error(name, f"tensor {tname[:80]!r}: shape must be a list of at most {MAX_DIMS} non-negative ints")
@@ -314,7 +331,7 @@ def _tensors(buf: Any, start: int, table: List[Tuple[str, str, List[int], int, i
 def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
-    if depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH and not (isinstance(node, dict) and len(node) == 1 and ("__t" in node or "__n" in node)):
         raise _error(name, f"the state is nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
         return [_decode(v, tensors, depth + 1, name) for v in node]
@@ -343,7 +360,8 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) 
 def parse(buf: Any, name: str = "<buffer>") -> Any:
     """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only."""
     try:
-        return _parse(buf, name)
+        with gc_paused():
+            return _parse(buf, name)
     except TensorFileError:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
