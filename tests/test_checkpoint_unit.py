@@ -32,7 +32,7 @@ def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 5)).sum().backward()
     opt.step()
-    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(),
+    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(), "rng": torch.get_rng_state(),
             "py": random.getstate(), "empty": torch.empty(0, 3), "bf16": torch.ones(3, dtype=torch.bfloat16)}
     size, digest = tensorfile.save(tree, tmp_path / "t.bin")
     back = tensorfile.load(tmp_path / "t.bin", size, digest)
@@ -42,6 +42,9 @@ def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
     assert back["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
     np.random.set_state(back["np"])
     random.setstate(back["py"])
+    for t in (back["rng"], back["model"]["0.weight"]):  # no view into one big storage: its own bytes only
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    torch.set_rng_state(back["rng"])  # (crashed on a tensor with a storage offset)
     assert back["empty"].shape == (0, 3) and back["bf16"].dtype == torch.bfloat16
 
 

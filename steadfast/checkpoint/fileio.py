@@ -86,8 +86,9 @@ def _hash(views: Sequence[memoryview], digest: Any, failure: List[BaseException]
         failure.append(exc)
 
 
-def write_file(path: Path, pieces: Sequence[Any]) -> Tuple[int, str]:
-    """Create `path` with `pieces` (buffers) in order, fsync it, check its size; (bytes, checksum).
+def write_file(path: Path, pieces: Sequence[Any], replace: bool = False) -> Tuple[int, str]:
+    """Create `path` (or, with `replace`, truncate an existing regular file; never through a symlink)
+    with `pieces` (buffers) in order, fsync it, check its size; returns (bytes, checksum).
 
     The pieces' memory must not change until this returns. Any failure raises OSError; the partial
     file is left for the caller to remove with its temporary folder."""
@@ -100,7 +101,8 @@ def write_file(path: Path, pieces: Sequence[Any]) -> Tuple[int, str]:
     if total > HASH_IN_THREAD_ABOVE:
         hasher = threading.Thread(target=_hash, args=(views, digest, failure), name="ckpt-hash", daemon=True)
         hasher.start()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    mode = os.O_TRUNC if replace else os.O_EXCL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         gathered: List[memoryview] = []
         gathered_bytes = 0
@@ -169,6 +171,7 @@ def open_regular(name: str, dir_fd: Optional[int], where: Path) -> Tuple[int, in
 
 
 def _read_into(fd: int, view: memoryview, where: Path, digest: Any) -> None:
+    """Fill `view` from `fd`, hashing each chunk while it is still in the cache."""
     pos, total = 0, view.nbytes
     while pos < total:
         n = os.readv(fd, [view[pos : pos + READ_CHUNK]])
@@ -178,17 +181,21 @@ def _read_into(fd: int, view: memoryview, where: Path, digest: Any) -> None:
         pos += n
 
 
-def _check(where: Path, actual: int, size: Optional[int], digest: Any, checksum: Optional[str]) -> None:
+def _check_checksum(where: Path, digest: Any, checksum: Optional[str]) -> None:
     if checksum is not None and checksum_of(digest) != checksum:
         raise FileCheckError(f"{where}: checksum mismatch (the file was changed or damaged after it was written)", "checksum")
+
+
+def _check_checksum_name(where: Path, checksum: Optional[str]) -> None:
+    if checksum is not None and (not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM}:")):
+        raise FileCheckError(f"{where}: unknown checksum {str(checksum)[:40]!r} (expected {CHECKSUM}:<hex>)", "checksum")
 
 
 def read_verified(path: Path, size: Optional[int] = None, checksum: Optional[str] = None,
                   dir_fd: Optional[int] = None) -> bytearray:
     """The bytes of the regular file `path` (relative to `dir_fd` when given), checked against the
     manifest's size and checksum when given. Raises FileCheckError or OSError, nothing else."""
-    if checksum is not None and (not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM}:")):
-        raise FileCheckError(f"{path}: unknown checksum {str(checksum)[:40]!r} (expected {CHECKSUM}:<hex>)", "checksum")
+    _check_checksum_name(path, checksum)
     fd, actual = open_regular(path.name if dir_fd is not None else str(path), dir_fd, path)
     try:
         if size is not None and actual != size:
@@ -198,14 +205,15 @@ def read_verified(path: Path, size: Optional[int] = None, checksum: Optional[str
         _read_into(fd, memoryview(buf), path, digest)
     finally:
         os.close(fd)
-    _check(path, actual, size, digest, checksum)
+    _check_checksum(path, digest, checksum)
     return buf
 
 
 def verify_file(path: Path, size: int, checksum: str, dir_fd: Optional[int] = None) -> None:
     """Read `path` back through a small reused buffer and check its size and checksum (no copy kept)."""
-    if not isinstance(checksum, str) or not checksum.startswith(f"{CHECKSUM}:"):
-        raise FileCheckError(f"{path}: unknown checksum {str(checksum)[:40]!r} (expected {CHECKSUM}:<hex>)", "checksum")
+    if checksum is None:
+        raise FileCheckError(f"{path}: no checksum to check against", "checksum")
+    _check_checksum_name(path, checksum)
     fd, actual = open_regular(path.name if dir_fd is not None else str(path), dir_fd, path)
     try:
         if actual != size:
@@ -221,7 +229,7 @@ def verify_file(path: Path, size: int, checksum: str, dir_fd: Optional[int] = No
             pos += n
     finally:
         os.close(fd)
-    _check(path, actual, size, digest, checksum)
+    _check_checksum(path, digest, checksum)
 
 
 def read_small(name: str, dir_fd: Optional[int], where: Path, max_bytes: int) -> bytes:

@@ -233,8 +233,8 @@ def plan(tree: Any) -> Layout:
 
 
 def save(tree: Any, path: Path) -> Tuple[int, str]:
-    """Write `tree` to `path` and fsync it; returns (size in bytes, "xxh3_128:<hex>")."""
-    return fileio.write_file(path, plan(tree).buffers())
+    """Write `tree` to `path` (replacing a file there) and fsync it; returns (size in bytes, "xxh3_128:<hex>")."""
+    return fileio.write_file(path, plan(tree).buffers(), replace=True)
 
 
 def export_safetensors(state_dict: Dict[str, torch.Tensor], path: Path) -> Tuple[int, str]:
@@ -314,15 +314,16 @@ def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tupl
 
 
 def _tensors(buf: Any, start: int, table: List[Tuple[str, str, List[int], int, int]]) -> Dict[str, torch.Tensor]:
-    base = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    """Each tensor over its own span of `buf` (no copy): a storage of its own, offset 0, so code that
+    looks at storages (torch.set_rng_state, torch.save) sees only its bytes."""
     out = {}
     for tname, code, shape, begin, end in table:
         dtype = DTYPES[code]
         if end == begin:
             out[tname] = torch.empty(shape, dtype=dtype)
             continue
-        raw = base[start + begin : start + end]
-        if (raw.data_ptr() | raw.storage_offset()) % ITEMSIZE[code]:  # a file not written by us may leave a span unaligned
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        if raw.data_ptr() % ITEMSIZE[code]:  # a file not written by us may leave a span unaligned
             raw = raw.clone()
         out[tname] = raw.view(dtype).reshape(shape)
     return out
