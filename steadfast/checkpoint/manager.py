@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ class CheckpointManager:
         self._buffers = HostBuffers()
         self._pending: Optional[Future] = None
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
-        self._hooked: Dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
         if comm.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -107,8 +108,8 @@ class CheckpointManager:
         snap = Snapshot(layouts, self._buffers, owned)
         self._copied = snap.copied
         for opt in optimizers:
-            if id(opt) not in self._hooked:
-                self._hooked[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
+            if opt not in self._hooked:
+                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
         self._pending = self._pool.submit(self._write_snapshot, step, snap, meta, started)
 
@@ -128,9 +129,9 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            for handle in self._hooked.values():
+            for handle in list(self._hooked.values()):
                 handle.remove()
-            self._hooked.clear()
+            self._hooked = weakref.WeakKeyDictionary()
             self._pool.shutdown(wait=True)
 
     def _write_snapshot(self, step: int, snap: Snapshot, meta: Dict[str, Any], started: float) -> Path:

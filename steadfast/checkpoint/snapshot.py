@@ -79,7 +79,9 @@ class Snapshot:
         self.data: Dict[str, torch.Tensor] = {}
         self._later: List[Tuple[List[Entry], torch.Tensor]] = []
         self.copied = threading.Event()
-        on_gpu = any(e.tensor.is_cuda for layout in layouts.values() for e in layout.entries)
+        gpu = next((e.tensor.device for layout in layouts.values() for e in layout.entries if e.tensor.is_cuda), None)
+        on_gpu = gpu is not None
+        self._device = gpu
         self._ready: Optional[Any] = None
         for name, layout in layouts.items():
             dst = buffers.get(name, layout.data_bytes, pinned=on_gpu)
@@ -91,11 +93,12 @@ class Snapshot:
             _copy(now, dst)
             if later:
                 self._later.append((later, dst))
-        if on_gpu:
+        if gpu is not None:
+            stream = torch.cuda.current_stream(gpu)
             if self._later:  # the background copies start after what the training stream has queued
                 self._ready = torch.cuda.Event()
-                self._ready.record()
-            torch.cuda.current_stream().synchronize()  # the copies made now have landed
+                self._ready.record(stream)
+            stream.synchronize()  # the copies made now have landed
         if not self._later:
             self.copied.set()
 
@@ -103,9 +106,9 @@ class Snapshot:
         """(background thread) Copy the deferred tensors; always releases waiters, even on failure."""
         try:
             if self._later and self._ready is not None:
-                stream = torch.cuda.Stream()
+                stream = torch.cuda.Stream(device=self._device)  # this thread's current device may be another
                 stream.wait_event(self._ready)
-                with torch.cuda.stream(stream):
+                with torch.cuda.device(self._device), torch.cuda.stream(stream):
                     for entries, dst in self._later:
                         _copy(entries, dst)
                 stream.synchronize()
