@@ -369,3 +369,15 @@ def test_async_save_failure_is_raised_at_the_next_save_and_keeps_the_previous(tm
     with pytest.raises(CheckpointError, match="step 2.*step_000000001"):
         m.save(3, model_state(3), {}, {})
     assert [s for s, _ in mf.committed(tmp_path)] == [1]
+
+
+def test_a_state_that_cannot_be_stored_is_refused_by_name_before_anything_is_written(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"cannot save model at step 1: .*complex128.*at w"):
+        m.save(1, {"model": Box({"w": torch.zeros(2, dtype=torch.complex128)})}, {}, {})
+    with pytest.raises(CheckpointError, match="object named 'ranks'"):
+        m.save(1, {"ranks": Box({})}, {}, {})
+    with pytest.raises(CheckpointError, match="reserved"):
+        m.save(1, model_state(1), {}, {"commit": 7})
+    m.close()
+    assert mf.committed(tmp_path) == [] and list(tmp_path.iterdir()) == []

@@ -146,3 +146,12 @@ def test_manifest_lists_sizes_and_checksums(tmp_path: Path) -> None:
     assert set(man["files"]) == {"model.bin", "ranks.bin"}
     for name, spec in man["files"].items():
         assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and spec["checksum"].startswith("xxh3_128:")
+
+
+def test_views_conjugates_and_negative_views_are_written_as_their_values(tmp_path: Path) -> None:
+    x = torch.randn(8, 5)
+    z = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    tree = {"transposed": x.t(), "strided": x[::2, 1:], "conj": z.conj(), "neg_view": z.conj().imag}
+    back = tensorfile.load(tmp_path / "t.bin", *tensorfile.save(tree, tmp_path / "t.bin"))
+    for key, value in tree.items():
+        assert torch.equal(back[key], value.resolve_conj().resolve_neg()), key

@@ -97,9 +97,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
         layouts = {}
         for name, tree in [*((n, o.state_dict()) for n, o in objects.items()), ("ranks", {"ranks": gathered})]:
-            if not mf.FILE_NAME.fullmatch(f"{name}.bin"):
-                raise CheckpointError(f"cannot name a checkpoint file {name!r}.bin: use letters, digits, '_', '.', '-'")
-            layouts[f"{name}.bin"] = tensorfile.plan(tree)
+            if not mf.FILE_NAME.fullmatch(f"{name}.bin") or f"{name}.bin" in layouts:
+                raise CheckpointError(f"cannot save an object named {name!r}: names are letters, digits, '_', '.', '-', "
+                                      "unique, and not 'ranks' (the per-rank states)")
+            try:
+                layouts[f"{name}.bin"] = tensorfile.plan(tree)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"cannot save {name} at step {step}: {exc}") from exc
         if not self.async_save:
             final, files = self._write_and_commit(step, {n: l.buffers() for n, l in layouts.items()}, meta, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)

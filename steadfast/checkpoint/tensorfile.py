@@ -24,6 +24,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -83,6 +84,7 @@ class Layout:
     data_bytes: int
     metadata: Optional[Dict[str, str]] = None
     _header: Optional[bytes] = field(default=None, repr=False)
+    _copies: List[torch.Tensor] = field(default_factory=list, repr=False)
 
     def header(self) -> bytes:
         """The length prefix and the padded JSON header (built once)."""
@@ -97,15 +99,20 @@ class Layout:
             meta[TREE_KEY] = json.dumps(self.skeleton, separators=(",", ":"))
         if self.metadata:
             meta.update(self.metadata)
-        head: Dict[str, Any] = {"__metadata__": meta}
+        # The tensor table, formatted directly (json.dumps of a dict per tensor costs twice as much);
+        # a name that needs escaping goes through json.dumps.
+        parts = [f'{{"__metadata__":{json.dumps(meta, separators=(",", ":"))}']
         for e in self.entries:
-            head[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-        text = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+            name = e.name if _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
+            shape = ",".join(map(str, e.shape))
+            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        text = ",".join(parts).encode() + b"}"
         padded = len(text) + (-(8 + len(text)) % ALIGN)
-        if padded > MAX_HEADER_BYTES or json_values(text) > MAX_HEADER_VALUES:
-            raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and "
-                             f"{json_values(text)} JSON values; the loader accepts at most {MAX_HEADER_BYTES} "
-                             f"bytes and {MAX_HEADER_VALUES} values: split the state into more objects")
+        values = json_values(text)
+        if padded > MAX_HEADER_BYTES or values > MAX_HEADER_VALUES:
+            raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and {values} JSON "
+                             f"values; the loader accepts at most {MAX_HEADER_BYTES} bytes and {MAX_HEADER_VALUES} "
+                             "values: split the state into more objects")
         return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
 
     @property
@@ -113,10 +120,20 @@ class Layout:
         return len(self.header()) + self.data_bytes
 
     def buffers(self) -> List[Any]:
-        """The file's bytes as buffers straight over the tensors' memory (host copies of device tensors)."""
+        """The file's bytes as buffers straight over the tensors' memory (host copies of device or
+        strided tensors, kept alive by this layout). The tensors must live until the write is done."""
         out: List[Any] = [self.header()]
+        self._copies = []
+        c_char = ctypes.c_char
         with gc_paused():
-            out += [host_bytes(e.tensor) for e in self.entries if e.end > e.begin]
+            for e in self.entries:
+                if e.end == e.begin:
+                    continue
+                t = e.tensor
+                if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+                    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
+                    self._copies.append(t)
+                out.append((c_char * (e.end - e.begin)).from_address(t.data_ptr()))
         return out
 
     def copy_into(self, dst: torch.Tensor, entries: Optional[List[Entry]] = None) -> None:
@@ -132,16 +149,8 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def host_bytes(t: torch.Tensor) -> Any:
-    """A buffer over a tensor's bytes in host memory, without a copy when it is already there."""
-    if not (t.is_cpu and t.is_contiguous()) or (t.is_complex() and t.is_conj()) or t.is_neg():
-        t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    buf._keep = t  # type: ignore[attr-defined]  # the tensor lives as long as the buffer
-    return buf
-
-
 _STRIDED = torch.strided
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.#/ -]*")  # needs no escaping in JSON
 
 
 class _Planner:
@@ -234,7 +243,8 @@ def plan(tree: Any) -> Layout:
 
 def save(tree: Any, path: Path) -> Tuple[int, str]:
     """Write `tree` to `path` (replacing a file there) and fsync it; returns (size in bytes, "xxh3_128:<hex>")."""
-    return fileio.write_file(path, plan(tree).buffers(), replace=True)
+    layout = plan(tree)  # held until the write is done: its buffers point into tensors it keeps alive
+    return fileio.write_file(path, layout.buffers(), replace=True)
 
 
 def export_safetensors(state_dict: Dict[str, torch.Tensor], path: Path) -> Tuple[int, str]:
