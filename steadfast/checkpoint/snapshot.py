@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from .tensorfile import Entry, Layout
+from .tensorwrite import Entry, Layout
 
 Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 
