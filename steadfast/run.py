@@ -49,6 +49,7 @@ log = logging.getLogger("steadfast")
 
 CHECK_INTERVAL_S = 0.05  # automatic stop_check_every_n_steps: the ranks agree about this often
 MAX_CHECK_EVERY = 200
+MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
 
 
 class Run:
@@ -287,6 +288,11 @@ class Run:
         self.checkpointer.close()
         self.telemetry.close()
         out = self.result(status="completed", **result)
+        if self.model is not None and self.rank == 0:  # the final weights, for any safetensors reader
+            from .checkpoint.tensorfile import export_safetensors
+
+            export_safetensors(unwrap(self.model).state_dict(), self.dir / MODEL_FILE)
+            out["model_file"] = MODEL_FILE
         self.record.event(Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out)
         self._finished = True
         self._close()

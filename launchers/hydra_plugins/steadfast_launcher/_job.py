@@ -68,8 +68,19 @@ def run_one(hydra_context: HydraContext, task_function: TaskFunction, job: Job) 
 
 
 def _run(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
-    """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set)."""
+    """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set).
+    A stop request at any moment, even before the workers exist, ends it with a recorded summary."""
     started = time.time()
+    try:
+        return _run_job(job, task_function, task_cfg, started)
+    except KeyboardInterrupt as stop:
+        if getattr(stop, "recorded", False) or job.run_dir is None:
+            raise
+        env = {ENV_LAUNCH_TIME: repr(started), ENV_ATTEMPT: "0"}
+        _end_on_stop_request(job.run_dir, job, started, env, getattr(stop, "signum", None))
+
+
+def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, started: float) -> Any:
     run_dir = job.run_dir
     assert run_dir is not None
     backend = _backends.of(job.backend)
@@ -162,9 +173,10 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
     launched = time.time()
     result: Any = None
     try:
-        if stop_requested() is not None:
-            raise KeyboardInterrupt("stop requested before the workers started")
         with contextlib.ExitStack() as stack:
+            if stop_requested() is not None:  # asked before the workers started: nothing to launch or save
+                stack.close()
+                return _end_on_stop_request(run_dir, job, launched, env)
             supervisor = None if backend.in_process else stack.enter_context(Supervisor(
                 run_dir, job.restart, env[ENV_LAUNCH_ID], backend.stop_on_grace_expired,
                 on_overdue=handler.interrupt_main, forwarded=handler.forwarded))
@@ -188,13 +200,20 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
                                   wall_seconds=time.time() - _launch_time(env), error=result.message, stop_step=result.step)
                     events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
                     raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
-        signum = stop_requested() or getattr(result, "signal", None) or signal.SIGTERM
-        message = _preempted(run_dir, job, launched, signum, env)
-        log.warning("%s", message)
-        raise Interrupted(message, signum=signum)
+        return _end_on_stop_request(run_dir, job, launched, env, getattr(result, "signal", None))
     finally:
         restore_handlers(previous)
         stop_marker(run_dir, env[ENV_LAUNCH_ID]).unlink(missing_ok=True)
+
+
+def _end_on_stop_request(run_dir: Path, job: Job, launched: float, env: Dict[str, str], signum: Optional[int] = None) -> Any:
+    """A stop request ended the launch: record it and raise Interrupted with where the workers stopped."""
+    signum = stop_requested() or signum or signal.SIGTERM
+    message = _preempted(run_dir, job, launched, signum, env)
+    log.warning("%s", message)
+    stop = Interrupted(message, signum=signum)
+    stop.recorded = True  # type: ignore[attr-defined]
+    raise stop
 
 
 def _launch_time(env: Dict[str, str]) -> float:
