@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from steadfast.config import CheckpointConf, FaultConf, LoggerConf, Resume, RunConf, register_configs
+from steadfast.config import CheckpointConf, FaultConf, LoggerConf, Resume, RunConf, SnapshotConf, register_configs
 from steadfast.contract import naming
 from steadfast.contract.schemas import BackendConf, ClusterConf, RestartConf, bad
 from steadfast.preflight import resolved
@@ -141,6 +141,7 @@ class TrainConfig:
     fault: FaultConf = field(default_factory=FaultConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
+    snapshot: SnapshotConf = field(default_factory=SnapshotConf)
 
 
 MODEL_SCHEMAS = {"mlp": MLPConfig, "cnn": CNNConfig}

@@ -55,6 +55,15 @@ class CheckpointConf:
 
 
 @dataclass
+class SnapshotConf:
+    """Copies of the training state in shared memory between checkpoints (steadfast/snapshots.py):
+    after a worker's death the group restores from memory, losing at most every_n_steps steps."""
+
+    # auto: every step when a copy costs under 2% of a step, else as often as 2% allows; 0: off
+    every_n_steps: Any = "auto"
+
+
+@dataclass
 class RunConf:
     name: str = MISSING  # default: derived from the job's overrides (steadfast.contract.keys)
     allow_config_change: bool = False  # resume even if training-relevant keys changed
@@ -97,6 +106,7 @@ def register_configs() -> None:
         ("backend", "schema_torchrun", TorchrunBackendConf), ("backend", "schema_horovod", HorovodBackendConf),
         ("backend", "schema_local", LocalBackendConf), ("restart", "schema", RestartConf), ("cluster", "schema", ClusterConf),
         ("checkpoint", "schema", CheckpointConf), ("fault", "schema", FaultConf), ("logger", "schema", LoggerConf),
+        ("snapshot", "schema", SnapshotConf),
     ):
         cs.store(group=group, name=name, node=node, provider="steadfast")
 
@@ -110,6 +120,7 @@ class Settings:
     resume: Resume = Resume.auto
     fault: FaultConf = field(default_factory=FaultConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
+    snapshot: SnapshotConf = field(default_factory=SnapshotConf)
 
 
 def settings_from(cfg: Any) -> Settings:
@@ -119,7 +130,7 @@ def settings_from(cfg: Any) -> Settings:
 
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
+    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Settings), node)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -21,7 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from steadfast.contract import events, summary
+from steadfast.contract import events, shm, summary
 from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME, LaunchEnv
 from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
@@ -90,7 +90,19 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
     launch = LaunchEnv(backend=backend.name, collective=backend.collective, run_dir=run_dir,
                        launch_time=started, launch_id=f"{os.getpid()}-{started!r}",
                        reference_world_size=backend.reference_world_size(),
-                       collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid())
+                       collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid(),
+                       snapshot=shm.prefix(run_dir, os.getpid()))
+    for leaked in shm.remove_orphans(run_dir):
+        log.info("Removed %s, a snapshot segment left by a launcher of this run that is gone", leaked)
+    try:
+        return _attempts(job, task_function, run_dir, backend, launch, frozen, started, multi_node)
+    finally:
+        shm.remove(launch.snapshot)  # the job's snapshots in memory end with it
+
+
+def _attempts(job: Job, task_function: TaskFunction, run_dir: Path, backend: Any, launch: LaunchEnv, frozen: DictConfig,
+              started: float, multi_node: Optional[str]) -> Any:
+    """The relaunch loop: one attempt after another, up to the restart budget."""
     events.append(run_dir, Event.LAUNCH, backend=backend.name, overrides=filter_overrides(job.overrides))
     log.info("Run folder: %s", run_dir)
     attempts = 1 if backend.restarts_itself else job.restart.max_restarts + 1
