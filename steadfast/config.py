@@ -30,6 +30,7 @@ class FaultKind(Enum):
     exception = "exception"
     sigterm = "sigterm"  # a scheduler's preemption notice
     crash_in_save = "crash_in_save"  # SIGKILL in the middle of writing a checkpoint
+    crash_in_snapshot = "crash_in_snapshot"  # SIGKILL in the middle of copying a snapshot into shared memory
     save_error = "save_error"  # ENOSPC while writing a checkpoint
     corrupt_checkpoint = "corrupt_checkpoint"  # one byte of the newest committed checkpoint flipped
 

@@ -12,6 +12,7 @@ hang_in_backward, hang_in_save   the same, in the middle of the backward pass / 
 exception       an exception in the training step
 sigterm         SIGTERM to itself, as a scheduler's preemption notice: save, stop, exit code 75
 crash_in_save   SIGKILL in the middle of writing a checkpoint
+crash_in_snapshot  SIGKILL in the middle of copying a snapshot into shared memory
 save_error      writing a checkpoint fails with ENOSPC (disk full)
 corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it is written
 
@@ -60,6 +61,11 @@ class FaultInjector:
         if self.active and step == self.cfg.at_step and self.kind == "hang_in_backward" and self._claim():
             self._fire(step)
 
+    def during_snapshot(self, step: int) -> None:
+        """Called in the middle of copying the snapshot in memory of `step` (half of it is copied)."""
+        if self.active and step >= self.cfg.at_step and self.kind == "crash_in_snapshot" and self._claim():
+            self._fire(step)
+
     def during_save(self, step: int, files_written: int) -> None:
         """Called by the checkpoint writer after each file of the save at `step`."""
         if self.active and step >= self.cfg.at_step and files_written == 1 and self.kind in SAVE_KINDS and self._claim():
@@ -89,7 +95,7 @@ class FaultInjector:
         kind = self.kind
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
         self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid())
-        if kind in ("kill", "crash_in_save"):
+        if kind in ("kill", "crash_in_save", "crash_in_snapshot"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)

@@ -377,7 +377,8 @@ class Run:
                 self._no_memory(problem or "another node's shared memory is too small for them")
                 return
         try:
-            self._memory.take(self.progress.global_step, planned)
+            step = self.progress.global_step
+            self._memory.take(step, planned, lambda: self.faults.during_snapshot(step))
         except OSError as exc:
             self._no_memory(f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
             raise  # the ranks must stop snapshotting together: a failure here is a failure of the step

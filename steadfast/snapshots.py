@@ -24,7 +24,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
 
@@ -64,11 +64,14 @@ class Slot:
                 os.close(fd)
         return self._map
 
-    def write(self, seq: int, step: int, world_size: int, pieces: List[Any], size: int) -> None:
+    def write(self, seq: int, step: int, world_size: int, pieces: List[Any], size: int,
+              halfway: Optional[Callable[[], None]] = None) -> None:
         m = self._mapped(size)
         m[:HEADER.size] = EMPTY  # empty until the copy is whole
         digest, offset = xxhash.xxh3_128(), HEADER_BYTES
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
+            if halfway is not None and i == len(pieces) // 2:
+                halfway()
             view = memoryview(piece).cast("B")
             m[offset : offset + view.nbytes] = view
             digest.update(view)
@@ -123,14 +126,14 @@ class Buffer:
         self.slots = [Slot(SHM_DIR / f"{prefix}.{name}.{k}") for k in "ab"]
         self._known = False  # whether the slots' contents are known to this process (it wrote or read them)
 
-    def write(self, seq: int, step: int, world_size: int, layout: Any) -> int:
+    def write(self, seq: int, step: int, world_size: int, layout: Any, halfway: Optional[Callable[[], None]] = None) -> int:
         if not self._known:  # what an earlier incarnation left: the older slot goes first
             for slot in self.slots:
                 head = slot.header()
                 slot.seq, slot.step = (head[0], head[1]) if head else (0, 0)
             self._known = True
         older = min(self.slots, key=lambda slot: slot.seq)
-        older.write(seq, step, world_size, layout.buffers(), layout.size)
+        older.write(seq, step, world_size, layout.buffers(), layout.size, halfway)
         return layout.size
 
     def complete(self, world_size: Optional[int] = None) -> Dict[int, Tuple[int, Slot]]:
@@ -173,10 +176,11 @@ class MemorySnapshots:
             out.append((self.objects, plan({name: obj.state_dict() for name, obj in objects.items()})))
         return out
 
-    def take(self, step: int, planned: List[Tuple[Buffer, Any]]) -> None:
+    def take(self, step: int, planned: List[Tuple[Buffer, Any]], halfway: Optional[Callable[[], None]] = None) -> None:
         started = time.perf_counter()
         self.seq += 1
-        self.bytes = sum(buffer.write(self.seq, step, self.world_size, layout) for buffer, layout in planned)
+        self.bytes = sum(buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is self.objects else None)
+                         for buffer, layout in planned)
         self.seconds = time.perf_counter() - started
 
     def steps(self) -> List[int]:
