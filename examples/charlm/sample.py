@@ -65,8 +65,8 @@ def main(argv: List[str] | None = None) -> None:
         prompt = vocab.encode(args.prompt).unsqueeze(0)
     except ValueError as exc:
         raise SystemExit(f"--prompt: {exc}") from None
+    print(f"# {args.run_dir} (checkpoint step {step}), temperature {args.temperature}", file=sys.stderr, flush=True)
     out = model.generate(prompt, args.chars, args.temperature, args.top_k, torch.Generator().manual_seed(args.seed))
-    print(f"# {args.run_dir} (checkpoint step {step}), temperature {args.temperature}", file=sys.stderr)
     print(vocab.decode(out[0].tolist()))
 
 
