@@ -59,7 +59,9 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a small model runs fastest on one)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     model, vocab, step = load(args.run_dir)
     try:
         prompt = vocab.encode(args.prompt).unsqueeze(0)

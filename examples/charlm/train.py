@@ -58,10 +58,11 @@ def main(cfg):
                 torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
                 optimizer.step()
                 run.step(loss)
-            train_loss, val_loss = run.epoch_loss(), evaluate(run, net, val)
+            train_loss = run.epoch_loss()  # None when a resume found every batch of this epoch done
+            val_loss = evaluate(run, net, val)
             run.log(train_loss=train_loss, val_loss=val_loss, val_bits_per_char=val_loss / math.log(2))
             if run.is_main:
-                print(f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.3f}, val loss {val_loss:.3f} "
+                print(f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss or float('nan'):.3f}, val loss {val_loss:.3f} "
                       f"({val_loss / math.log(2):.2f} bits per character)")
 
 

@@ -54,9 +54,10 @@ def main(cfg):
                 run.step(loss)
                 total, batches = total + loss.item(), batches + 1
             train_loss = hvd.allreduce(torch.tensor(total / max(batches, 1)), name="train_loss").item()  # the mean over ranks
-            run.log(train_loss=train_loss)
-            if hvd.rank() == 0:
-                print(f"epoch {epoch + 1}/{cfg.epochs} loss {train_loss:.4f}")
+            if batches:  # none when a resume found every batch of this epoch done
+                run.log(train_loss=train_loss)
+                if hvd.rank() == 0:
+                    print(f"epoch {epoch + 1}/{cfg.epochs} loss {train_loss:.4f}")
 
 
 if __name__ == "__main__":

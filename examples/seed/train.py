@@ -53,8 +53,9 @@ def main(cfg):
             loss.backward()
             optimizer.step()
             run.step(loss)
-        if rank == 0:
-            print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss.item():.4f}")
+        loss = run.epoch_loss()  # the epoch's mean over every rank: None if a resume found it already done
+        if rank == 0 and loss is not None:
+            print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss:.4f}")
     run.finish()
 
 
