@@ -48,6 +48,7 @@ def main(cfg):
     run.resume(model=model, optimizer=optimizer)
     for epoch in run.epochs(cfg.epochs):
         for x, y in loader:
+            x, y = x.to(run.device), y.to(run.device)  # the GPU run.setup chose, if there is one
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
