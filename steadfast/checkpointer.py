@@ -26,7 +26,7 @@ from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)
 
-RESERVED = ("progress", "ranks", "rng")
+RESERVED = ("progress", "ranks", "rng", "telemetry")
 
 
 class LauncherGone(CheckpointError):

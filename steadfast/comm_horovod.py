@@ -22,7 +22,10 @@ class HorovodComm(Comm):
         self.device = pick_device(self.local_rank)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        if hasattr(optimizer, "_allreduce_grad_async"):  # hvd.DistributedOptimizer already (an app with hvd idioms)
+            wrapped = optimizer
+        else:
+            wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd_zero_grad = wrapped.zero_grad  # takes no arguments (it predates torch's set_to_none)
 
         def zero_grad(set_to_none: bool = True) -> None:

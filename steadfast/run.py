@@ -19,7 +19,6 @@ with the final weights' sha256.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .data import ResumableSampler, make_loader
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
-from .snapshots import SHM_DIR, MemorySnapshots, fits
+from .snapshots import MemoryCadence
 from .state import Progress, seed_everything, unwrap
 from .telemetry import Telemetry
 
@@ -52,7 +51,6 @@ log = logging.getLogger("steadfast")
 CHECK_INTERVAL_S = 0.05  # automatic stop_check_every_n_steps: the ranks agree about this often
 MAX_CHECK_EVERY = 200
 MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
-MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 
 
 class Run:
@@ -85,10 +83,11 @@ class Run:
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
+        self.checkpointer.per_rank["telemetry"] = self.telemetry
         run_seconds, failures = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0)
         self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
                                on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f))
-        self._memory = self._memory_snapshots()
+        self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
         self._auto_check = stop_check_every_n_steps is None
         self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
         self.model: Optional[torch.nn.Module] = None
@@ -175,6 +174,8 @@ class Run:
         them, with the loop's progress and every rank's RNG states, from the newest checkpoint that
         verifies. Returns the step resumed from, or None for a fresh start. Collective."""
         self.checkpointer.track(self.progress, objects)
+        if self.model is None:  # a loop that wraps its own model: the result's sha256 is of the tracked one
+            self.model = next((unwrap(o) for o in objects.values() if isinstance(unwrap(o), torch.nn.Module)), None)
         self._beat("restore")
 
         def new_rank(step: int) -> None:  # a rank the checkpoint does not have: a stream of its own, reproducible
@@ -201,7 +202,9 @@ class Run:
 
     def epochs(self, max_epochs: int) -> Iterator[int]:
         """The epochs left, from where the run stands; each one's end may save (epoch cadence) and
-        acts on a stop request that came during validation or a save."""
+        acts on a stop request that came during validation or a save. After a resume from a
+        checkpoint taken at an epoch's last step, that epoch comes once more with no batches left:
+        code after the batch loop must cope (run.epoch_loss() is then None)."""
         self.telemetry.plan(max_epochs * self.batches_per_epoch, max_epochs)
         while self.progress.epoch < max_epochs:
             for generator in self._generators:
@@ -217,7 +220,10 @@ class Run:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.progress.epoch)
         skip = self.progress.batch_in_epoch
-        for i, batch in enumerate(loader):
+        rng = torch.get_rng_state()
+        batches = iter(loader)  # a DataLoader without its own generator draws its seed from the global RNG:
+        torch.set_rng_state(rng)  # put it back, so a resumed run sees the same random numbers
+        for i, batch in enumerate(batches):
             if i >= skip:
                 yield batch
 
@@ -236,7 +242,8 @@ class Run:
         over = self.telemetry.after_step(p.global_step, p.epoch)
         if p.global_step % self.telemetry.every == 0:
             self._retune_checks()
-            self._retune_snapshots()
+            if self._memory is not None:
+                self._memory.retune(self.telemetry.step_seconds)
         self._beat("train")
         self.faults.after_step(p.global_step)
         due = self.cadence.step_due(p.global_step)
@@ -251,8 +258,8 @@ class Run:
                        "the model) or raise the limit, then run the same command again to continue", rss_mb=mb, rank=rank)
         if due or control.save_due:
             self.save()
-        if self._memory is not None and p.global_step % self._memory_every == 0:
-            self._snapshot()
+        if self._memory is not None:
+            self._memory.at_step(p.global_step)
 
     def save(self) -> None:
         """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
@@ -343,64 +350,6 @@ class Run:
         while every * 2 * per_step <= CHECK_INTERVAL_S and every * 2 <= MAX_CHECK_EVERY:
             every *= 2
         self.agreement.every = every
-
-    def _memory_snapshots(self) -> Optional[MemorySnapshots]:
-        """This rank's share of the node's snapshots in shared memory, when they are on and the launcher named them."""
-        every = self.settings.snapshot.every_n_steps
-        if every == 0 or not self.launch.snapshot:
-            return None
-        if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
-            self._no_memory(f"{SHM_DIR} is not a writable folder here")
-            return None
-        self._memory_auto = every == "auto"
-        self._memory_every = 1 if self._memory_auto else int(every)
-        self._memory_first = True
-        memory = MemorySnapshots(self.launch.snapshot, self.rank, self.local_rank, self.world_size)
-        self.checkpointer.memory = memory
-        return memory
-
-    def _no_memory(self, why: str) -> None:
-        log.warning("Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
-                    "disk. (snapshot.every_n_steps=0 turns them off without this message.)", why)
-        self.record.event(Event.SNAPSHOT_UNAVAILABLE, reason=why)
-        self._memory = self.checkpointer.memory = None
-
-    def _snapshot(self) -> None:
-        assert self._memory is not None
-        started = time.perf_counter()
-        planned = self._memory.plan(self.checkpointer.objects, self.checkpointer.per_rank)
-        if self._memory_first:  # every rank takes the same decision: a node without room turns them off everywhere
-            self._memory_first = False
-            need = sum(layout.size for _, layout in planned)
-            problem = fits(self.launch.snapshot, need) if self._memory.writes_objects else None
-            if self.comm.max_each([1.0 if problem else 0.0])[0]:
-                self._no_memory(problem or "another node's shared memory is too small for them")
-                return
-        try:
-            step = self.progress.global_step
-            self._memory.take(step, planned, lambda: self.faults.during_snapshot(step))
-        except OSError as exc:
-            self._no_memory(f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
-            raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
-        self._memory.seconds = time.perf_counter() - started
-        if self._memory.seq and not getattr(self, "_memory_announced", False) and self.rank == 0:
-            self._memory_announced = True
-            log.info("Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)", self._memory.bytes / 1e6,
-                     SHM_DIR, "auto: " + str(self._memory_every) if self._memory_auto else self._memory_every)
-            self.record.event(Event.SNAPSHOT_CREATED, bytes=self._memory.bytes, every_n_steps=self._memory_every,
-                              auto=self._memory_auto, segment=self.launch.snapshot, seconds=round(self._memory.seconds, 5))
-
-    def _retune_snapshots(self) -> None:
-        """snapshot.every_n_steps=auto: the smallest interval at which a snapshot costs under 2% of the
-        steps it covers, from the slowest rank's snapshot time and rank 0's step time (agreed)."""
-        if self._memory is None or not self._memory_auto or not self.telemetry.step_seconds:
-            return
-        cost = self.comm.max_each([self._memory.seconds or 0.0])[0]
-        every = max(1, math.ceil(cost / (MEMORY_SHARE * self.telemetry.step_seconds)))
-        if every != self._memory_every and self.rank == 0:
-            self.record.event(Event.SNAPSHOT_CREATED, bytes=self._memory.bytes, every_n_steps=every, auto=True,
-                              segment=self.launch.snapshot, seconds=round(cost, 5), step_seconds=round(self.telemetry.step_seconds, 5))
-        self._memory_every = every
 
     def _end_epoch(self, max_epochs: int) -> None:
         p = self.progress

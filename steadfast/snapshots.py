@@ -19,6 +19,7 @@ cadence and their role (node loss, a new launch, another machine).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import struct
@@ -30,6 +31,7 @@ import xxhash
 
 from .checkpoint import tensorfile
 from .checkpoint.tensorwrite import plan
+from .contract.events import Event
 from .contract.shm import SHM_DIR
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ HEADER = struct.Struct("<8sQQQ16sQ")  # magic, sequence (0: empty), step, payloa
 HEADER_BYTES = 4096  # the payload starts on its own page
 EMPTY = HEADER.pack(MAGIC, 0, 0, 0, b"\0" * 16, 0)
 OBJECTS, RANK = "objects", "rank"
+MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 
 
 class Slot:
@@ -204,6 +207,79 @@ class MemorySnapshots:
         self.own.discard_after(step)
         if self.writes_objects:
             self.objects.discard_after(step)
+
+
+class MemoryCadence:
+    """When a run takes its snapshots (snapshot.every_n_steps), and what it tells a person about them.
+
+    auto: every step when a snapshot costs under MEMORY_SHARE of a step, else the smallest interval
+    at which it does, from the slowest rank's snapshot time and rank 0's step time (both agreed,
+    so every rank snapshots at the same steps). The first snapshot checks, on every node, that two
+    copies fit in the shared-memory filesystem; if one node has no room, all of them go without."""
+
+    def __init__(self, run: Any, memory: MemorySnapshots, every: Any) -> None:
+        self.run, self.memory = run, memory
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else int(every)
+        self._first = True
+
+    @classmethod
+    def start(cls, every: Any, run: Any) -> Optional["MemoryCadence"]:
+        if every == 0 or not run.launch.snapshot:
+            return None
+        if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
+            cls._off(run, f"{SHM_DIR} is not a writable folder here")
+            return None
+        memory = MemorySnapshots(run.launch.snapshot, run.rank, run.local_rank, run.world_size)
+        run.checkpointer.memory = memory
+        return cls(run, memory, every)
+
+    @staticmethod
+    def _off(run: Any, why: str) -> None:
+        log.warning("Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
+                    "disk. (snapshot.every_n_steps=0 turns them off without this message.)", why)
+        run.record.event(Event.SNAPSHOT_UNAVAILABLE, reason=why)
+        run._memory = run.checkpointer.memory = None
+
+    def at_step(self, step: int) -> None:
+        if step % self.every:
+            return
+        run, memory = self.run, self.memory
+        started = time.perf_counter()
+        planned = memory.plan(run.checkpointer.objects, run.checkpointer.per_rank)
+        if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
+            self._first = False
+            problem = fits(run.launch.snapshot, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
+            if run.comm.max_each([1.0 if problem else 0.0])[0]:
+                self._off(run, problem or "another node's shared memory is too small for them")
+                return
+            announce = True
+        else:
+            announce = False
+        try:
+            memory.take(step, planned, lambda: run.faults.during_snapshot(step))
+        except OSError as exc:
+            self._off(run, f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
+            raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
+        memory.seconds = time.perf_counter() - started
+        if announce and run.rank == 0:
+            log.info("Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)", memory.bytes / 1e6,
+                     SHM_DIR, f"auto: {self.every}" if self.auto else self.every)
+            self._record(memory.seconds)
+
+    def retune(self, step_seconds: Optional[float]) -> None:
+        if not self.auto or not step_seconds:
+            return
+        cost = self.run.comm.max_each([self.memory.seconds or 0.0])[0]
+        every = max(1, math.ceil(cost / (MEMORY_SHARE * step_seconds)))
+        if every != self.every and self.run.rank == 0:
+            self.every = every
+            self._record(cost, step_seconds=round(step_seconds, 5))
+        self.every = every
+
+    def _record(self, seconds: float, **fields: Any) -> None:
+        self.run.record.event(Event.SNAPSHOT_CREATED, bytes=self.memory.bytes, every_n_steps=self.every, auto=self.auto,
+                              segment=self.run.launch.snapshot, seconds=round(seconds, 5), **fields)
 
 
 def fits(prefix: str, nbytes: int) -> Optional[str]:
