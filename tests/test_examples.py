@@ -113,8 +113,10 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "step" in r]
     assert steps and steps[-1]["step"] == 250 and all(r["loss"] > 0 for r in steps)  # logged every 10 steps
-    resumed = [e["step"] for e in events(folder) if e["event"] == "resumed"]
-    assert resumed[0] == 64 and len(resumed) == 2 and resumed[1] % 32 == 0 and resumed[1] <= run["killed"][0], resumed
+    resumed = [e for e in events(folder) if e["event"] == "resumed"]
+    # each restore comes from the node's snapshot in memory (the default), at most a few steps back
+    assert [e["step"] for e in resumed][:1] == [64] and len(resumed) == 2 and resumed[1]["step"] <= run["killed"][0], resumed
+    assert {e["source"] for e in resumed} == {"memory"}, resumed
     assert "epoch 4/4 loss" in run["output"]  # the script's own print, on rank 0
 
 
