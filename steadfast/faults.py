@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from .contract.events import Event
 
-KINDS = ("none", "kill", "hang", "hang_in_backward", "hang_in_save", "exception", "sigterm", "crash_in_save",
-         "save_error", "corrupt_checkpoint")
+KILLING = ("kill", "crash_in_save", "crash_in_snapshot")  # SIGKILL: the process ends without a word
+FAILING = (*KILLING, "exception", "save_error")  # the attempt fails (its event says `fails`)
 SAVE_KINDS = ("crash_in_save", "save_error", "hang_in_save")
 STEP_KINDS = ("kill", "hang", "exception", "sigterm")
 HANG_KINDS = ("hang", "hang_in_backward", "hang_in_save")
@@ -94,8 +94,8 @@ class FaultInjector:
     def _fire(self, step: int) -> None:
         kind = self.kind
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
-        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid())
-        if kind in ("kill", "crash_in_save", "crash_in_snapshot"):
+        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
+        if kind in KILLING:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)

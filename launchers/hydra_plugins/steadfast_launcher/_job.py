@@ -157,7 +157,7 @@ def first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
             return (f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
                     f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
                     f"stacks in logs/stacks/)")
-        if event.get("fault") in ("kill", "crash_in_save"):  # hangs: see hang_detected
+        if event.get("fails") is True:  # a rehearsed failure (hangs: see hang_detected)
             return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
     return None
 
