@@ -184,12 +184,9 @@ class CheckpointManager:
         try:
             if mf.read(final)["files"] != files:
                 raise mf.ManifestError(f"{final / mf.MANIFEST}: reads back different from what was written")
-            dir_fd = fileio.open_folder(final)
-            try:
-                for name, spec in files.items():
-                    fileio.verify_file(final / name, spec["bytes"], spec["checksum"], dir_fd)
-            finally:
-                os.close(dir_fd)
+            problem = rs.verify(final)
+            if problem:
+                raise fileio.FileCheckError(problem)
         except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
             moved = self._set_aside(step, final, "readback", str(exc))
             raise CheckpointError(f"checkpoint step {step} was written but does not read back the same ({exc}); "
