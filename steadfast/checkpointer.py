@@ -18,7 +18,6 @@ from .checkpoint import manifest
 from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
 from .config import Resume, Settings
 from .contract.env import LaunchEnv
-from .contract.events import Event
 from .faults import FaultInjector
 from .records import RunRecord
 from .snapshots import MemorySnapshots

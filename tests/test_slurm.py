@@ -6,7 +6,7 @@ the submission path is exercised with a stand-in `sbatch` on PATH that records w
 """
 from __future__ import annotations
 
-import json
+
 import os
 import shutil
 import subprocess

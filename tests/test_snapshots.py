@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from helpers import QUICK, env, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+from helpers import QUICK, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
