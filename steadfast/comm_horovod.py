@@ -56,7 +56,10 @@ class HorovodComm(Comm):
     def start_max_each(self, values: Sequence[float]) -> Pending:
         # Horovod runs a collective only at its next cycle (HOROVOD_CYCLE_TIME): waiting for it
         # at once would cost a cycle every step; started now, it rides with the next gradients.
-        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max, name="steadfast.control")
+        # a name of its own per call (the same sequence on every rank): two may be in flight at once
+        self._controls = getattr(self, "_controls", 0) + 1
+        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max,
+                                          name=f"steadfast.control.{self._controls}")
         return Pending(lambda: self.hvd.synchronize(handle).tolist())
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:

@@ -117,7 +117,8 @@ def test_the_launcher_removes_segments_of_launchers_that_are_gone(shm_dir: Path,
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
-LONG = [*QUICK, "trainer.max_epochs=6", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40", "restart.max_restarts=6"]
+ON = "snapshot.every_n_steps=auto"  # QUICK turns the memory tier off; the default is back on here
+LONG = [*QUICK, ON, "trainer.max_epochs=6", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40", "restart.max_restarts=6"]
 
 
 def _lost_per_restore(folder: Path) -> List[Dict[str, Any]]:
@@ -166,7 +167,7 @@ def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp
 
 @pytest.mark.slow
 def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(tmp_path: Path, baseline: dict) -> None:
-    run_train(tmp_path, *QUICK, "run.name=r", "snapshot=every_step", "fault=crash_in_snapshot", "fault.at_step=20", check=True)
+    run_train(tmp_path, *QUICK, "run.name=r", "snapshot.every_n_steps=1", "fault=crash_in_snapshot", "fault.at_step=20", check=True)
     folder = run_dir(tmp_path, "r")
     resumed = event_of(folder, "resumed")
     assert resumed["source"] == "memory" and resumed["step"] == 19  # the copy of 20 was torn: 19, the other buffer
@@ -176,7 +177,7 @@ def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(t
 @pytest.mark.slow
 def test_without_shared_memory_the_run_says_so_and_resumes_from_disk(tmp_path: Path, baseline: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEADFAST_SHM_DIR", str(tmp_path / "no-such-folder"))
-    proc = run_train(tmp_path, *QUICK, "run.name=r", "fault=kill_rank", "fault.at_step=20", check=True)
+    proc = run_train(tmp_path, *QUICK, ON, "run.name=r", "fault=kill_rank", "fault.at_step=20", check=True)
     folder = run_dir(tmp_path, "r")
     assert "Snapshots in memory are off" in proc.stderr and "snapshot.every_n_steps=0" in proc.stderr
     assert event_of(folder, "snapshot_unavailable") and event_of(folder, "resumed")["source"] == "disk"
@@ -196,7 +197,7 @@ def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_
     import json
     import time
 
-    args = [*QUICK, "run.name=r", "trainer.max_epochs=100"]
+    args = [*QUICK, ON, "run.name=r", "trainer.max_epochs=100"]
     proc = start_train(tmp_path, *args)
     folder = run_dir(tmp_path, "r")
     try:

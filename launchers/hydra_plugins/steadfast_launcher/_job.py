@@ -77,6 +77,7 @@ def _run(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
         if getattr(stop, "recorded", False) or job.run_dir is None:
             raise
         env = {ENV_LAUNCH_TIME: repr(started), ENV_ATTEMPT: "0"}
+        events.append(job.run_dir, Event.JOB_INTERRUPTED, attempt=0, signal=signame(getattr(stop, "signum", None)))
         _end_on_stop_request(job.run_dir, job, started, env, getattr(stop, "signum", None))
 
 
