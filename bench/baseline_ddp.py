@@ -58,7 +58,7 @@ def main() -> None:
 
     data = synthetic(num_samples=args.num_samples, num_features=args.num_features, num_classes=args.num_classes,
                      val_fraction=0.2, seed=args.seed)
-    model = DDP(MLP(data.input_shape, data.num_classes, [int(h) for h in args.hidden.split(",")], dropout=0.1))
+    model = DDP(MLP(data.input_shape, data.output_size, [int(h) for h in args.hidden.split(",")], dropout=0.1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler)

@@ -62,7 +62,7 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     job = HOT
     data = synthetic(num_samples=job.num_samples, num_features=job.num_features, num_classes=job.num_classes, val_fraction=0.2, seed=0)
-    model = comm.wrap_model(MLP(data.input_shape, data.num_classes, list(job.hidden), dropout=0.1))
+    model = comm.wrap_model(MLP(data.input_shape, data.output_size, list(job.hidden), dropout=0.1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     features, labels = data.train.tensors
     folder = Path(args.dir)

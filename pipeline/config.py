@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from steadfast.config import CheckpointConf, FaultConf, LoggerConf, Resume, RunConf, register_configs
+from steadfast.config import CheckpointConf, FaultConf, LoggerConf, Resume, RunConf, SnapshotConf, register_configs
 from steadfast.contract import naming
 from steadfast.contract.schemas import BackendConf, ClusterConf, RestartConf, bad
 from steadfast.preflight import resolved
@@ -32,12 +32,20 @@ class Scheduler(Enum):
 
 
 class Objective(Enum):
-    """What the job returns to Hydra (and to sweepers such as Optuna): a key of the trainer's result."""
+    """What the job returns to Hydra (and to sweepers such as Optuna): a key of the trainer's result.
+    `val_<metric>` only where the task reports that metric (TaskConfig.metrics; checked by preflight)."""
 
     val_loss = "val_loss"
-    val_accuracy = "val_accuracy"
+    val_accuracy = "val_accuracy"  # task=classification
+    val_mae = "val_mae"  # task=regression
+    val_bits_per_char = "val_bits_per_char"  # task=language_model
     best_val_loss = "best_val_loss"
     final_loss = "final_loss"
+
+
+# What a sample gives the model and what its target is: the model, the data and the task must agree.
+INPUTS = {"features": "real-valued features", "tokens": "sequences of token indices"}
+TARGETS = {"classes": "class labels", "values": "real-valued targets", "next_tokens": "next-token targets"}
 
 
 class WorldSizePolicy(Enum):
@@ -77,6 +85,7 @@ class ModelConfig:
     """`name` picks a built-in builder; `_target_` (an import path) plugs in your own."""
 
     name: Optional[str] = None
+    inputs: ClassVar[str] = "features"  # a key of INPUTS
 
 
 @dataclass
@@ -94,12 +103,27 @@ class CNNConfig(ModelConfig):
 
 
 @dataclass
+class TransformerConfig(ModelConfig):
+    """A small decoder-only character transformer (pipeline/models.py CharTransformer)."""
+
+    name: Optional[str] = "transformer"
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.1
+    bias: bool = True
+    inputs: ClassVar[str] = "tokens"
+
+
+@dataclass
 class DataConfig:
     name: Optional[str] = None
     batch_size: int = 32  # per worker
     val_fraction: float = 0.2
     seed: int = 0
     num_workers: int = 0
+    inputs: ClassVar[str] = "features"  # a key of INPUTS
+    targets: ClassVar[str] = "classes"  # a key of TARGETS
 
 
 @dataclass
@@ -116,15 +140,58 @@ class SyntheticConfig(DataConfig):
 
 
 @dataclass
+class SyntheticRegressionConfig(DataConfig):
+    """y = tanh(x A) B + noise, A and B drawn from `seed` (pipeline/data.py synthetic_regression)."""
+
+    name: Optional[str] = "synthetic_regression"
+    num_samples: int = 2048
+    num_features: int = 16
+    num_targets: int = 1
+    hidden: int = 8
+    noise: float = 0.1
+    targets: ClassVar[str] = "values"
+
+
+@dataclass
+class TextConfig(DataConfig):
+    """Character windows of the Python standard library's sources (pipeline/text.py); no download."""
+
+    name: Optional[str] = "text"
+    block_size: int = 128  # characters of context
+    stride: Optional[int] = None  # characters between window starts; null: block_size (no overlap)
+    max_chars: int = 1_000_000  # how much of the sources, in characters
+    val_fraction: float = 0.1  # the end of the text, held out whole
+    inputs: ClassVar[str] = "tokens"
+    targets: ClassVar[str] = "next_tokens"
+
+
+@dataclass
 class TaskConfig:
     """`name` picks a built-in task (pipeline/tasks.py); `_target_` plugs in your own."""
 
     name: Optional[str] = None
+    targets: ClassVar[str] = "classes"  # a key of TARGETS
+    metrics: ClassVar[Tuple[str, ...]] = ()  # what validation reports besides loss, as val_<metric>
 
 
 @dataclass
 class ClassificationConfig(TaskConfig):
     name: Optional[str] = "classification"
+    metrics: ClassVar[Tuple[str, ...]] = ("accuracy",)
+
+
+@dataclass
+class RegressionConfig(TaskConfig):
+    name: Optional[str] = "regression"
+    targets: ClassVar[str] = "values"
+    metrics: ClassVar[Tuple[str, ...]] = ("mae",)
+
+
+@dataclass
+class LanguageModelConfig(TaskConfig):
+    name: Optional[str] = "language_model"
+    targets: ClassVar[str] = "next_tokens"
+    metrics: ClassVar[Tuple[str, ...]] = ("bits_per_char",)
 
 
 @dataclass
@@ -141,11 +208,14 @@ class TrainConfig:
     fault: FaultConf = field(default_factory=FaultConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
+    snapshot: SnapshotConf = field(default_factory=SnapshotConf)
 
 
-MODEL_SCHEMAS = {"mlp": MLPConfig, "cnn": CNNConfig}
-DATA_SCHEMAS = {"digits": DigitsConfig, "synthetic": SyntheticConfig}
-TASK_SCHEMAS = {"classification": ClassificationConfig}
+MODEL_SCHEMAS: Dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}
+DATA_SCHEMAS: Dict[str, type] = {"digits": DigitsConfig, "synthetic": SyntheticConfig,
+                                 "synthetic_regression": SyntheticRegressionConfig, "text": TextConfig}
+TASK_SCHEMAS: Dict[str, type] = {"classification": ClassificationConfig, "regression": RegressionConfig,
+                                 "language_model": LanguageModelConfig}
 
 
 def typed(cfg: DictConfig) -> TrainConfig:
@@ -197,11 +267,56 @@ def preflight(job_cfg: DictConfig) -> List[str]:
                 positive(f"data.{key}", getattr(d, key))
             if d.num_classes < 2:
                 out.append(bad("data.num_classes", d.num_classes, "an integer >= 2"))
+        if isinstance(d, SyntheticRegressionConfig):
+            for key in ("num_samples", "num_features", "num_targets", "hidden"):
+                positive(f"data.{key}", getattr(d, key))
+            if d.noise < 0:
+                out.append(bad("data.noise", d.noise, "a number >= 0"))
+        if isinstance(d, TextConfig):
+            positive("data.block_size", d.block_size)
+            positive("data.stride", d.stride, allow_none=True)
+            positive("data.max_chars", d.max_chars)
     for group, node, schemas in (("model", cfg.model, MODEL_SCHEMAS), ("data", cfg.data, DATA_SCHEMAS), ("task", cfg.task, TASK_SCHEMAS)):
         if "_target_" not in node and node.get("name") not in schemas:
             out.append(bad(f"{group}.name", node.get("name"), f"one of {', '.join(schemas)}, or set {group}._target_ to an import path"))
-    if isinstance(c.model, MLPConfig) and not 0 <= c.model.dropout < 1:
+    if isinstance(c.model, (MLPConfig, CNNConfig, TransformerConfig)) and not 0 <= c.model.dropout < 1:
         out.append(bad("model.dropout", c.model.dropout, "a fraction in [0, 1)"))
+    if isinstance(c.model, TransformerConfig):
+        for key in ("n_layer", "n_head", "n_embd"):
+            positive(f"model.{key}", getattr(c.model, key))
+        if c.model.n_head > 0 and c.model.n_embd % c.model.n_head:
+            out.append(bad("model.n_embd", c.model.n_embd, f"a multiple of model.n_head={c.model.n_head}"))
+    return out + _mismatches(c)
+
+
+def _name(group: str, node: Any) -> str:
+    return f"{group}={node.name}"
+
+
+def _fits(schemas: Dict[str, type], attr: str, value: str, group: str) -> str:
+    names = [n for n, sch in schemas.items() if getattr(sch, attr) == value]
+    return " or ".join(f"{group}={n}" for n in names) + f", or your own with {group}._target_"
+
+
+def _mismatches(c: TrainConfig) -> List[str]:
+    """A model, data and task that cannot work together, and an objective the task does not report
+    (built-in choices only: a `_target_` node's inputs and metrics are its own business)."""
+    out: List[str] = []
+    model, data, task = (x if isinstance(x, base) else None for x, base in
+                         ((c.model, ModelConfig), (c.data, DataConfig), (c.task, TaskConfig)))
+    if data is not None and task is not None and data.targets != task.targets:
+        out.append(f"{_name('task', task)} needs data with {TARGETS[task.targets]}, but {_name('data', data)} gives "
+                   f"{TARGETS[data.targets]}: choose {_fits(DATA_SCHEMAS, 'targets', task.targets, 'data')}")
+    if data is not None and model is not None and data.inputs != model.inputs:
+        out.append(f"{_name('model', model)} takes {INPUTS[model.inputs]}, but {_name('data', data)} gives "
+                   f"{INPUTS[data.inputs]}: choose {_fits(MODEL_SCHEMAS, 'inputs', data.inputs, 'model')}")
+    if task is not None:
+        reported = ["val_loss", *(f"val_{m}" for m in task.metrics), "best_val_loss", "final_loss"]
+        objective = c.trainer.objective.value
+        if objective not in reported:
+            owners = [n for n, sch in TASK_SCHEMAS.items() if objective in (f"val_{m}" for m in sch.metrics)]
+            only = f" ({objective} is reported by task={' or task='.join(owners)} only)" if owners else ""
+            out.append(bad("trainer.objective", objective, f"{_name('task', task)} reports {', '.join(reported)}{only}"))
     return out
 
 
@@ -209,8 +324,6 @@ naming.register_resolvers()
 register_configs()
 cs = ConfigStore.instance()
 cs.store(name="schema_train", node=TrainConfig)
-cs.store(group="model", name="schema_mlp", node=MLPConfig)
-cs.store(group="model", name="schema_cnn", node=CNNConfig)
-cs.store(group="data", name="schema_digits", node=DigitsConfig)
-cs.store(group="data", name="schema_synthetic", node=SyntheticConfig)
-cs.store(group="task", name="schema_classification", node=ClassificationConfig)
+for group, schemas in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS), ("task", TASK_SCHEMAS)):
+    for name, node in schemas.items():
+        cs.store(group=group, name=f"schema_{name}", node=node)

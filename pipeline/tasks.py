@@ -1,11 +1,16 @@
 """What the built-in trainer optimises and measures: the task, chosen with `task=...` or `task._target_`.
 
 A task turns a batch and the model's output into the training loss, and sums what validation
-reports (the trainer reduces the sums over the ranks and divides by `count`).
+reports (the trainer reduces the sums over the ranks and divides by `count`): `val_loss` for every
+task, plus the task's own metrics (`val_<key>` for each key of its sums besides loss and count;
+pipeline/config.py's task schemas declare them, so the launcher's pre-flight can check
+`trainer.objective` without importing torch).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Sequence
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +36,31 @@ class Classification(Task):
                 "accuracy": (output.argmax(1) == target).sum().item(), "count": float(len(target))}
 
 
-TASKS: Dict[str, Any] = {"classification": Classification}
+class Regression(Task):
+    """Mean squared error over real-valued targets (every target of every sample weighs the same);
+    validation also reports the mean absolute error."""
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target.view_as(output))
+
+    def sums(self, output: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
+        diff = output - target.view_as(output)
+        return {"loss": diff.pow(2).sum().item(), "mae": diff.abs().sum().item(), "count": float(diff.numel())}
+
+
+class LanguageModel(Task):
+    """Next-token cross-entropy: logits (batch, time, vocabulary) against the next indices (batch,
+    time), every position weighing the same; validation also reports bits per character."""
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    def sums(self, output: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
+        nats = F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="sum").item()
+        return {"loss": nats, "bits_per_char": nats / math.log(2), "count": float(target.numel())}
+
+
+TASKS: Dict[str, Any] = {"classification": Classification, "regression": Regression, "language_model": LanguageModel}
 
 
 def build_task(cfg: Any) -> Task:

@@ -6,7 +6,7 @@ library; what is left here is the model, the data, the task, the optimizer and t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,18 +26,29 @@ log = logging.getLogger("pipeline")
 
 @dataclass
 class Scores:
-    """What validation found so far: checkpointed, so a resumed run reports the same best."""
+    """What validation found so far (`val_loss` and the task's own `val_*`): checkpointed, so a
+    resumed run reports the same as an uninterrupted one, even one resumed after its last epoch."""
 
-    val_loss: Optional[float] = None
-    val_accuracy: Optional[float] = None
+    val: Dict[str, float] = field(default_factory=dict)
     best_val_loss: Optional[float] = None
+
+    def update(self, found: Dict[str, float]) -> None:
+        self.val = dict(found)
+        loss = found.get("val_loss")
+        if loss is not None and (self.best_val_loss is None or loss < self.best_val_loss):
+            self.best_val_loss = loss
+
+    def result(self) -> Dict[str, Any]:
+        return {"val_loss": None, **self.val, "best_val_loss": self.best_val_loss}
 
     def state_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        if "val" not in state:  # a checkpoint written before the task was a choice: val_loss, val_accuracy
+            state = {"val": {k: v for k, v in state.items() if k.startswith("val_") and v is not None}, **state}
+        self.val = dict(state["val"] or {})
+        self.best_val_loss = state.get("best_val_loss")
 
 
 def build_optimizer(t: schema.TrainerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -80,7 +91,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         seed_everything(t.seed)  # the same initial weights on every rank
         data = build_data(c.data)
         task = build_task(c.task)
-        model = build_model(c.model, data.input_shape, data.num_classes)
+        model = build_model(c.model, data.input_shape, data.output_size)
         ddp_model, optimizer = run.setup(model, build_optimizer(t, model))
         scheduler = build_scheduler(t, optimizer)
         seed_everything(t.seed + 1 + run.rank)  # each rank its own dropout stream
@@ -102,11 +113,9 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             train_loss = run.epoch_loss()
             scheduler.step()
             found = validate(run, model, data.val, task)
-            scores.val_loss, scores.val_accuracy = found.get("val_loss"), found.get("val_accuracy")
-            if scores.best_val_loss is None or (scores.val_loss is not None and scores.val_loss < scores.best_val_loss):
-                scores.best_val_loss = scores.val_loss
+            scores.update(found)
             run.log(train_loss=train_loss, **found, best_val_loss=scores.best_val_loss)
             log.info("epoch %d/%d  step %d  train_loss %.4f  %s", epoch + 1, t.max_epochs, run.global_step,
                      train_loss if train_loss is not None else float("nan"),
                      "  ".join(f"{k} {v:.4f}" for k, v in found.items()))
-        return run.finish(**asdict(scores))
+        return run.finish(**scores.result())

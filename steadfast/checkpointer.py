@@ -18,14 +18,14 @@ from .checkpoint import manifest
 from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
 from .config import Resume, Settings
 from .contract.env import LaunchEnv
-from .contract.events import Event
 from .faults import FaultInjector
 from .records import RunRecord
+from .snapshots import MemorySnapshots
 from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)
 
-RESERVED = ("progress", "ranks", "rng")
+RESERVED = ("progress", "ranks", "rng", "telemetry")
 
 
 class LauncherGone(CheckpointError):
@@ -62,6 +62,8 @@ class Checkpointer:
         self.objects: Dict[str, Any] = {}
         self.per_rank: Dict[str, Any] = {"rng": RNGState()}
         self.restored: Optional[Restored] = None
+        self.memory: Optional[MemorySnapshots] = None  # set by the run when snapshots are on
+        self.source = "disk"  # where the last restore came from
 
     @property
     def folder(self) -> Path:
@@ -88,12 +90,48 @@ class Checkpointer:
             if manifest.committed(self.folder):
                 raise CheckpointError(f"resume=never, but {self.folder} already holds checkpoints; they are left untouched")
             return None
-        restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable,
-                                        new_rank=new_rank)
+        restored = self._from_memory()
+        if restored is None:
+            restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change,
+                                            s.run.fresh_start_if_unusable, new_rank=new_rank)
+            self.source = "disk"
+            if self.memory is not None:  # snapshots newer than where the run continues belong to another timeline
+                self.memory.discard_after(restored.step if restored is not None else 0)
         if restored is None and s.resume == Resume.must:
             raise CheckpointError(f"resume=must, but {self.folder} holds no usable checkpoint")
         self.restored = restored
         return restored
+
+    def _from_memory(self) -> Optional[Restored]:
+        """Collective: every rank restores from its node's snapshot when all have the same, verified
+        step and it is newer than the newest committed checkpoint; otherwise nobody does (None)."""
+        comm = self.comm
+        if self.settings.resume == Resume.never:
+            return None
+        steps = self.memory.steps() if self.memory is not None else []
+        disk = -1
+        if comm.rank == 0:
+            found = manifest.committed(self.folder)
+            disk = found[0][0] if found else -1
+        # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
+        # the middle of a snapshot has the one before, which the others still hold: double buffers)
+        lowest, disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
+        step = int(-lowest)
+        if step < 0 or step <= disk:
+            return None
+        loaded = self.memory.load(step) if self.memory is not None and step in steps else None
+        if comm.max_each([0.0 if loaded is not None else 1.0])[0]:  # some rank's bytes did not verify
+            log.warning("The snapshot of step %d in memory did not verify on every rank; resuming from disk", step)
+            return None
+        assert loaded is not None
+        shared, own = loaded
+        for name, obj in self.objects.items():
+            obj.load_state_dict(shared[name])
+        for name, obj in self.per_rank.items():
+            obj.load_state_dict(own[name])
+        self.source = "memory"
+        return Restored(step=step, path=self.memory.objects.slots[0].path.parent if self.memory else self.folder,
+                        manifest={"step": step, "world_size": self.comm.world_size})
 
     def save(self, progress: Progress) -> float:
         """Collective: commit the tracked state at the current step; returns the seconds training waited."""

@@ -25,9 +25,12 @@ class HorovodComm(Comm):
         self.device = pick_device(self.local_rank)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        # groups=1: one grouped all-reduce of every gradient per step, negotiated once, instead of one
-        # per tensor spread over Horovod's cycles (bench/horovod.py: ~15% fewer CPU-seconds per step)
-        wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), groups=1)
+        if hasattr(optimizer, "_allreduce_grad_async"):  # hvd.DistributedOptimizer already (an app with hvd idioms)
+            wrapped = optimizer
+        else:
+            # groups=1: one grouped all-reduce of every gradient per step, negotiated once, instead of one
+            # per tensor spread over Horovod's cycles (bench/horovod.py: ~15% fewer CPU-seconds per step)
+            wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), groups=1)
         hvd_zero_grad = wrapped.zero_grad  # takes no arguments (it predates torch's set_to_none)
 
         def zero_grad(set_to_none: bool = True) -> None:
@@ -73,11 +76,15 @@ class HorovodComm(Comm):
     def start_max_each(self, values: Sequence[float]) -> Pending:
         # Horovod runs a collective only at its next cycle (HOROVOD_CYCLE_TIME): waiting for it
         # at once would cost a cycle every step; started now, it rides with the next gradients.
-        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max, name="steadfast.control")
+        # a name of its own per call (the same sequence on every rank): two may be in flight at once
+        self._controls = getattr(self, "_controls", 0) + 1
+        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max,
+                                          name=f"steadfast.control.{self._controls}")
         return Pending(lambda: self._result(handle).tolist())
 
     def start_sum(self, tensor: torch.Tensor) -> Pending:
-        handle = self.hvd.allreduce_async(tensor, op=self.hvd.Sum, name="steadfast.telemetry")
+        self._sums = getattr(self, "_sums", 0) + 1
+        handle = self.hvd.allreduce_async(tensor, op=self.hvd.Sum, name=f"steadfast.sum.{self._sums}")
         return Pending(lambda: self._result(handle))
 
     def _result(self, handle: int) -> Any:

@@ -30,6 +30,7 @@ class FaultKind(Enum):
     exception = "exception"
     sigterm = "sigterm"  # a scheduler's preemption notice
     crash_in_save = "crash_in_save"  # SIGKILL in the middle of writing a checkpoint
+    crash_in_snapshot = "crash_in_snapshot"  # SIGKILL in the middle of copying a snapshot into shared memory
     save_error = "save_error"  # ENOSPC while writing a checkpoint
     corrupt_checkpoint = "corrupt_checkpoint"  # one byte of the newest committed checkpoint flipped
 
@@ -52,6 +53,15 @@ class CheckpointConf:
     keep_every_n_epochs: Optional[int] = None  # permanent milestones, never removed by retention
     async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
     dir: Optional[str] = None  # default: <run folder>/checkpoints
+
+
+@dataclass
+class SnapshotConf:
+    """Copies of the training state in shared memory between checkpoints (steadfast/snapshots.py):
+    after a worker's death the group restores from memory, losing at most every_n_steps steps."""
+
+    # auto: every step when a copy costs under 2% of a step, else as often as 2% allows; 0: off
+    every_n_steps: Any = "auto"
 
 
 @dataclass
@@ -97,6 +107,7 @@ def register_configs() -> None:
         ("backend", "schema_torchrun", TorchrunBackendConf), ("backend", "schema_horovod", HorovodBackendConf),
         ("backend", "schema_local", LocalBackendConf), ("restart", "schema", RestartConf), ("cluster", "schema", ClusterConf),
         ("checkpoint", "schema", CheckpointConf), ("fault", "schema", FaultConf), ("logger", "schema", LoggerConf),
+        ("snapshot", "schema", SnapshotConf),
     ):
         cs.store(group=group, name=name, node=node, provider="steadfast")
 
@@ -110,6 +121,7 @@ class Settings:
     resume: Resume = Resume.auto
     fault: FaultConf = field(default_factory=FaultConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
+    snapshot: SnapshotConf = field(default_factory=SnapshotConf)
 
 
 def settings_from(cfg: Any) -> Settings:
@@ -119,7 +131,7 @@ def settings_from(cfg: Any) -> Settings:
 
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
+    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Settings), node)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -12,6 +12,7 @@ hang_in_backward, hang_in_save   the same, in the middle of the backward pass / 
 exception       an exception in the training step
 sigterm         SIGTERM to itself, as a scheduler's preemption notice: save, stop, exit code 75
 crash_in_save   SIGKILL in the middle of writing a checkpoint
+crash_in_snapshot  SIGKILL in the middle of copying a snapshot into shared memory
 save_error      writing a checkpoint fails with ENOSPC (disk full)
 corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it is written
 
@@ -29,8 +30,8 @@ from typing import Any, Callable
 
 from .contract.events import Event
 
-KINDS = ("none", "kill", "hang", "hang_in_backward", "hang_in_save", "exception", "sigterm", "crash_in_save",
-         "save_error", "corrupt_checkpoint")
+KILLING = ("kill", "crash_in_save", "crash_in_snapshot")  # SIGKILL: the process ends without a word
+FAILING = (*KILLING, "exception", "save_error")  # the attempt fails (its event says `fails`)
 SAVE_KINDS = ("crash_in_save", "save_error", "hang_in_save")
 STEP_KINDS = ("kill", "hang", "exception", "sigterm")
 HANG_KINDS = ("hang", "hang_in_backward", "hang_in_save")
@@ -58,6 +59,11 @@ class FaultInjector:
     def in_backward(self, step: int) -> None:
         """Called from a gradient hook while step `step` runs its backward pass."""
         if self.active and step == self.cfg.at_step and self.kind == "hang_in_backward" and self._claim():
+            self._fire(step)
+
+    def during_snapshot(self, step: int) -> None:
+        """Called in the middle of copying the snapshot in memory of `step` (half of it is copied)."""
+        if self.active and step >= self.cfg.at_step and self.kind == "crash_in_snapshot" and self._claim():
             self._fire(step)
 
     def during_save(self, step: int, files_written: int) -> None:
@@ -88,8 +94,8 @@ class FaultInjector:
     def _fire(self, step: int) -> None:
         kind = self.kind
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
-        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid())
-        if kind in ("kill", "crash_in_save"):
+        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
+        if kind in KILLING:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)

@@ -77,6 +77,9 @@ def check(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
         if f.kind.value in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
+    every = s.snapshot.every_n_steps
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        out.append(bad("snapshot.every_n_steps", every, "auto, a number of steps >= 1, or 0 to turn memory snapshots off"))
     if s.logger.progress_every_s < 0:
         out.append(bad("logger.progress_every_s", s.logger.progress_every_s, "seconds >= 0"))
     if s.logger.tensorboard and find_spec("tensorboard") is None:

@@ -42,6 +42,7 @@ from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .data import ResumableSampler, make_loader
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
+from .snapshots import MemoryCadence
 from .state import Progress, seed_everything, unwrap
 from .telemetry import Telemetry
 
@@ -49,6 +50,7 @@ log = logging.getLogger("steadfast")
 
 CHECK_INTERVAL_S = 0.05  # automatic stop_check_every_n_steps: the ranks agree about this often
 MAX_CHECK_EVERY = 200
+MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
 
 
 class Run:
@@ -81,9 +83,11 @@ class Run:
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
+        self.checkpointer.per_rank["telemetry"] = self.telemetry
         run_seconds, failures = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0)
         self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
                                on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f))
+        self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
         self._auto_check = stop_check_every_n_steps is None
         self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
         self.model: Optional[torch.nn.Module] = None
@@ -170,6 +174,8 @@ class Run:
         them, with the loop's progress and every rank's RNG states, from the newest checkpoint that
         verifies. Returns the step resumed from, or None for a fresh start. Collective."""
         self.checkpointer.track(self.progress, objects)
+        if self.model is None:  # a loop that wraps its own model: the result's sha256 is of the tracked one
+            self.model = next((unwrap(o) for o in objects.values() if isinstance(unwrap(o), torch.nn.Module)), None)
         self._beat("restore")
 
         def new_rank(step: int) -> None:  # a rank the checkpoint does not have: a stream of its own, reproducible
@@ -188,14 +194,17 @@ class Run:
             self.progress.first_world_size = self.saved_world_size
         self.record.event(Event.RESUMED, step=restored.step, path=str(restored.path), epoch=self.progress.epoch,
                           batch_in_epoch=self.progress.batch_in_epoch, sample_in_epoch=self.progress.sample_in_epoch,
-                          saved_world_size=self.saved_world_size, world_size=self.world_size, source="disk")
-        log.info("Resumed from %s (epoch %d, batch %d)", restored.path, self.progress.epoch, self.progress.batch_in_epoch)
+                          saved_world_size=self.saved_world_size, world_size=self.world_size, source=self.checkpointer.source)
+        log.info("Resumed from %s%s (epoch %d, batch %d)", "the snapshot in memory of step %d in " % restored.step
+                 if self.checkpointer.source == "memory" else "", restored.path, self.progress.epoch, self.progress.batch_in_epoch)
         self._beat("train", force=True)
         return restored.step
 
     def epochs(self, max_epochs: int) -> Iterator[int]:
         """The epochs left, from where the run stands; each one's end may save (epoch cadence) and
-        acts on a stop request that came during validation or a save."""
+        acts on a stop request that came during validation or a save. After a resume from a
+        checkpoint taken at an epoch's last step, that epoch comes once more with no batches left:
+        code after the batch loop must cope (run.epoch_loss() is then None)."""
         self.telemetry.plan(max_epochs * self.batches_per_epoch, max_epochs)
         while self.progress.epoch < max_epochs:
             for generator in self._generators:
@@ -211,7 +220,10 @@ class Run:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.progress.epoch)
         skip = self.progress.batch_in_epoch
-        for i, batch in enumerate(loader):
+        rng = torch.get_rng_state()
+        batches = iter(loader)  # a DataLoader without its own generator draws its seed from the global RNG:
+        torch.set_rng_state(rng)  # put it back, so a resumed run sees the same random numbers
+        for i, batch in enumerate(batches):
             if i >= skip:
                 yield batch
 
@@ -230,6 +242,8 @@ class Run:
         over = self.telemetry.after_step(p.global_step, p.epoch)
         if p.global_step % self.telemetry.every == 0:
             self._retune_checks()
+            if self._memory is not None:
+                self._memory.retune(self.telemetry.step_seconds)
         self._beat("train")
         self.faults.after_step(p.global_step)
         due = self.cadence.step_due(p.global_step)
@@ -244,6 +258,8 @@ class Run:
                        "the model) or raise the limit, then run the same command again to continue", rss_mb=mb, rank=rank)
         if due or control.save_due:
             self.save()
+        if self._memory is not None:
+            self._memory.at_step(p.global_step)
 
     def save(self) -> None:
         """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
@@ -287,6 +303,11 @@ class Run:
         self.checkpointer.close()
         self.telemetry.close()
         out = self.result(status="completed", **result)
+        if self.model is not None and self.rank == 0:  # the final weights, for any safetensors reader
+            from .checkpoint.tensorfile import export_safetensors
+
+            export_safetensors(unwrap(self.model).state_dict(), self.dir / MODEL_FILE)
+            out["model_file"] = MODEL_FILE
         self.record.event(Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out)
         self._finished = True
         self._close()

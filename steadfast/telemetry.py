@@ -149,6 +149,20 @@ class Telemetry:
         self._epoch = [0.0, 0]
         return total / batches if batches else None
 
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's loss not yet logged and the epoch's sums: checkpointed per rank, so a resumed
+        run logs the same losses as the uninterrupted one. The window in flight is read first (its
+        sums join the epoch's, its row is written now): every rank started it, so waiting for it
+        needs nothing more from the others."""
+        self._collect()
+        window = self._window.detach().cpu() if self._window is not None else torch.zeros((), dtype=torch.float32)
+        return {"window": window, "count": self._count, "epoch_sum": self._epoch[0], "epoch_batches": self._epoch[1]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._count = int(state["count"])
+        self._window = state["window"].to(self.comm.device).float().clone() if self._count else None
+        self._epoch = [float(state["epoch_sum"]), int(state["epoch_batches"])]
+
     def metrics(self, **row: Any) -> None:
         """A row of metrics.jsonl (rank 0), and the same numbers to TensorBoard when it is on."""
         self.record.metrics(**row)

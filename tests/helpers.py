@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = [
     "data=synthetic", "data.num_samples=512", "data.batch_size=16",
     "trainer.max_epochs=4", "checkpoint=every_epoch", "restart.monitor_interval=0.1",
+    "snapshot=off",  # the disk tier: tests/test_snapshots.py turns the memory tier on where it tests it
 ]
 
 

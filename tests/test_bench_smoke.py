@@ -21,13 +21,14 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["command"].endswith("--json " + str(out))
     assert {"cpu_count", "platform", "torch"} <= set(result["machine"])
-    big, model = result["results"]
-    assert big["payload_bytes"] == 4 << 20
+    big, model, small = result["results"]
+    assert big["payload_bytes"] == small["payload_bytes"] == 4 << 20
     assert 0 < model["payload_bytes"] < 1 << 20
-    methods = {"project_sync", "async_blocked", "async_total", "torch_save", "raw_fsync_write", "restore_warm", "raw_read_warm"}
+    methods = {"project_sync", "project_sync_checked", "async_blocked", "async_copied", "async_total", "torch_save",
+               "raw_fsync_write", "restore_warm", "raw_read_warm"}
     ratios = {"project_sync/raw_fsync_write throughput", "torch_save/raw_fsync_write throughput",
               "async_blocked/sync_save time", "restore/raw_read throughput (warm)"}
-    for r in (big, model):
+    for r in (big, model, small):
         assert set(r["methods"]) == methods
         assert all(len(m["samples_s"]) == 1 and m["median_s"] > 0 for m in r["methods"].values())
         assert ratios <= set(r["ratios"]) and all(v > 0 and math.isfinite(v) for v in r["ratios"].values())

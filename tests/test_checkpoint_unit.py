@@ -32,7 +32,7 @@ def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 5)).sum().backward()
     opt.step()
-    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(),
+    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(), "rng": torch.get_rng_state(),
             "py": random.getstate(), "empty": torch.empty(0, 3), "bf16": torch.ones(3, dtype=torch.bfloat16)}
     size, digest = tensorfile.save(tree, tmp_path / "t.bin")
     back = tensorfile.load(tmp_path / "t.bin", size, digest)
@@ -42,6 +42,9 @@ def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
     assert back["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
     np.random.set_state(back["np"])
     random.setstate(back["py"])
+    for t in (back["rng"], back["model"]["0.weight"]):  # no view into one big storage: its own bytes only
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    torch.set_rng_state(back["rng"])  # (crashed on a tensor with a storage offset)
     assert back["empty"].shape == (0, 3) and back["bf16"].dtype == torch.bfloat16
 
 
@@ -77,14 +80,17 @@ def test_damage_is_detected(tmp_path: Path) -> None:
         tensorfile.load(path)  # even without a manifest, a truncated file does not parse
 
 
-def test_committed_lists_by_step_number_and_ignores_partial_folders(tmp_path: Path) -> None:
-    for step in (9, 10, 100):
-        (tmp_path / mf.step_dir_name(step)).mkdir()
-        (tmp_path / mf.step_dir_name(step) / mf.MANIFEST).write_text("{}")
+def test_committed_lists_by_commit_sequence_and_ignores_partial_folders(tmp_path: Path) -> None:
+    m = manager(tmp_path, keep_last=10)
+    for step in (100, 9, 10):  # committed in this order: 10 is the newest, whatever the step numbers say
+        m.save(step, {"model": Box({"w": torch.ones(1)})}, {}, {})
+    m.close()
     (tmp_path / mf.step_dir_name(1000)).mkdir()  # no manifest: not committed
     (tmp_path / f"{mf.TMP_PREFIX}step_000002000-abc").mkdir()
     (tmp_path / "step_5").mkdir()
-    assert [s for s, _ in mf.committed(tmp_path)] == [100, 10, 9]
+    assert [s for s, _ in mf.committed(tmp_path)] == [10, 9, 100]
+    assert [mf.read(p)["commit"] for _, p in mf.committed(tmp_path)] == [3, 2, 1]
+    assert mf.newest_manifest(tmp_path)["step"] == 10
 
 
 def test_training_config_changes_separate_safe_keys() -> None:
@@ -140,3 +146,12 @@ def test_manifest_lists_sizes_and_checksums(tmp_path: Path) -> None:
     assert set(man["files"]) == {"model.bin", "ranks.bin"}
     for name, spec in man["files"].items():
         assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and spec["checksum"].startswith("xxh3_128:")
+
+
+def test_views_conjugates_and_negative_views_are_written_as_their_values(tmp_path: Path) -> None:
+    x = torch.randn(8, 5)
+    z = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    tree = {"transposed": x.t(), "strided": x[::2, 1:], "conj": z.conj(), "neg_view": z.conj().imag}
+    back = tensorfile.load(tmp_path / "t.bin", *tensorfile.save(tree, tmp_path / "t.bin"))
+    for key, value in tree.items():
+        assert torch.equal(back[key], value.resolve_conj().resolve_neg()), key

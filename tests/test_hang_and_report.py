@@ -31,7 +31,7 @@ def _check_hang(folder: Path, baseline: dict) -> dict:
     assert found["time"] - fired["time"] <= 4.0 + 0.5, "detected within restart.hang_timeout_s (plus one look)"
     assert "steadfast/faults.py" in found["where"] and "_fire" in found["where"]
     stacks = (folder / "logs" / "stacks" / "rank1.txt").read_text()
-    assert "watchdog: rank 1" in stacks and "in _fire" in stacks and "in _fit" in stacks
+    assert "watchdog: rank 1" in stacks and "in _fire" in stacks and "in train" in stacks
     waiting = (folder / "logs" / "stacks" / "rank0.txt").read_text()
     assert "torch" in waiting or "horovod" in waiting  # rank 0 waits in a collective
     assert [e["step"] for e in events(folder) if e["event"] == "resumed"] == [13]

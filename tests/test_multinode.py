@@ -84,7 +84,10 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     port = free_port()
     args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
             "backend.rdzv_last_call_s=3", "restart.max_restarts=5",
-            "restart.collective_timeout_s=60"]
+            "restart.collective_timeout_s=60",
+            # node A alone holds at step 150 until it is asked to stop (B rejoining stops it): the
+            # test waits for B however long B takes to start, and no longer
+            "fault=hang_rank", "fault.rank=0", "fault.at_step=150", "fault.hang_until_stop=true"]
     args = [a for a in args if a != "trainer.max_epochs=2"]
     folder = run_dir(tmp_path, "el")
     a = start_train(tmp_path, *args)

@@ -1,12 +1,12 @@
 """cluster=slurm: the generated sbatch script and its submission.
 
-No Slurm runs here (no slurmctld/slurmd on the test machines): the script's content is checked,
-`sbatch --test-only` is run on it when an `sbatch` that talks to a controller is available, and
-the submission path is exercised with a stand-in `sbatch` on PATH that records what it was given.
+The script's content is checked everywhere; where a Slurm controller answers (.ci/run starts a
+single-node one with scripts/local_slurm.sh) `sbatch --test-only` checks the script and a real job
+runs the training; the sweep path is exercised with a stand-in `sbatch` on PATH that records what it
+was given.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -1,31 +1,35 @@
 """Checkpoints that are either committed and complete, or invisible.
 
 Save (rank 0 writes; every rank contributes its own RNG state):
-  1. write every object's file into `.tmp-step_N-<id>/`, fsync each;
-  2. write `manifest.json` last (step, epoch, position, world size, training config, size and
-     checksum of every file), fsync it and the folder;
-  3. rename the folder to `step_N` (atomic) and fsync the parent; a leftover `step_N` from an
-     earlier crash is moved aside first and removed after;
-  4. only then apply retention, which never touches the newest committed checkpoint.
-Resume takes the newest committed step that verifies (sizes, checksums, parse), falling back
-to older ones and saying why; files are read without unpickling anything (see tensorfile).
+  1. write every object's file into `.tmp-step_N-<id>/` (every byte, fsync, size checked);
+  2. write `manifest.json` last (step, commit sequence, epoch, position, world size, training config,
+     size and checksum of every file), fsync it and the folder;
+  3. rename the folder to `step_N` (atomic) and fsync the parent; a committed `step_N` already there
+     is moved aside first, never deleted;
+  4. read the new checkpoint back and verify it (manifest, sizes, checksums), and only then apply
+     retention, which ranks by commit sequence and never removes the checkpoint just committed.
+Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
+raises its failure. Resume takes the newest committed checkpoint (by commit sequence) that verifies;
+the unusable ones newer than it are moved aside (`.unusable-step_N-<reason>-<id>`), never deleted.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
-import torch
-
+from . import fileio, restore as rs
 from . import manifest as mf
 from . import tensorfile
+from .snapshot import HostBuffers, Snapshot, optimizer_owned
 from ..comm import Comm
 from ..contract.events import Event
 
@@ -38,8 +42,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or restored; the message names the file and the cause."""
+CheckpointError = rs.CheckpointError
 
 
 @dataclass
@@ -47,48 +50,6 @@ class Restored:
     step: int
     path: Path
     manifest: Dict[str, Any]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class HostSnapshot:
-    """Copies of the state in host memory, reused from one asynchronous save to the next.
-
-    Fresh allocations cost more than the copy itself (page faults); the buffers are free to reuse
-    because a new snapshot is only taken after the previous save has been written.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: List[torch.Tensor] = []
-
-    def copy(self, tree: Any) -> Any:
-        self._next = 0
-        out = self._copy(tree)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
-        return out
-
-    def _copy(self, tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            i, self._next = self._next, self._next + 1
-            src = tree.detach()
-            if i == len(self.buffers):
-                self.buffers.append(torch.empty(0))
-            buf = self.buffers[i]
-            if buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = self.buffers[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-            return buf.copy_(src, non_blocking=src.is_cuda)
-        if isinstance(tree, dict):
-            return {k: self._copy(v) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self._copy(v) for v in tree)
-        return tree
 
 
 class CheckpointManager:
@@ -103,18 +64,22 @@ class CheckpointManager:
         keep_every_n_epochs: Optional[int] = None,
         full_config: Optional[Dict[str, Any]] = None,
         hooks: Any = None,
+        defer_optimizer_copy: bool = True,
     ) -> None:
-        self.folder, self.comm, self.keep_last = folder, comm, keep_last
+        self.folder, self.comm, self.keep_last = Path(folder), comm, max(1, keep_last)
         self.training_config, self.on_event = training_config, on_event
         self.keep_every_n_epochs = keep_every_n_epochs
         self.full_config = full_config or {}
         self.hooks = hooks  # fault injection: during_save(step, files_written), after_commit(step, path)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_save else None
-        self._snapshot = HostSnapshot()
+        self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
+        self._buffers = HostBuffers()
         self._pending: Optional[Future] = None
+        self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
+        self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
         if comm.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(parents=True, exist_ok=True)
             self._check_writable()
             self._remove_leftovers()
 
@@ -127,17 +92,39 @@ class CheckpointManager:
             return
         self.wait()
         started = time.perf_counter()
-        states = {name: obj.state_dict() for name, obj in objects.items()}
-        states["ranks"] = {"ranks": gathered}
-        if self._pool is None:
-            self._write_and_commit(step, states, meta, started)
-        else:
-            states = self._snapshot.copy(states)
-            self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
-            self._pending = self._pool.submit(self._write_and_commit, step, states, meta, started)
+        clash = sorted(mf.RESERVED & set(meta))
+        if clash:
+            raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
+        layouts = {}
+        for name, tree in [*((n, o.state_dict()) for n, o in objects.items()), ("ranks", {"ranks": gathered})]:
+            if not mf.FILE_NAME.fullmatch(f"{name}.bin") or f"{name}.bin" in layouts:
+                raise CheckpointError(f"cannot save an object named {name!r}: names are letters, digits, '_', '.', '-', "
+                                      "unique, and not 'ranks' (the per-rank states)")
+            try:
+                layouts[f"{name}.bin"] = tensorfile.plan(tree)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"cannot save {name} at step {step}: {exc}") from exc
+        if not self.async_save:
+            final, files = self._write_and_commit(step, {n: l.buffers() for n, l in layouts.items()}, meta, started)
+            self._pending = self._pool.submit(self._check_then_retain, step, final, files)
+            return
+        optimizers, owned = optimizer_owned(objects.values()) if self.defer_optimizer_copy else ([], set())
+        snap = Snapshot(layouts, self._buffers, owned)
+        self._copied = snap.copied
+        for opt in optimizers:
+            if opt not in self._hooked:
+                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
+        self._pending = self._pool.submit(self._write_snapshot, step, snap, meta, started)
+
+    def wait_snapshot(self) -> None:
+        """Block until an asynchronous save no longer reads the live state (an optimizer's step calls it)."""
+        copied = self._copied
+        if copied is not None:
+            copied.wait()
 
     def wait(self) -> None:
-        """Finish a save still being written in the background; its failure stops the run here."""
+        """Finish a save still being written or checked in the background; its failure stops the run here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
@@ -146,33 +133,41 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            for handle in list(self._hooked.values()):
+                handle.remove()
+            self._hooked = weakref.WeakKeyDictionary()
+            self._pool.shutdown(wait=True)
 
-    def _write_and_commit(self, step: int, states: Dict[str, Any], meta: Dict[str, Any], started: float) -> Path:
+    def _write_snapshot(self, step: int, snap: Snapshot, meta: Dict[str, Any], started: float) -> Path:
+        snap.copy_rest()
+        final, files = self._write_and_commit(step, {name: snap.pieces(name) for name in snap.layouts}, meta, started)
+        return self._check_then_retain(step, final, files)
+
+    def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any],
+                          started: float) -> Tuple[Path, Dict[str, Dict[str, Any]]]:
         final = self.folder / mf.step_dir_name(step)
         tmp = self.folder / f"{mf.TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        files: Dict[str, Dict[str, Any]] = {}
         try:
             tmp.mkdir()
-            files = {}
-            for name, tree in states.items():
-                size, digest = tensorfile.save(tree, tmp / f"{name}.bin")
-                files[f"{name}.bin"] = {"bytes": size, "checksum": digest}
+            for name, parts in pieces.items():
+                size, digest = fileio.write_file(tmp / name, parts)
+                files[name] = {"bytes": size, "checksum": digest}
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
             manifest = {
-                "format": mf.FORMAT, "step": step, **meta, "world_size": self.comm.world_size,
-                "created": time.time(), "files": files, "config": self.training_config, "full_config": self.full_config,
+                "format": mf.FORMAT, "step": step, "commit": mf.next_commit(self.folder), **meta,
+                "world_size": self.comm.world_size, "created": time.time(), "files": files,
+                "config": self.training_config, "full_config": self.full_config,
             }
-            with open(tmp / mf.MANIFEST, "w") as f:
-                f.write(_json(manifest))
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # a leftover of this step (an earlier crash, or a re-save): replace it
-                final.rename(self.folder / f"{mf.TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+            text = rs.to_json(manifest)
+            mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
+            fileio.write_file(tmp / mf.MANIFEST, [text.encode()])
+            fileio.fsync_dir(tmp)
+            if os.path.lexists(final):  # an earlier crash's leftover, or a checkpoint of this step from before
+                self._move_out_of_the_way(step, final)
             os.rename(tmp, final)
-            _fsync_dir(self.folder)
+            fileio.fsync_dir(self.folder)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             previous = mf.committed(self.folder)
@@ -182,25 +177,53 @@ class CheckpointManager:
         seconds = time.perf_counter() - started
         self.on_event(Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4))
         log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
-        self._apply_retention()
+        return final, files
+
+    def _check_then_retain(self, step: int, final: Path, files: Dict[str, Dict[str, Any]]) -> Path:
+        """Read the new checkpoint back before retention may remove anything older."""
+        try:
+            if mf.read(final)["files"] != files:
+                raise mf.ManifestError(f"{final / mf.MANIFEST}: reads back different from what was written")
+            problem = rs.verify(final)
+            if problem:
+                raise fileio.FileCheckError(problem)
+        except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
+            moved = self._set_aside(step, final, "readback", str(exc))
+            raise CheckpointError(f"checkpoint step {step} was written but does not read back the same ({exc}); "
+                                  f"{'it was moved to ' + moved.name if moved else 'it is left in place'}; "
+                                  "older checkpoints are kept") from exc
+        self._apply_retention(final)
         if self.hooks is not None:
             self.hooks.after_commit(step, final)
         return final
 
-    def _apply_retention(self) -> None:
-        ckpts = mf.committed(self.folder)
-        for i, (step, path) in enumerate(ckpts):
-            if i < self.keep_last:
-                continue  # the newest keep_last (>= 1) are always kept
-            if self.keep_every_n_epochs:
-                try:
-                    epoch = mf.read(path).get("epoch", 0)
-                    if epoch and epoch % self.keep_every_n_epochs == 0 and not mf.read(path).get("batch_in_epoch"):
-                        continue
-                except ValueError:
-                    pass
-            self._discard(path)
+    def _apply_retention(self, just_committed: Path) -> None:
+        listed = [c for c in mf.scan(self.folder) if c.manifest is not None]
+        for i, c in enumerate(listed):
+            if i < self.keep_last or c.path == just_committed:
+                continue  # the newest keep_last (>= 1) by commit sequence, and this save's, are kept
+            n, epoch = self.keep_every_n_epochs, c.manifest.get("epoch", 0)
+            if n and epoch and epoch % n == 0 and not c.manifest.get("batch_in_epoch"):
+                continue  # a milestone: the end of every n-th epoch
+            self._discard(c.path)
         self._remove_leftovers(only_trash=True)
+
+    def _move_out_of_the_way(self, step: int, final: Path) -> None:
+        if os.path.lexists(final / mf.MANIFEST):  # committed (usable or not): kept, under another name
+            self._set_aside(step, final, "replaced", "a new save of the same step replaced it")
+        else:  # no manifest: the leftover of a crash, never committed
+            final.rename(self.folder / f"{mf.TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+
+    def _set_aside(self, step: Optional[int], path: Path, reason: str, error: str) -> Optional[Path]:
+        target = self.folder / mf.set_aside_name(path, reason)
+        try:
+            path.rename(target)
+        except OSError as exc:
+            log.warning("Could not move unusable checkpoint %s aside (%s); leaving it", path, exc)
+            return None
+        log.warning("Checkpoint %s moved aside to %s: %s", path, target.name, error)
+        self.on_event(Event.CHECKPOINT_SET_ASIDE, step=step, path=str(path), moved_to=str(target), error=error)
+        return target
 
     def _discard(self, path: Path) -> None:
         trash = self.folder / f"{mf.TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
@@ -234,7 +257,8 @@ class CheckpointManager:
         decision: Dict[str, Any] = {}
         states: Optional[Dict[str, Any]] = None
         if self.comm.rank == 0:
-            decision, states = self._choose(allow_config_change)
+            chooser = rs.Chooser(self.folder, self.training_config, self.full_config, self.on_event, self._set_aside)
+            decision, states = chooser.choose(list(objects), list(per_rank), allow_config_change, fresh_start_if_unusable)
         decision = self.comm.broadcast_object(decision)
         if decision.get("error"):
             raise CheckpointError(decision["error"])
@@ -243,22 +267,24 @@ class CheckpointManager:
             if not fresh_start_if_unusable:
                 raise CheckpointError(
                     f"none of the {len(decision['unusable'])} committed checkpoints in {self.folder} is usable ({detail}). "
-                    "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway")
+                    "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway "
+                    "(they are then moved aside, not deleted)")
             log.warning("No usable checkpoint (%s); starting from scratch as run.fresh_start_if_unusable allows", detail)
             return None
         if not decision.get("path"):
             return None
         path = Path(decision["path"])
         manifest = decision["manifest"]
-        if states is None:  # other ranks: rank 0 verified the checksums; check sizes while reading
-            states = {name[:-4]: tensorfile.load(path / name, spec["bytes"]) for name, spec in manifest["files"].items()}
+        if states is None:  # other ranks read the same files and check them the same way
+            try:
+                states = rs.load_checked(path, manifest, list(objects), list(per_rank))
+            except (ValueError, OSError, MemoryError) as exc:
+                raise CheckpointError(f"rank {self.comm.rank} cannot read checkpoint {path} that rank 0 verified: {exc}") from exc
         ranks = states["ranks"]["ranks"]
         if len(ranks) != self.comm.world_size and new_rank is None:
             raise CheckpointError(f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size} "
                                   "(trainer.on_world_size_change=refuse)")
         for name, obj in objects.items():
-            if name not in states:
-                raise CheckpointError(f"{path}: no {name}.bin in this checkpoint")
             try:
                 obj.load_state_dict(states[name])
             except Exception as exc:
@@ -275,39 +301,8 @@ class CheckpointManager:
         self.last_saved_step = manifest["step"]
         return Restored(step=manifest["step"], path=path, manifest=manifest)
 
-    def _choose(self, allow_config_change: bool) -> tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-        candidates = mf.committed(self.folder)
-        problems: List[str] = []
-        for step, path in candidates:
-            try:
-                manifest = mf.read(path)
-                states = {
-                    name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"])
-                    for name, spec in manifest["files"].items()
-                }
-            except (OSError, ValueError, KeyError) as exc:
-                problems.append(f"{path.name}: {exc}")
-                log.warning("Checkpoint %s is unusable, trying an older one: %s", path, exc)
-                self.on_event(Event.CHECKPOINT_INVALID, step=step, path=str(path), error=str(exc))
-                continue
-            diff = mf.changes(manifest.get("config", {}), self.training_config)
-            if diff and not allow_config_change:
-                return {"error": (
-                    f"checkpoint {path} was made with a different training config; refusing to resume. Changed: "
-                    f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
-                    "run.allow_config_change=true to resume anyway")}, None
-            if diff:
-                self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="run.allow_config_change", changes=[list(d) for d in diff])
-            safe = [d for d in mf.changes(manifest.get("full_config", {}), self.full_config) if d not in diff]
-            if safe:
-                self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="safe to change", changes=[list(d) for d in safe])
-            return {"path": str(path), "manifest": manifest, "skipped": problems}, states
-        if problems:
-            return {"unusable": problems}, None
-        return {}, None
 
+def verify_checkpoint(path: Path) -> Optional[str]:
+    """None when the committed checkpoint at `path` verifies (manifest, sizes, checksums); else why not."""
+    return rs.verify(path)
 
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, indent=1, default=str) + "\n"

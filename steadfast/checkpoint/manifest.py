@@ -2,59 +2,180 @@
 
 Cheap (no torch): the launcher's pre-flight uses it to refuse a bad resume before workers start.
 
-A checkpoint is a folder `step_<9 digits>` holding its files and `manifest.json` (written last,
-then the folder renamed into place from a `.tmp-*` name). Only such folders with a manifest are
-committed; anything else in the checkpoint folder is invisible to resume.
+A checkpoint is a folder `step_<9 digits>` holding its files and `manifest.json` (written last, then
+the folder renamed into place from a `.tmp-*` name). Only such folders with a manifest are committed;
+anything else in the checkpoint folder is invisible to resume. Every manifest carries `commit`, a
+sequence number one above the highest in the folder when it was committed: checkpoints are ordered
+by it (never by step number, file time or name), so a run that starts again at step 100 next to
+older checkpoints at step 5000 still has the newest one. Unusable checkpoints are moved aside to
+`.unusable-step_<N>-<reason>-<id>`, which nothing lists.
+
+Every manifest read back is validated (types, bounds, names, the folder's step); any failure is a
+ManifestError (a ValueError), never another exception.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import stat
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..contract.keys import checked_on_resume
+from . import fileio
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"step_(\d{9,})")
+STEP_DIR = re.compile(r"step_(\d{9,18})")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+SET_ASIDE_PREFIX = ".unusable-"
+MAX_MANIFEST_BYTES = 16 << 20  # the training config is in it; 16 MiB is far above any real one
+MAX_FILES = 256
+MAX_FILE_BYTES = 1 << 50
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}\.bin")
+CHECKSUM = re.compile(re.escape(fileio.CHECKSUM) + r":[0-9a-f]{32}")
+META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
+RESERVED = frozenset({"format", "step", "commit", "world_size", "created", "files", "config", "full_config"})
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used: missing, unreadable, not JSON, or not what a manifest holds."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A committed checkpoint folder as listed: its manifest, or why it cannot be read."""
+
+    step: int
+    path: Path
+    manifest: Optional[Dict[str, Any]]
+    error: Optional[str] = None
+
+    @property
+    def commit(self) -> int:
+        return self.manifest["commit"] if self.manifest is not None else 0
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def committed(folder: Path) -> List[Tuple[int, Path]]:
-    """Committed checkpoints, newest first by step number (never by file time or name order)."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for child in folder.iterdir():
-        m = STEP_DIR.fullmatch(child.name)
-        if m and (child / MANIFEST).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found, reverse=True)
+def _int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, Any]:
+    """`data` if it is a valid manifest (of the folder for `step`, when given); else ManifestError."""
+    def bad(what: str) -> ManifestError:
+        return ManifestError(f"{where}: {what}")
+
+    if not isinstance(data, dict):
+        raise bad(f"not a JSON object (a {type(data).__name__})")
+    if data.get("format") != FORMAT or isinstance(data.get("format"), bool):
+        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads format {FORMAT}")
+    if not _int(data.get("step"), 0, 10**18 - 1):
+        raise bad("'step' must be a non-negative integer")
+    if step is not None and data["step"] != step:
+        raise bad(f"says step {data['step']}, but its folder is {step_dir_name(step)}")
+    if not _int(data.get("commit"), 1, 2**62):
+        raise bad("'commit' must be a positive integer")
+    if not _int(data.get("world_size"), 1, 2**31):
+        raise bad("'world_size' must be a positive integer")
+    for key in META_COUNTS:
+        if key in data and not _int(data[key], 0, 2**62):
+            raise bad(f"'{key}' must be a non-negative integer")
+    if not isinstance(data.get("created"), (int, float)) or isinstance(data.get("created"), bool) or not math.isfinite(data["created"]):
+        raise bad("'created' must be a number")
+    for key in ("config", "full_config"):
+        if not isinstance(data.get(key), dict):
+            raise bad(f"'{key}' must be a JSON object")
+    files = data.get("files")
+    if not isinstance(files, dict) or not 1 <= len(files) <= MAX_FILES:
+        raise bad(f"'files' must map 1 to {MAX_FILES} file names to their size and checksum")
+    for name, spec in files.items():
+        if not FILE_NAME.fullmatch(name):
+            raise bad(f"file name {name[:100]!r} is not a plain name like model.bin")
+        if not isinstance(spec, dict) or not _int(spec.get("bytes"), 0, MAX_FILE_BYTES):
+            raise bad(f"{name}: 'bytes' must be an integer from 0 to {MAX_FILE_BYTES}")
+        if not isinstance(spec.get("checksum"), str) or not CHECKSUM.fullmatch(spec["checksum"]):
+            raise bad(f"{name}: 'checksum' must be {fileio.CHECKSUM}:<32 hex digits> (it is required)")
+    return data
+
+
+def _step_of(path: Path) -> Optional[int]:
+    m = STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
 
 
 def read(ckpt: Path) -> Dict[str, Any]:
+    """The validated manifest of the checkpoint folder `ckpt`. Raises ManifestError, nothing else."""
+    where = ckpt / MANIFEST
     try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{ckpt / MANIFEST}: unreadable manifest ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{ckpt / MANIFEST}: format {manifest.get('format')!r}, this version reads format {FORMAT}")
-    return manifest
+        dir_fd = fileio.open_folder(ckpt)
+        try:
+            data = fileio.read_small(MANIFEST, dir_fd, where, MAX_MANIFEST_BYTES)
+        finally:
+            os.close(dir_fd)
+        value = json.loads(data)
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:  # FileCheckError and UnicodeDecodeError are ValueErrors
+        raise ManifestError(f"{where}: unreadable manifest ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return validate(value, where, _step_of(ckpt))
+
+
+def _has_manifest(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.lexists(path / MANIFEST)
+    except OSError:
+        return False
+
+
+def scan(folder: Path) -> List[Listed]:
+    """Every committed checkpoint in `folder`: readable ones newest first by commit sequence (then
+    step), then those whose manifest cannot be used, by step. Never raises; a missing folder is empty."""
+    try:
+        children = list(os.scandir(folder))
+    except OSError:
+        return []
+    readable, unreadable = [], []
+    for child in children:
+        step = _step_of(Path(child.name))
+        path = Path(folder) / child.name
+        if step is None or not _has_manifest(path):
+            continue  # a symlinked folder is not listed as committed
+        try:
+            readable.append(Listed(step, path, read(path)))
+        except ManifestError as exc:
+            unreadable.append(Listed(step, path, None, str(exc)))
+    readable.sort(key=lambda c: (c.commit, c.step, c.path.name), reverse=True)
+    unreadable.sort(key=lambda c: (c.step, c.path.name), reverse=True)
+    return readable + unreadable
+
+
+def committed(folder: Path) -> List[Tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint, newest first (see scan)."""
+    return [(c.step, c.path) for c in scan(folder)]
 
 
 def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
-    for _, path in committed(folder):
-        try:
-            return read(path)
-        except ValueError:
-            continue
+    """The manifest of the newest committed checkpoint whose manifest is valid; None if there is none."""
+    for c in scan(folder):
+        if c.manifest is not None:
+            return c.manifest
     return None
+
+
+def next_commit(folder: Path) -> int:
+    return 1 + max((c.commit for c in scan(folder)), default=0)
+
+
+def set_aside_name(path: Path, reason: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-")[:40] or "unusable"
+    return f"{SET_ASIDE_PREFIX}{path.name}-{slug}-{uuid.uuid4().hex[:8]}"
 
 
 def flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:

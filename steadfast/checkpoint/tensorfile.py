@@ -1,174 +1,180 @@
-"""A checkpoint file format that cannot run code on load: a JSON header plus raw tensor bytes.
+"""Reading checkpoint files: nothing is unpickled, so a tampered file can fail to load but cannot run code.
 
-    b"STEADFST" | u64 header length | header (JSON) | padding | tensor bytes (each 64-byte aligned)
-
-The header holds the state's structure (dicts with str or int keys, lists, tuples, numbers,
-strings, None) with tensors and numpy arrays replaced by references into a table of dtype,
-shape, offset and size. Nothing is unpickled, so a tampered file can fail to load but cannot
-execute anything. Writes go straight from the tensors' memory to the file (no serialisation
-copy). Files are checksummed with xxh3-128: corruption detection at memory speed (sha256 costs
-more than the write itself here; tamper safety comes from never unpickling, not from the hash).
+The loader enforces safetensors' rules, and refuses anything else as TensorFileError: a header of at
+most MAX_HEADER_BYTES and MAX_HEADER_VALUES, UTF-8 JSON object without duplicate keys, known dtypes
+only, shapes of non-negative ints, offsets sorted, contiguous and covering the data exactly, element
+count times dtype size equal to each span; and, for the skeleton, a depth of at most MAX_DEPTH and
+only the node kinds the writer makes. The format is described in tensorformat; writing is in
+tensorwrite (re-exported here: save, plan, export_safetensors).
 """
 from __future__ import annotations
 
 import json
-import os
-import struct
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
-import xxhash
 
-MAGIC = b"STEADFST"
-VERSION = 1
-ALIGN = 64
-DTYPES = {
-    name: getattr(torch, name)
-    for name in ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-                 "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool")
-}
-READ_CHUNK = 64 << 20
-CHECKSUM = "xxh3_128"
+from . import fileio
+from .tensorformat import (CHECKSUM, DTYPES, ITEMSIZE, MAX_DEPTH, MAX_DIMS, MAX_HEADER_BYTES, MAX_HEADER_VALUES,
+                           TREE_KEY, TensorFileError, gc_paused, json_values)
+from .tensorformat import format_error as _error
+from .tensorwrite import Layout, export_safetensors, plan, save
+
+__all__ = ["CHECKSUM", "DTYPES", "MAX_HEADER_BYTES", "MAX_HEADER_VALUES", "TREE_KEY", "Layout", "TensorFileError",
+           "export_safetensors", "json_values", "load", "parse", "plan", "read_verified", "save"]
 
 
-class TensorFileError(ValueError):
-    """The file is not a valid tensor file (truncated, damaged, or not ours)."""
+def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in a JSON object")
+    return out
 
 
-def _encode(obj: Any, tensors: List[torch.Tensor], path: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"__t": len(tensors) - 1}
-    if isinstance(obj, np.ndarray):
-        tensors.append(torch.from_numpy(np.ascontiguousarray(obj)))
-        return {"__n": len(tensors) - 1}
-    if isinstance(obj, dict):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path}")
-            items.append([k, _encode(v, tensors, f"{path}.{k}")])
-        return {"__d": items}
-    if isinstance(obj, tuple):
-        return {"__tuple": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot store an object of type {type(obj).__name__} at {path} in a checkpoint")
+def _no_constants(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
 
 
-def _decode(node: Any, tensors: List[torch.Tensor]) -> Any:
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tuple[str, str, List[int], int, int]]:
+    table = []
+    for tname, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _error(name, f"tensor {tname[:80]!r}: needs exactly dtype, shape and data_offsets")
+        code, shape, span = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(code, str) or code not in DTYPES:
+            raise _error(name, f"tensor {tname[:80]!r}: unknown dtype {str(code)[:20]!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+            raise _error(name, f"tensor {tname[:80]!r}: shape must be a list of at most {MAX_DIMS} non-negative ints")
+        if not isinstance(span, list) or len(span) != 2 or not all(_is_count(x) for x in span) or span[0] > span[1]:
+            raise _error(name, f"tensor {tname[:80]!r}: data_offsets must be [begin, end] with 0 <= begin <= end")
+        table.append((tname, code, shape, span[0], span[1]))
+    table.sort(key=lambda row: (row[3], row[4]))
+    expected = 0
+    for tname, code, shape, begin, end in table:
+        if begin != expected:
+            raise _error(name, f"tensor {tname[:80]!r}: data_offsets overlap or leave a gap (begins at {begin}, expected {expected})")
+        count = 1
+        for d in shape:  # checked: stop as soon as the count cannot fit the data
+            count *= d
+            if count * ITEMSIZE[code] > data_len:
+                raise _error(name, f"tensor {tname[:80]!r}: shape {shape[:8]} needs more bytes than the file holds", "size")
+        if count * ITEMSIZE[code] != end - begin:
+            raise _error(name, f"tensor {tname[:80]!r}: shape and dtype need {count * ITEMSIZE[code]} bytes, data_offsets span {end - begin}")
+        expected = end
+    if expected != data_len:
+        raise _error(name, f"the tensors cover {expected} bytes of data, the file holds {data_len} (truncated?)", "size")
+    return table
+
+
+def _tensors(buf: Any, start: int, table: List[Tuple[str, str, List[int], int, int]]) -> Dict[str, torch.Tensor]:
+    """Each tensor over its own span of `buf` (no copy): a storage of its own, offset 0, so code that
+    looks at storages (torch.set_rng_state, torch.save) sees only its bytes."""
+    out = {}
+    for tname, code, shape, begin, end in table:
+        dtype = DTYPES[code]
+        if end == begin:
+            out[tname] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        if raw.data_ptr() % ITEMSIZE[code]:  # a file not written by us may leave a span unaligned
+            raw = raw.clone()
+        out[tname] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) -> Any:
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if depth >= MAX_DEPTH and not (isinstance(node, dict) and len(node) == 1 and ("__t" in node or "__n" in node)):
+        raise _error(name, f"the state is nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
-        return [_decode(v, tensors) for v in node]
-    if isinstance(node, dict):
-        if "__t" in node:
-            return tensors[node["__t"]]
-        if "__n" in node:
-            return tensors[node["__n"]].numpy()
-        if "__tuple" in node:
-            return tuple(_decode(v, tensors) for v in node["__tuple"])
-        if "__d" in node:
-            return {k: _decode(v, tensors) for k, v in node["__d"]}
-        raise TensorFileError(f"unknown node in header: {sorted(node)[:3]}")
-    return node
+        return [_decode(v, tensors, depth + 1, name) for v in node]
+    if isinstance(node, dict) and len(node) == 1:
+        ((kind, value),) = node.items()
+        if kind in ("__t", "__n") and isinstance(value, str) and value in tensors:
+            if kind == "__t":
+                return tensors[value]
+            try:
+                return tensors[value].numpy()
+            except (TypeError, RuntimeError) as exc:
+                raise _error(name, f"tensor {value[:80]!r} cannot be a numpy array ({exc})") from None
+        if kind == "__tuple" and isinstance(value, list):
+            return tuple(_decode(v, tensors, depth + 1, name) for v in value)
+        if kind == "__d" and isinstance(value, list):
+            out: Dict[Any, Any] = {}
+            for item in value:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+                        and not isinstance(item[0], bool) and item[0] not in out):
+                    raise _error(name, "a dict entry of the state is not a [unique str or int key, value] pair")
+                out[item[0]] = _decode(item[1], tensors, depth + 1, name)
+            return out
+    raise _error(name, f"unknown node in the state's skeleton: {str(node)[:60]}")
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def save(tree: Any, path: Path) -> Tuple[int, str]:
-    """Write `tree` to `path` and fsync it; returns (size in bytes, "xxh3_128:<hex>")."""
-    tensors: List[torch.Tensor] = []
-    skeleton = _encode(tree, tensors, "state")
-    buffers = [_as_bytes(t) for t in tensors]
-    table, offset = [], 0
-    for t, buf in zip(tensors, buffers):
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise TypeError(f"cannot store a tensor of dtype {dtype}")
-        table.append({"dtype": dtype, "shape": list(t.shape), "offset": offset, "nbytes": buf.nbytes})
-        offset = _align(offset + buf.nbytes)
-    header = json.dumps({"version": VERSION, "tree": skeleton, "tensors": table}).encode()
-    start = _align(16 + len(header))
-    chunks: List[memoryview] = [memoryview(MAGIC + struct.pack("<Q", len(header)) + header + b"\0" * (start - 16 - len(header)))]
-    for entry, buf in zip(table, buffers):
-        chunks.append(buf)
-        padding = _align(buf.nbytes) - buf.nbytes
-        if padding:
-            chunks.append(memoryview(b"\0" * padding))
-    digest = xxhash.xxh3_128()
-    with open(path, "wb", buffering=0) as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-        os.fsync(f.fileno())
-    return sum(c.nbytes for c in chunks), f"{CHECKSUM}:{digest.hexdigest()}"
-
-
-def read_verified(path: Path, size: int | None = None, checksum: str | None = None) -> bytearray:
-    """The file's bytes; checks its size and checksum against the manifest's when given."""
-    actual = os.path.getsize(path)
-    if size is not None and actual != size:
-        raise TensorFileError(f"{path}: size is {actual} bytes, the manifest says {size}")
-    if checksum is not None and not checksum.startswith(f"{CHECKSUM}:"):
-        raise TensorFileError(f"{path}: unknown checksum {checksum.split(':')[0]!r} in the manifest (expected {CHECKSUM})")
-    buf = bytearray(actual)
-    view = memoryview(buf)
-    digest = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < actual:
-            n = f.readinto(view[pos : pos + READ_CHUNK])
-            if not n:
-                raise TensorFileError(f"{path}: ended after {pos} of {actual} bytes")
-            digest.update(view[pos : pos + n])
-            pos += n
-    if checksum is not None and f"{CHECKSUM}:{digest.hexdigest()}" != checksum:
-        raise TensorFileError(f"{path}: checksum mismatch (the file was changed or damaged after it was written)")
-    return buf
-
-
-def parse(buf: bytearray, name: str = "<buffer>") -> Any:
-    """The state stored in `buf` (tensors share its memory)."""
-    if len(buf) < 16 or bytes(buf[:8]) != MAGIC:
-        raise TensorFileError(f"{name}: not a steadfast tensor file (bad magic); refusing to load it")
-    (hlen,) = struct.unpack("<Q", bytes(buf[8:16]))
-    if 16 + hlen > len(buf):
-        raise TensorFileError(f"{name}: header runs past the end of the file (truncated?)")
+def parse(buf: Any, name: str = "<buffer>") -> Any:
+    """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only."""
     try:
-        header = json.loads(bytes(buf[16 : 16 + hlen]))
-        start = _align(16 + hlen)
-        tensors = []
-        for e in header["tensors"]:
-            dtype = DTYPES[e["dtype"]]
-            begin, nbytes = start + int(e["offset"]), int(e["nbytes"])
-            count = int(np.prod(e["shape"], dtype=np.int64))
-            if begin + nbytes > len(buf) or count * torch.empty((), dtype=dtype).element_size() != nbytes:
-                raise TensorFileError(f"{name}: tensor table does not match the file (truncated?)")
-            if count == 0:
-                tensors.append(torch.empty(e["shape"], dtype=dtype))
-            else:
-                tensors.append(torch.frombuffer(buf, dtype=dtype, count=count, offset=begin).reshape(e["shape"]))
-        return _decode(header["tree"], tensors)
+        with gc_paused():
+            return _parse(buf, name)
     except TensorFileError:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TensorFileError(f"{name}: malformed header ({type(exc).__name__}: {exc})") from None
+    except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
+        raise _error(name, f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def load(path: Path, size: int | None = None, checksum: str | None = None) -> Any:
-    return parse(read_verified(path, size, checksum), str(path))
+def _parse(buf: Any, name: str) -> Any:
+    view = memoryview(buf).cast("B")
+    if view.readonly:  # tensors must own writable memory
+        buf = bytearray(view)
+        view = memoryview(buf)
+    if view.nbytes < 8:
+        raise _error(name, f"{view.nbytes} bytes, shorter than the 8-byte header length", "size")
+    hlen = int.from_bytes(view[:8], "little")
+    if hlen > MAX_HEADER_BYTES:
+        raise _error(name, f"header length {hlen}, more than the {MAX_HEADER_BYTES} allowed")
+    if 8 + hlen > view.nbytes:
+        raise _error(name, f"header of {hlen} bytes runs past the end of the file (truncated?)", "size")
+    raw = bytes(view[8 : 8 + hlen])
+    if json_values(raw) > MAX_HEADER_VALUES:
+        raise _error(name, f"header has more than the {MAX_HEADER_VALUES} JSON values allowed")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                            parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _error(name, f"header is not UTF-8 JSON: {str(exc)[:120]}") from None
+    if not isinstance(header, dict):
+        raise _error(name, "header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _error(name, "__metadata__ must map strings to strings")
+    table = _tensor_table(header, view.nbytes - 8 - hlen, name)
+    tensors = _tensors(buf, 8 + hlen, table)
+    if meta is None or TREE_KEY not in meta:
+        return tensors  # a plain safetensors file: name -> tensor
+    try:
+        skeleton = json.loads(meta[TREE_KEY])
+    except (ValueError, RecursionError) as exc:
+        raise _error(name, f"{TREE_KEY} is not JSON: {str(exc)[:120]}") from None
+    return _decode(skeleton, tensors, 0, name)
+
+
+def read_verified(path: Path, size: Optional[int] = None, checksum: Optional[str] = None,
+                  dir_fd: Optional[int] = None) -> bytearray:
+    """The file's bytes; checks its size and checksum against the manifest's when given."""
+    try:
+        return fileio.read_verified(path, size, checksum, dir_fd)
+    except TensorFileError:
+        raise
+    except fileio.FileCheckError as exc:
+        raise TensorFileError(str(exc), exc.reason) from None
+
+
+def load(path: Path, size: Optional[int] = None, checksum: Optional[str] = None, dir_fd: Optional[int] = None) -> Any:
+    """The state in the file at `path`, checked against the manifest's size and checksum when given.
+    Raises TensorFileError (bad file) or OSError (could not read it)."""
+    return parse(read_verified(path, size, checksum, dir_fd), str(path))

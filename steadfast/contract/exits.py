@@ -6,6 +6,7 @@ from typing import Optional
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a job failed after its restart budget, or the config was refused
+EXIT_ORPHANED = 70  # a worker whose launcher is gone (EX_SOFTWARE): it ends at once and commits nothing
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request (SIGTERM/SIGHUP); run the same command again to continue
 
 

@@ -52,10 +52,10 @@ def fsync_dir(folder: PathLike) -> None:
 
 def read_regular(path: PathLike, max_bytes: int) -> Optional[bytes]:
     """The bytes of a regular file no larger than `max_bytes`; None for anything else (missing, a
-    folder, a FIFO or device, too large, unreadable). Opened with O_NONBLOCK so a FIFO never blocks,
+    symlink, a folder, a FIFO or device, too large, unreadable). Opened with O_NONBLOCK so a FIFO never blocks,
     and checked with fstat on the open descriptor so a swap after the check cannot fool it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:

@@ -251,7 +251,10 @@ class SteadfastLauncherConf:
     lock_dirs: List[Any] = field(default_factory=list)
     # "package.module:function" (or a list of them) called with each job's config in the launcher
     # process before any worker starts; each returns a list of problems (empty when it can run).
+    # `preflight` is the library's (set by its `steadfast` config), `app_preflight` the app's own:
+    # an app adds its checks without dropping the library's.
     preflight: Any = None
+    app_preflight: Any = None
     # Sweep-level settings (read from the sweep's config, not per job):
     # How many jobs run at once. Above 1, each job runs in its own launcher process and jobs
     # are packed by the worker processes they need (backend.procs_per_node) into max_procs.

@@ -131,7 +131,7 @@ def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, rela
         a.ends(Outcome.FAILED, f"hang: rank {e.get('rank')} at step {step} ({where})")
         a.hung = (t - (number(e.get("seconds_without_progress")) or 0.0), t)
         a.end = a.end or t
-    elif kind is Event.FAULT_FIRED and e.get("fault") in FAILURE_FAULTS:
+    elif kind is Event.FAULT_FIRED and (e.get("fails") is True or e.get("fault") in FAILURE_FAULTS):
         a.ends(Outcome.FAILED, f"fault={e.get('fault')} on rank {e.get('rank')} at step {step}")
     elif kind is Event.WORKER_FAILED:
         a.ends(Outcome.FAILED, f"rank {e.get('rank')}: {text(e.get('error'), 300)}")

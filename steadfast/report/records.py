@@ -32,8 +32,9 @@ def integer(value: Any) -> Optional[int]:
 
 
 def text(value: Any, limit: int = 2000) -> Optional[str]:
-    """A string, cut to `limit` characters (a record is shown, never trusted to be short)."""
-    return value[:limit] if isinstance(value, str) else None
+    """A string, cut to `limit` characters (a record is shown, never trusted to be short), without
+    characters a plot's font may lack (libraries put emoji in their errors)."""
+    return "".join(c for c in value[:limit] if c.isprintable() and ord(c) < 0x2000) if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)

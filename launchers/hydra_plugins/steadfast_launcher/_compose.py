@@ -70,6 +70,10 @@ def check_folders(jobs: List[Job]) -> None:
         raise ConfigError(problems)
 
 
+def _listed(hooks: Any) -> List[str]:
+    return [] if not hooks else [str(hooks)] if isinstance(hooks, str) else [str(h) for h in hooks]
+
+
 def preflight(jobs: List[Job]) -> None:
     """Every problem of every job, in one ConfigError: schemas, the backend's own checks, the
     cluster, then the app's hooks (hydra.launcher.preflight: "module:function", called with the job's config)."""
@@ -78,8 +82,8 @@ def preflight(jobs: List[Job]) -> None:
         HydraConfig.instance().set_config(job.config)
         found = (_backends.of(job.backend).problems() + job.restart.problems()
                  + cluster_from(OmegaConf.select(job.config, "hydra.launcher.cluster")).problems())
-        hooks = OmegaConf.select(job.config, "hydra.launcher.preflight")
-        for hook in ([] if found or not hooks else [hooks] if isinstance(hooks, str) else list(hooks)):
+        hooks = [h for key in ("preflight", "app_preflight") for h in _listed(OmegaConf.select(job.config, f"hydra.launcher.{key}"))]
+        for hook in ([] if found else hooks):
             module, _, name = str(hook).partition(":")
             found += list(getattr(importlib.import_module(module), name)(job.config))
         prefix = f"{job.label}: " if len(jobs) > 1 else ""

@@ -21,7 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from steadfast.contract import events, summary
+from steadfast.contract import events, shm, summary
 from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME, LaunchEnv
 from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
@@ -68,8 +68,20 @@ def run_one(hydra_context: HydraContext, task_function: TaskFunction, job: Job) 
 
 
 def _run(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
-    """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set)."""
+    """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set).
+    A stop request at any moment, even before the workers exist, ends it with a recorded summary."""
     started = time.time()
+    try:
+        return _run_job(job, task_function, task_cfg, started)
+    except KeyboardInterrupt as stop:
+        if getattr(stop, "recorded", False) or job.run_dir is None:
+            raise
+        env = {ENV_LAUNCH_TIME: repr(started), ENV_ATTEMPT: "0"}
+        events.append(job.run_dir, Event.JOB_INTERRUPTED, attempt=0, signal=signame(getattr(stop, "signum", None)))
+        _end_on_stop_request(job.run_dir, job, started, env, getattr(stop, "signum", None))
+
+
+def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, started: float) -> Any:
     run_dir = job.run_dir
     assert run_dir is not None
     backend = _backends.of(job.backend)
@@ -79,7 +91,19 @@ def _run(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
     launch = LaunchEnv(backend=backend.name, collective=backend.collective, run_dir=run_dir,
                        launch_time=started, launch_id=f"{os.getpid()}-{started!r}",
                        reference_world_size=backend.reference_world_size(),
-                       collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid())
+                       collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid(),
+                       snapshot=shm.prefix(run_dir, os.getpid()))
+    for leaked in shm.remove_orphans(run_dir):
+        log.info("Removed %s, a snapshot segment left by a launcher of this run that is gone", leaked)
+    try:
+        return _attempts(job, task_function, run_dir, backend, launch, frozen, started, multi_node)
+    finally:
+        shm.remove(launch.snapshot)  # the job's snapshots in memory end with it
+
+
+def _attempts(job: Job, task_function: TaskFunction, run_dir: Path, backend: Any, launch: LaunchEnv, frozen: DictConfig,
+              started: float, multi_node: Optional[str]) -> Any:
+    """The relaunch loop: one attempt after another, up to the restart budget."""
     events.append(run_dir, Event.LAUNCH, backend=backend.name, overrides=filter_overrides(job.overrides))
     log.info("Run folder: %s", run_dir)
     attempts = 1 if backend.restarts_itself else job.restart.max_restarts + 1
@@ -134,7 +158,7 @@ def first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
             return (f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
                     f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
                     f"stacks in logs/stacks/)")
-        if event.get("fault") in ("kill", "crash_in_save"):  # hangs: see hang_detected
+        if event.get("fails") is True:  # a rehearsed failure (hangs: see hang_detected)
             return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
     return None
 
@@ -162,9 +186,10 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
     launched = time.time()
     result: Any = None
     try:
-        if stop_requested() is not None:
-            raise KeyboardInterrupt("stop requested before the workers started")
         with contextlib.ExitStack() as stack:
+            if stop_requested() is not None:  # asked before the workers started: nothing to launch or save
+                stack.close()
+                return _end_on_stop_request(run_dir, job, launched, env)
             supervisor = None if backend.in_process else stack.enter_context(Supervisor(
                 run_dir, job.restart, env[ENV_LAUNCH_ID], backend.stop_on_grace_expired,
                 on_overdue=handler.interrupt_main, forwarded=handler.forwarded))
@@ -188,13 +213,20 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
                                   wall_seconds=time.time() - _launch_time(env), error=result.message, stop_step=result.step)
                     events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
                     raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
-        signum = stop_requested() or getattr(result, "signal", None) or signal.SIGTERM
-        message = _preempted(run_dir, job, launched, signum, env)
-        log.warning("%s", message)
-        raise Interrupted(message, signum=signum)
+        return _end_on_stop_request(run_dir, job, launched, env, getattr(result, "signal", None))
     finally:
         restore_handlers(previous)
         stop_marker(run_dir, env[ENV_LAUNCH_ID]).unlink(missing_ok=True)
+
+
+def _end_on_stop_request(run_dir: Path, job: Job, launched: float, env: Dict[str, str], signum: Optional[int] = None) -> Any:
+    """A stop request ended the launch: record it and raise Interrupted with where the workers stopped."""
+    signum = stop_requested() or signum or signal.SIGTERM
+    message = _preempted(run_dir, job, launched, signum, env)
+    log.warning("%s", message)
+    stop = Interrupted(message, signum=signum)
+    stop.recorded = True  # type: ignore[attr-defined]
+    raise stop
 
 
 def _launch_time(env: Dict[str, str]) -> float:

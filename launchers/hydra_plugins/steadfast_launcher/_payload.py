@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import cloudpickle
 
+from steadfast.contract.files import read_regular
+
 
 class PayloadError(RuntimeError):
     """A payload file that is missing, changed or not ours: never unpickled."""
@@ -96,24 +98,9 @@ def write(folder: Path, name: str, value: Any) -> PayloadRef:
 
 def load(ref: PayloadRef) -> Any:
     """The value behind `ref`, unpickled only if the file holds exactly the bytes the launcher wrote."""
-    try:
-        fd = os.open(ref.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise PayloadError(f"job payload {ref.path}: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != ref.size:
-            raise PayloadError(f"job payload {ref.path}: not the file the launcher wrote")
-        chunks, left = [], ref.size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-    finally:
-        os.close(fd)
+    data = read_regular(ref.path, ref.size)
+    if data is None or len(data) != ref.size:
+        raise PayloadError(f"job payload {ref.path}: missing, or not the file the launcher wrote")
     if hashlib.sha256(data).hexdigest() != ref.sha256:
         raise PayloadError(f"job payload {ref.path}: its sha256 does not match what the launcher wrote; not unpickled")
     return cloudpickle.loads(data)

@@ -18,7 +18,8 @@ from hydra.core.utils import setup_globals
 
 from steadfast.contract import events
 from steadfast.contract.events import Event
-from steadfast.contract.env import ENV_LAUNCH_ID, current_rank, restart_count, run_dir
+from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, restart_count, run_dir
+from steadfast.contract.exits import EXIT_ORPHANED
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
 from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
 
@@ -40,6 +41,7 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
         start_heartbeat(folder, current_rank())
         enable_stack_dumps(folder, current_rank())
         _guard_start_up(folder)
+        _end_with_the_launcher()
     try:
         task_function, task_cfg, job_cfg, hydra_state = _payload.load(ref)  # checks the sha256 first
         if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
@@ -63,6 +65,25 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
             # process, a second forward) would end a finished worker with -15, which torch elastic
             # takes for a failure and restarts the group; ignored signals stay ignored.
             ignore_stop_signals()
+
+
+ORPHAN_CHECK_S = 0.5  # how often a worker looks whether its launcher is still there
+
+
+def _end_with_the_launcher() -> None:
+    """A worker whose launcher is gone (killed with SIGKILL) ends at once, saving nothing: a new launch
+    may already hold the run folder, and nothing would collect its result. (torch sends its workers
+    SIGINT when the agent dies, which a worker takes for a stop request and would act on by saving.)"""
+    launch = LaunchEnv.current()
+    if not launch.launcher_pid:
+        return
+
+    def watch() -> None:
+        while launch.launcher_alive():
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="steadfast-orphan-watch", daemon=True).start()
 
 
 def _record_rendezvous() -> None:

@@ -1,0 +1,199 @@
+"""Writing checkpoint files (the format: tensorformat): a Layout says where every tensor goes before
+anything is written; the bytes go straight from the tensors' memory to the file (fileio)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import fileio
+from .tensorformat import (ALIGN, CODES, FORMAT_META, ITEMSIZE, MAX_DEPTH, MAX_HEADER_BYTES, MAX_HEADER_VALUES,
+                           TREE_KEY, gc_paused, json_values)
+
+
+class Entry:
+    """One tensor of a file: its name, dtype code, shape, span in the data and the tensor itself."""
+
+    __slots__ = ("name", "code", "shape", "begin", "end", "tensor")
+
+    def __init__(self, name: str, code: str, shape: Tuple[int, ...], begin: int, end: int, tensor: torch.Tensor) -> None:
+        self.name, self.code, self.shape, self.begin, self.end, self.tensor = name, code, shape, begin, end, tensor
+
+
+@dataclass
+class Layout:
+    """Where every tensor of one state goes in its file, before anything is written."""
+
+    skeleton: Any
+    entries: List[Entry]
+    data_bytes: int
+    metadata: Optional[Dict[str, str]] = None
+    _header: Optional[bytes] = field(default=None, repr=False)
+    _copies: List[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def header(self) -> bytes:
+        """The length prefix and the padded JSON header (built once)."""
+        if self._header is None:
+            with gc_paused():
+                self._header = self._build_header()
+        return self._header
+
+    def _build_header(self) -> bytes:
+        meta = dict(FORMAT_META)
+        if self.skeleton is not None:
+            meta[TREE_KEY] = json.dumps(self.skeleton, separators=(",", ":"))
+        if self.metadata:
+            meta.update(self.metadata)
+        # The tensor table, formatted directly (json.dumps of a dict per tensor costs twice as much);
+        # a name that needs escaping goes through json.dumps.
+        parts = [f'{{"__metadata__":{json.dumps(meta, separators=(",", ":"))}']
+        for e in self.entries:
+            name = e.name if _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
+            shape = ",".join(map(str, e.shape))
+            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        text = ",".join(parts).encode() + b"}"
+        padded = len(text) + (-(8 + len(text)) % ALIGN)
+        values = json_values(text)
+        if padded > MAX_HEADER_BYTES or values > MAX_HEADER_VALUES:
+            raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and {values} JSON "
+                             f"values; the loader accepts at most {MAX_HEADER_BYTES} bytes and {MAX_HEADER_VALUES} "
+                             "values: split the state into more objects")
+        return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
+
+    @property
+    def size(self) -> int:
+        return len(self.header()) + self.data_bytes
+
+    def buffers(self) -> List[Any]:
+        """The file's bytes as buffers straight over the tensors' memory (host copies of device or
+        strided tensors, kept alive by this layout). The tensors must live until the write is done."""
+        out: List[Any] = [self.header()]
+        self._copies = []
+        c_char = ctypes.c_char
+        with gc_paused():
+            for e in self.entries:
+                if e.end == e.begin:
+                    continue
+                t = e.tensor
+                if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+                    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
+                    self._copies.append(t)
+                out.append((c_char * (e.end - e.begin)).from_address(t.data_ptr()))
+        return out
+
+
+
+_STRIDED = torch.strided
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.#/ -]*")  # needs no escaping in JSON
+
+
+class _Planner:
+    """Walks a state once: its skeleton (copies of every non-tensor value) and its tensors' entries.
+    Tensors are named by their dotted path in the state; a path is also what an error names."""
+
+    def __init__(self) -> None:
+        self.entries: List[Entry] = []
+        self.names: set = {"__metadata__"}
+
+    def tensor(self, t: torch.Tensor, path: str) -> str:
+        code = CODES.get(t.dtype)  # quantized dtypes are not there
+        if code is None or t.layout is not _STRIDED:
+            raise TypeError(f"cannot store a tensor of dtype {t.dtype} and layout {t.layout} at {path or 'the top'} "
+                            f"(safetensors stores strided tensors of {', '.join(str(d).removeprefix('torch.') for d in CODES)})")
+        name = path or "tensor"
+        if name in self.names:
+            k = 1
+            while f"{name}#{k}" in self.names:
+                k += 1
+            name = f"{name}#{k}"
+        self.names.add(name)
+        self.entries.append(Entry(name, code, tuple(t.shape), 0, t.numel() * ITEMSIZE[code], t))
+        return name
+
+    def encode(self, obj: Any, path: str, depth: int) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"__t": self.tensor(obj, path)}
+        if depth >= MAX_DEPTH:
+            raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {path}")
+        prefix = f"{path}." if path else ""
+        if isinstance(obj, dict):
+            items = []
+            for k, v in obj.items():
+                if k.__class__ is not str and (not isinstance(k, (str, int)) or isinstance(k, bool)):
+                    raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path or 'the top'}")
+                if isinstance(v, torch.Tensor):  # the common case, without a call of encode
+                    items.append([k, {"__t": self.tensor(v, f"{prefix}{k}")}])
+                else:
+                    items.append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
+            return {"__d": items}
+        if isinstance(obj, (list, tuple)):
+            nodes = [self.encode(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
+            return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
+        if isinstance(obj, np.ndarray):
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(obj))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"cannot store a numpy array of dtype {obj.dtype} at {path}: {exc}") from None
+            return {"__n": self.tensor(t, path)}
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise TypeError(f"cannot store an object of type {type(obj).__name__} at {path or 'the top'} in a checkpoint")
+
+
+def _place(entries: List[Entry]) -> int:
+    """Order by element size, largest first (stable), so every span starts aligned; returns the data size."""
+    entries.sort(key=lambda e: -ITEMSIZE[e.code])
+    offset = 0
+    for e in entries:
+        n = e.end
+        e.begin, e.end = offset, offset + n
+        offset += n
+    return offset
+
+
+def plan(tree: Any) -> Layout:
+    """The layout of `tree`'s file; the skeleton holds copies of every non-tensor value."""
+    planner = _Planner()
+    with gc_paused():
+        skeleton = planner.encode(tree, "", 0)
+    data_bytes = _place(planner.entries)
+    return Layout(skeleton, planner.entries, data_bytes)
+
+
+def save(tree: Any, path: Path) -> Tuple[int, str]:
+    """Write `tree` to `path` (replacing a file there) and fsync it; returns (size in bytes, "xxh3_128:<hex>")."""
+    layout = plan(tree)  # held until the write is done: its buffers point into tensors it keeps alive
+    return fileio.write_file(path, layout.buffers(), replace=True)
+
+
+def export_safetensors(state_dict: Dict[str, torch.Tensor], path: Path) -> Tuple[int, str]:
+    """Write a plain safetensors file (name -> tensor, no skeleton) atomically: a temporary file in
+    the same folder, fsynced, renamed over `path`, folder fsynced. Returns (size, checksum)."""
+    path = Path(path)
+    entries = []
+    for name, t in state_dict.items():
+        if not isinstance(name, str) or name == "__metadata__" or not isinstance(t, torch.Tensor):
+            raise TypeError(f"export_safetensors needs str -> tensor (not '__metadata__'); got {name!r}: {type(t).__name__}")
+        planner = _Planner()
+        planner.tensor(t, name)
+        entries.append(planner.entries[0])
+    entries.sort(key=lambda e: e.name)
+    layout = Layout(None, entries, _place(entries))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        result = fileio.write_file(tmp, layout.buffers())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fileio.fsync_dir(path.parent)
+    return result

@@ -1,0 +1,222 @@
+"""Snapshots in shared memory (steadfast/snapshots.py): the double buffer, torn copies, the agreed
+restore, the launcher's clean-up, and end to end: a worker killed at random steps loses at most the
+steps since the last snapshot, and the run ends with the uninterrupted run's weights."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from helpers import QUICK, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+
+from steadfast.contract import shm
+from steadfast.contract.heartbeat import read_heartbeats
+from steadfast.snapshots import MemorySnapshots, fits
+from steadfast.state import Progress, RNGState
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    import steadfast.snapshots as snapshots
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setattr(shm, "SHM_DIR", folder)
+    monkeypatch.setattr(snapshots, "SHM_DIR", folder)
+    return folder
+
+
+def _state() -> Dict[str, Any]:
+    return {"model": torch.nn.Linear(4, 3), "progress": Progress()}
+
+
+def _snap(memory: MemorySnapshots, objects: Dict[str, Any], step: int, halfway: Any = None) -> None:
+    objects["progress"].global_step = step
+    with torch.no_grad():
+        objects["model"].weight.fill_(float(step))
+    memory.take(step, memory.plan(objects, {"rng": RNGState()}), halfway)
+
+
+def test_the_double_buffer_keeps_the_two_newest_and_a_new_process_reads_them(shm_dir: Path) -> None:
+    objects = _state()
+    writer = MemorySnapshots("job", rank=0, local_rank=0, world_size=2)
+    for step in (1, 2, 3):
+        _snap(writer, objects, step)
+    reader = MemorySnapshots("job", rank=0, local_rank=0, world_size=2)  # a restarted worker
+    assert reader.steps() == [3, 2]
+    shared, own = reader.load(3)
+    assert torch.equal(shared["model"]["weight"], torch.full((3, 4), 3.0)) and shared["progress"]["global_step"] == 3
+    assert "rng" in own
+    assert MemorySnapshots("job", rank=0, local_rank=0, world_size=3).steps() == []  # another world size: not ours
+
+
+def test_a_copy_killed_halfway_leaves_the_other_buffer(shm_dir: Path) -> None:
+    objects = _state()
+    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    _snap(memory, objects, 1)
+    _snap(memory, objects, 2)
+
+    def die() -> None:
+        raise KeyboardInterrupt("killed in the middle of the copy")
+
+    with pytest.raises(KeyboardInterrupt):
+        _snap(memory, objects, 3, halfway=die)  # overwrites the older buffer (step 1)
+    fresh = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    assert fresh.steps() == [2]
+    assert fresh.load(2)[0]["progress"]["global_step"] == 2
+
+
+def test_damaged_bytes_never_load(shm_dir: Path) -> None:
+    objects = _state()
+    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    _snap(memory, objects, 5)
+    slot = next(s for s in memory.objects.slots if s.header())
+    data = bytearray(slot.path.read_bytes())
+    data[-1] ^= 0xFF
+    slot.path.write_bytes(bytes(data))
+    assert memory.load(5) is None  # the checksum catches it: the run falls back (to disk, or the other buffer)
+
+
+def test_newer_snapshots_of_an_abandoned_timeline_are_discarded(shm_dir: Path) -> None:
+    objects = _state()
+    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    _snap(memory, objects, 7)
+    _snap(memory, objects, 8)
+    memory.discard_after(7)
+    assert MemorySnapshots("job", rank=0, local_rank=0, world_size=1).steps() == [7]
+
+
+def test_too_little_shared_memory_is_said_before_anything_is_written(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Small:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Small())
+    problem = fits("job", 10 << 20)
+    assert problem and "MiB free" in problem and "two copies" in problem
+    assert not list(shm_dir.iterdir())
+
+
+def test_the_launcher_removes_segments_of_launchers_that_are_gone(shm_dir: Path, tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    gone, alive = shm.prefix(run, dead.pid), shm.prefix(run, os.getpid())
+    for name in (f"{gone}.objects.a", f"{gone}.rank0.b", f"{alive}.objects.a", f"{shm.prefix(tmp_path / 'other', dead.pid)}.x"):
+        (shm_dir / name).write_bytes(b"x")
+    removed = shm.remove_orphans(run)
+    assert sorted(p.name for p in removed) == sorted([f"{gone}.objects.a", f"{gone}.rank0.b"])
+    assert len(list(shm_dir.iterdir())) == 2  # the live launcher's and another run's are kept
+    shm.remove(alive)
+    assert [p.name for p in shm_dir.iterdir()] == [f"{shm.prefix(tmp_path / 'other', dead.pid)}.x"]
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+ON = "snapshot.every_n_steps=auto"  # QUICK turns the memory tier off; the default is back on here
+LONG = [*QUICK, ON, "trainer.max_epochs=6", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40", "restart.max_restarts=6"]
+
+
+def _lost_per_restore(folder: Path) -> List[Dict[str, Any]]:
+    """For every restore: the step it resumed from, the furthest step any rank had reached, and where from."""
+    out, reached = [], None
+    for e in events(folder):
+        if e["event"] == "attempt_ended":
+            reached = e["last_step"]
+        elif e["event"] == "resumed" and reached is not None:
+            out.append({"step": e["step"], "reached": reached, "source": e.get("source")})
+            reached = None
+    return out
+
+
+def _every_n(folder: Path) -> int:
+    return max(e["every_n_steps"] for e in events(folder) if e["event"] == "snapshot_created")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp_path: Path) -> None:
+    seed = int(os.environ.get("STEADFAST_TEST_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    run_train(tmp_path, *LONG, "run.name=ref", check=True)
+    proc = start_train(tmp_path, *LONG, "run.name=r")
+    folder = run_dir(tmp_path, "r")
+    try:
+        for restart, target in enumerate(sorted(rng.sample(range(10, 70), 3))):
+            rank = rng.randrange(2)
+
+            def reached() -> Any:
+                beat = read_heartbeats(folder).get(rank)
+                return beat if beat and beat.get("restart") == restart and beat.get("phase") == "train" and beat["step"] >= target else None
+
+            beat = wait_for(reached, 120, f"rank {rank} past step {target} in attempt {restart} (seed {seed})", proc)
+            os.kill(beat["pid"], signal.SIGKILL)
+        code = proc.wait(timeout=240)
+    finally:
+        out = stop(proc)
+    assert code == 0, (seed, out[-3000:])
+    restores = _lost_per_restore(folder)
+    every = _every_n(folder)
+    assert len(restores) == 3 and all(r["source"] == "memory" for r in restores), (seed, restores)
+    assert all(0 <= r["reached"] - r["step"] <= every for r in restores), (seed, every, restores)
+    assert summary(folder)["model_sha256"] == summary(run_dir(tmp_path, "ref"))["model_sha256"], seed
+
+
+@pytest.mark.slow
+def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(tmp_path: Path, baseline: dict) -> None:
+    run_train(tmp_path, *QUICK, "run.name=r", "snapshot.every_n_steps=1", "fault=crash_in_snapshot", "fault.at_step=20", check=True)
+    folder = run_dir(tmp_path, "r")
+    resumed = event_of(folder, "resumed")
+    assert resumed["source"] == "memory" and resumed["step"] == 19  # the copy of 20 was torn: 19, the other buffer
+    assert summary(folder)["model_sha256"] == baseline["summary"]["model_sha256"]
+
+
+@pytest.mark.slow
+def test_without_shared_memory_the_run_says_so_and_resumes_from_disk(tmp_path: Path, baseline: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEADFAST_SHM_DIR", str(tmp_path / "no-such-folder"))
+    proc = run_train(tmp_path, *QUICK, ON, "run.name=r", "fault=kill_rank", "fault.at_step=20", check=True)
+    folder = run_dir(tmp_path, "r")
+    assert "Snapshots in memory are off" in proc.stderr and "snapshot.every_n_steps=0" in proc.stderr
+    assert event_of(folder, "snapshot_unavailable") and event_of(folder, "resumed")["source"] == "disk"
+    assert summary(folder)["model_sha256"] == baseline["summary"]["model_sha256"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_next_launch(tmp_path: Path) -> None:
+    import json
+    import time
+
+    args = [*QUICK, ON, "run.name=r", "trainer.max_epochs=100"]
+    proc = start_train(tmp_path, *args)
+    folder = run_dir(tmp_path, "r")
+    try:
+        created = wait_for(lambda: event_of(folder, "snapshot_created"), 120, "the first snapshot", proc)
+        workers = [b["pid"] for b in read_heartbeats(folder).values()]
+        killed_at = time.time()
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: its workers are orphaned (and get SIGINT from torch)
+        proc.wait(timeout=30)
+        # they end by themselves, within a second, saving nothing
+        wait_for(lambda: not any(_alive(pid) for pid in workers), 10, "the orphaned workers to end")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader: anything left of it
+        except ProcessLookupError:
+            pass
+        proc.communicate(timeout=30)
+    committed = [json.loads(m.read_text()) for m in (folder / "checkpoints").glob("step_*/manifest.json")]
+    assert all(m["created"] < killed_at for m in committed), "an orphaned worker committed after its launcher was gone"
+    segment = created["segment"]
+    assert list(shm.SHM_DIR.glob(f"{segment}.*")), "the killed launcher left its segments"
+    run_train(tmp_path, *args, check=True)  # the same command: removes them, and its own at the end
+    assert not list(shm.SHM_DIR.glob(f"{segment.rsplit('-', 1)[0]}-*"))
