@@ -30,8 +30,11 @@ def finish(proc, timeout: float = 150) -> tuple:
 
 def test_two_agents_complete_one_job_and_an_unrelated_launch_is_refused(tmp_path: Path) -> None:
     port = free_port()
-    a = start_train(tmp_path, *node_args(port))
-    b = start_train(tmp_path, *node_args(port))
+    # the job holds the folder for a while: rank 0 stalls for 20 s at step 5 (workers that fork from
+    # the preloaded forkserver finish this job within a second of meeting, before a second launcher is up)
+    hold = ["fault=hang_rank", "fault.rank=0", "fault.at_step=5", "fault.hang_s=20"]
+    a = start_train(tmp_path, *node_args(port), *hold)
+    b = start_train(tmp_path, *node_args(port), *hold)
     try:
         folder = run_dir(tmp_path, "big")
         wait_for(lambda: event_of(folder, "rendezvous"), 90, "the two nodes' rendezvous", a)
@@ -85,9 +88,11 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
             "backend.rdzv_last_call_s=3", "restart.max_restarts=5",
             "restart.collective_timeout_s=60",
-            # node A alone holds at step 150 until it is asked to stop (B rejoining stops it): the
-            # test waits for B however long B takes to start, and no longer
-            "fault=hang_rank", "fault.rank=0", "fault.at_step=150", "fault.hang_until_stop=true"]
+            # node A alone holds at step 200 until it is asked to stop (B rejoining stops it): the
+            # test waits for B however long B takes to start, and no longer. 200 is past what the
+            # two-worker round reaches before B is killed (just after its first checkpoint), however
+            # fast the workers start and train, and before A alone ends (26 steps an epoch, 260 in all)
+            "fault=hang_rank", "fault.rank=0", "fault.at_step=200", "fault.hang_until_stop=true"]
     args = [a for a in args if a != "trainer.max_epochs=2"]
     folder = run_dir(tmp_path, "el")
     a = start_train(tmp_path, *args)

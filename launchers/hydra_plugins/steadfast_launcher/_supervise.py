@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 HOST = socket.gethostname()
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
-# A main thread whose innermost Python frame is in one of these waits for its peers.
-_COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/")
+# A main thread whose innermost Python frame is in one of these waits for its peers (steadfast's
+# comm modules wait for Horovod's collectives in Python: Horovod's own wait spins).
+_COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/", "/steadfast/comm")
 OVERDUE_S = 10.0  # after the grace and the backend's own stop, how long before the launcher abandons the launch
 
 
