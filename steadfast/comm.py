@@ -6,7 +6,6 @@ distributed, Horovod and a single process lives behind `Comm`.
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
@@ -165,29 +164,23 @@ class TorchDistComm(Comm):
         self.dist.barrier()
 
     def shutdown(self) -> None:
+        """Destroy the process group, keeping a reference to it until this process ends.
+
+        DDP's reducer holds the group too, and when the model goes (the task's frame ends) the
+        reducer's binding destroys the group with the GIL held. Gloo's destructor joins its worker
+        threads, and a worker thread that is just freeing a finished collective's tensors made in
+        Python needs the GIL: a deadlock (torch releases the GIL for the group's own binding, not
+        for the reducer's). Seen here as ranks that never exited after their task, and orphans that
+        outlived a killed launcher (the orphan watch needs the GIL too). Kept referenced, the group
+        is destroyed only when the interpreter ends, through the binding that releases the GIL (a
+        worker forked from the forkserver ends with os._exit and never runs that destructor)."""
         if not self.dist.is_initialized():
             return
-        if sys.exc_info()[0] is None:  # a normal end (not unwinding an error): every rank is here
-            for group in (None, self.control) if self.control is not None else (None,):
-                self._settle(group)
+        _RETIRED.extend(g for g in (self.dist.group.WORLD, self.control) if g is not None)
         self.dist.destroy_process_group()
 
-    def _settle(self, group: Any) -> None:
-        """One barrier, so Gloo's threads have released the last collectives before the group goes.
 
-        Gloo's worker thread drops its reference to a finished collective after the waiting rank
-        has moved on; when that frees a tensor made in Python it needs the GIL. The group itself is
-        freed later, often by DDP's reducer when the model goes, and its destructor joins that
-        thread while holding the GIL: a deadlock at the very end of a run, seen after the last
-        `gather_object` of a save (the rank hangs with its work done). Entering a collective
-        releases the GIL and waits for that thread; the barrier's own work holds no tensor."""
-        try:
-            self.dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=SETTLE_TIMEOUT_S))
-        except Exception:  # a peer already gone: nothing left to settle with it
-            pass
-
-
-SETTLE_TIMEOUT_S = 30.0
+_RETIRED: List[Any] = []  # process groups destroyed by shutdown(), referenced until the process ends
 
 
 def init(collective: str = env.NONE, timeout_s: float = 600.0) -> Comm:

@@ -37,6 +37,8 @@ class _Window:
     wall: float
     lr: Optional[float]
     rss_mb: float  # this rank's, when the window closed
+    loss: Optional[torch.Tensor]  # this rank's loss sum and count in the window (for a checkpoint taken meanwhile)
+    count: int
     reduced: Any  # comm.Pending: the summed tensor
 
 
@@ -102,8 +104,9 @@ class Telemetry:
         packed[2 + self.comm.rank] = rss
         if self.cuda:
             packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
+        loss, count = self._window, self._count
         self._window, self._count = None, 0
-        return _Window(step, epoch, time.time(), time.time() - self.started, self.lr, rss, self.comm.start_sum(packed))
+        return _Window(step, epoch, time.time(), time.time() - self.started, self.lr, rss, loss, count, self.comm.start_sum(packed))
 
     def _pop_over(self) -> Optional[Tuple[int, float]]:
         over, self._over = self._over, None
@@ -151,12 +154,16 @@ class Telemetry:
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's loss not yet logged and the epoch's sums: checkpointed per rank, so a resumed
-        run logs the same losses as the uninterrupted one. The window in flight is read first (its
-        sums join the epoch's, its row is written now): every rank started it, so waiting for it
-        needs nothing more from the others."""
-        self._collect()
-        window = self._window.detach().cpu() if self._window is not None else torch.zeros((), dtype=torch.float32)
-        return {"window": window, "count": self._count, "epoch_sum": self._epoch[0], "epoch_batches": self._epoch[1]}
+        run's epoch losses are the uninterrupted run's. The window in flight (its all-reduce not yet
+        read) is not waited for: its sums are saved with the loss not yet logged, and a resumed run
+        reduces them with its first window."""
+        window, count = self._window, self._count
+        flying = self._in_flight
+        if flying is not None and flying.step is not None and flying.count:
+            window = flying.loss if window is None else window + flying.loss
+            count += flying.count
+        saved = window.detach().cpu() if window is not None else torch.zeros((), dtype=torch.float32)
+        return {"window": saved, "count": count, "epoch_sum": self._epoch[0], "epoch_batches": self._epoch[1]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._count = int(state["count"])

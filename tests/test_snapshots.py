@@ -118,7 +118,8 @@ def test_the_launcher_removes_segments_of_launchers_that_are_gone(shm_dir: Path,
 
 # ---- end to end ---------------------------------------------------------------------------------------
 ON = "snapshot.every_n_steps=auto"  # QUICK turns the memory tier off; the default is back on here
-LONG = [*QUICK, ON, "trainer.max_epochs=6", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40", "restart.max_restarts=6"]
+# 390 steps: far past the last kill (steps 10-70), so a fast restarted group cannot finish before it lands
+LONG = [*QUICK, ON, "trainer.max_epochs=30", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40", "restart.max_restarts=6"]
 
 
 def _lost_per_restore(folder: Path) -> List[Dict[str, Any]]:

@@ -80,3 +80,23 @@ def test_an_error_unwinding_leaves_what_is_in_flight(tmp_path: Path) -> None:
     except RuntimeError:
         t.close()
     assert comm.waited == 0 and _rows(tmp_path) == []
+
+
+def test_a_checkpoint_taken_while_a_window_is_in_flight_keeps_the_epoch_loss_exact(tmp_path: Path) -> None:
+    comm = CountingComm()
+    t = _telemetry(tmp_path, comm)
+    for step in range(1, 8):  # steps 1-5 in flight at step 7, 6-7 not yet logged
+        t.add_loss(torch.tensor(float(step)))
+        t.after_step(step, 0)
+    state = t.state_dict()
+    assert comm.waited == 0, "a checkpoint does not wait for the all-reduce in flight"
+    assert state["count"] == 7 and float(state["window"]) == 28.0
+    resumed = _telemetry(tmp_path / "resumed", CountingComm())
+    (tmp_path / "resumed").mkdir()
+    resumed.load_state_dict(state)
+    for step in range(8, 11):
+        resumed.add_loss(torch.tensor(float(step)))
+        resumed.after_step(step, 0)
+        t.add_loss(torch.tensor(float(step)))
+        t.after_step(step, 0)
+    assert resumed.end_epoch() == t.end_epoch() == 5.5

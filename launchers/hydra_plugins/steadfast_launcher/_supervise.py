@@ -50,6 +50,10 @@ _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
 # comm modules wait for Horovod's collectives in Python: Horovod's own wait spins).
 _COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/", "/steadfast/comm")
 OVERDUE_S = 10.0  # after the grace and the backend's own stop, how long before the launcher abandons the launch
+# How often the workers' heartbeats are read (about 0.2 ms a look). A restarted group (workers forked
+# from the preloaded forkserver) can live a fraction of a second: every incarnation must be seen to
+# record what it reached (attempt_ended).
+POLL_S = 0.1
 
 
 @dataclass
@@ -133,7 +137,7 @@ class Supervisor:
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
         self._overdue = False
         self.hang_timeout = restart.hang_timeout_s
-        self.poll = min(1.0, max(0.1, self.hang_timeout / 20)) if self.hang_timeout else 0.25
+        self.poll = POLL_S
         # declared hung when the counter has been still for this long: detection, which also
         # waits for the next poll, then stays within the timeout
         self.threshold = max(self.hang_timeout - self.poll, self.hang_timeout / 2) if self.hang_timeout else None
