@@ -19,6 +19,10 @@ machine, which other tenants' load hardly moves):
   reduce_sync   bare + only a blocking all-reduce of 8 floats every 10 steps (telemetry's collective)
   reduce_async  bare + only an all-reduce of 2 floats every `agreement.every` steps, started at one
                 and waited for at the next (the agreement's collective)
+  snapshot    bare + a snapshot in shared memory every step (steadfast.snapshots: model, optimizer,
+              progress on local rank 0, every rank's RNG states): snapshot.every_n_steps=1.
+              snapshot.every_n_steps=auto takes one every ceil(cost / (2% of a step)) steps; the
+              result reports that interval and its cost per step
 
 Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,10 +38,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("bare", "loader", "heartbeat", "telemetry", "agreement", "run_step", "reduce_sync", "reduce_async")
+CONFIGS = ("bare", "loader", "heartbeat", "telemetry", "agreement", "run_step", "reduce_sync", "reduce_async", "snapshot")
 # NAME@N: the configuration with the stop agreement every N steps instead of its automatic interval
 CHECK_INTERVAL_S = 0.05  # as steadfast.Run's automatic stop_check_every_n_steps
 
@@ -51,10 +56,12 @@ def _worker(args: argparse.Namespace) -> None:
     from pipeline.models import MLP
     from steadfast.agreement import StopAgreement
     from steadfast.comm import TorchDistComm
+    from steadfast.contract import shm
     from steadfast.contract.heartbeat import Heartbeat
     from steadfast.data import ResumableSampler, TensorBatches
     from steadfast.records import RunRecord
-    from steadfast.state import Progress
+    from steadfast.snapshots import MemorySnapshots
+    from steadfast.state import Progress, RNGState
     from steadfast.telemetry import Telemetry
 
     comm = TorchDistComm(120)
@@ -72,6 +79,9 @@ def _worker(args: argparse.Namespace) -> None:
     beat = Heartbeat(folder / "heartbeats", comm.rank)
     telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
     agreement = StopAgreement(comm, 1)
+    segment = f"steadfast-bench-{Path(args.dir).name}"  # the same name on both ranks: one node's snapshot
+    memory = MemorySnapshots(segment, comm.rank, comm.local_rank, comm.world_size)
+    shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState()}
 
     def slices() -> Iterator[Tuple[Any, Any]]:
         g = torch.Generator()
@@ -111,6 +121,8 @@ def _worker(args: argparse.Namespace) -> None:
             agreement.at_step(p.global_step, lambda: False)
         if name == "reduce_sync" and p.global_step % telemetry.every == 0:
             comm.all_reduce_sum(torch.zeros(8, dtype=torch.float64))
+        if name == "snapshot":
+            memory.take(p.global_step, memory.plan(shared, per_rank))
         if name == "reduce_async" and p.global_step % agreement.every == 0:
             if pending:
                 pending.pop().wait()
@@ -164,13 +176,18 @@ def _worker(args: argparse.Namespace) -> None:
             cpu[name].append(used)
     telemetry.close()
     every_rank = comm.gather_object(cpu)
+    comm.barrier()
     comm.shutdown()
     if comm.rank == 0:
+        shm.remove(segment)
         total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
-        Path(args.out).write_text(json.dumps({"seconds_per_step": times, "cpu_seconds_per_step": total, "agreement_every": agreement.every}))
+        Path(args.out).write_text(json.dumps({"seconds_per_step": times, "cpu_seconds_per_step": total, "agreement_every": agreement.every,
+                                              "snapshot_bytes": memory.bytes}))
 
 
 def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) -> Dict[str, Any]:
+    from steadfast.snapshots import MEMORY_SHARE
+
     from .common import TORCHRUN, env
 
     with tempfile.TemporaryDirectory(prefix="steadfast-step-cost-") as tmp:
@@ -185,7 +202,13 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
     cpu = {k: statistics.median(v) for k, v in raw["cpu_seconds_per_step"].items()}
     first = next(iter(per))  # "bare", unless --configs says otherwise
     bare, bare_cpu = per[first], cpu[first]
-    return {"rounds": rounds, "block_steps": block, "agreement_every": raw["agreement_every"],
+    snapshot = {}
+    if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.snapshots.MemoryCadence.retune)
+        cost = per["snapshot"] - bare
+        every = max(1, math.ceil(cost / (MEMORY_SHARE * bare)))
+        snapshot = {"bytes_per_node": raw.get("snapshot_bytes"), "cost_ms": cost * 1e3, "every_step_share_of_step": cost / bare,
+                    "auto_every_n_steps": every, "auto_share_of_step": cost / every / bare, "target_share": MEMORY_SHARE}
+    return {"rounds": rounds, "block_steps": block, "agreement_every": raw["agreement_every"], "snapshot": snapshot,
             "ms_per_step": {k: v * 1e3 for k, v in per.items()},
             "extra_us_per_step": {k: (v - bare) * 1e6 for k, v in per.items()},
             "bare/config steps_per_s": {k: bare / v for k, v in per.items()},
@@ -198,6 +221,10 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
 
 def report(res: Dict[str, Any]) -> None:
     print(f"\nStep cost ({res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every {res['agreement_every']} steps)")
+    snap = res.get("snapshot")
+    if snap:
+        print(f"  snapshot: {snap['cost_ms']:.3f} ms ({100 * snap['every_step_share_of_step']:.1f}% of a step) every step;"
+              f" auto: every {snap['auto_every_n_steps']} step(s), {100 * snap['auto_share_of_step']:.2f}% of a step")
     for k in res["ms_per_step"]:
         print(f"  {k:<10} {res['ms_per_step'][k]:7.3f} ms/step  {res['extra_us_per_step'][k]:+8.1f} us  "
               f"speed vs bare {res['bare/config steps_per_s'][k]:.3f}   CPU {res['cpu_ms_per_step (both workers)'][k]:7.3f} ms/step"

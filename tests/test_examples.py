@@ -105,7 +105,9 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     # batch of epoch 1, so the resumed run meets an epoch with no batch left (the script's code after
     # its batch loop must cope); then a SIGKILL at a random step of the next attempt.
     at_epoch_end = ["fault=kill_rank", "fault.rank=1", "fault.at_step=65"]
-    run = killed_and_resumed(tmp_path, "examples.seed.train", [*SEED, *at_epoch_end], seed=11, kills=1, last_step=256,
+    # a snapshot every step (auto's choice for a step of real size; this one is tiny, so auto spaces them out)
+    every_step = ["snapshot.every_n_steps=1"]
+    run = killed_and_resumed(tmp_path, "examples.seed.train", [*SEED, *at_epoch_end, *every_step], seed=11, kills=1, last_step=256,
                              first_attempt=1)
     assert_same_weights(run, seed_ref, restarts=2)
     folder, s = run["folder"], run["summary"]
@@ -114,9 +116,10 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     steps = [r for r in rows if "loss" in r and "step" in r]
     assert steps and steps[-1]["step"] == 250 and all(r["loss"] > 0 for r in steps)  # logged every 10 steps
     resumed = [e for e in events(folder) if e["event"] == "resumed"]
-    # each restore comes from the node's snapshot in memory (the default), at most a few steps back
+    # the second restore comes from the node's snapshot in memory, unless the kill landed right on a
+    # checkpoint step (both tiers hold it: disk); the first: memory and disk both held step 64
     assert [e["step"] for e in resumed][:1] == [64] and len(resumed) == 2 and resumed[1]["step"] <= run["killed"][0], resumed
-    assert resumed[1]["source"] == "memory", resumed  # (the first: memory and disk both held step 64: disk)
+    assert resumed[1]["source"] == "memory" or resumed[1]["step"] % 32 == 0, resumed
     assert "epoch 4/4 loss" in run["output"]  # the script's own print, on rank 0
 
 
