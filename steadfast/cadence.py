@@ -7,7 +7,10 @@ all-reduce), so every rank saves at the same step.
 `checkpoint.every_n_seconds=auto` chooses the interval by Young/Daly's rule, T = sqrt(2 C M), from
 the measured cost C of a save and the mean time between failures M observed in this run so far
 (its wall time over its failures plus one, so a run that has not failed yet gets a long interval
-that shortens when failures come), never below FLOOR_S nor below FLOOR_SAVES save costs.
+that shortens when failures come), never below FLOOR_S nor below FLOOR_SAVES save costs. Until
+a save of this run has been measured (its events record each one's cost), the first save comes
+after FLOOR_S: assuming a cost instead could choose an interval longer than the time between
+failures, and a run that fails that often would then never commit anything.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def young_daly(save_s: float, mtbf_s: float) -> float:
 class Cadence:
     def __init__(self, every_n_epochs: Optional[int], every_n_steps: Optional[int], every_n_seconds: Any,
                  run_seconds: float = 0.0, failures: int = 0, clock: Callable[[], float] = time.monotonic,
-                 on_interval: Optional[Callable[..., None]] = None) -> None:
+                 on_interval: Optional[Callable[..., None]] = None, save_cost: Optional[float] = None) -> None:
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.auto = every_n_seconds == AUTO
         self.seconds: Optional[float] = None if every_n_seconds in (None, AUTO) else float(every_n_seconds)
@@ -37,10 +40,10 @@ class Cadence:
         self._run_seconds, self._failures = run_seconds, failures  # this run before this launch
         self._started = clock()
         self.last_save = self._started
-        self.save_cost: Optional[float] = None  # seconds, the last save's
+        self.save_cost: Optional[float] = save_cost  # seconds, the last save's (this launch's, or an earlier one's)
         self._measured: Optional[float] = None  # auto: the save cost the interval was last chosen from
         if self.auto:
-            self.seconds = young_daly(1.0, self.mtbf())  # until a save is measured: 1 s assumed
+            self.seconds = young_daly(save_cost, self.mtbf()) if save_cost is not None else FLOOR_S
 
     @property
     def timed(self) -> bool:

@@ -84,9 +84,9 @@ class Run:
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
         self.checkpointer.per_rank["telemetry"] = self.telemetry
-        run_seconds, failures = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0)
+        run_seconds, failures, save_cost = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0, None)
         self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
-                               on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f))
+                               on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f), save_cost=save_cost)
         self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
         self._auto_check = stop_check_every_n_steps is None
         self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
@@ -363,13 +363,17 @@ class Run:
             if signum is not None:
                 self._preempt(signum)
 
-    def _history(self) -> Tuple[float, int]:
-        """This run's wall time before this launch and its failures so far (for checkpoint.every_n_seconds=auto)."""
-        recorded = events.read(self.dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED))
+    def _history(self) -> Tuple[float, int, Optional[float]]:
+        """This run's wall time before this launch, its failures so far and the cost of its newest
+        save, if any (for checkpoint.every_n_seconds=auto)."""
+        recorded = events.read(self.dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED, Event.CHECKPOINT_SAVED))
         launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
         attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
         stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
-        return (max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1)
+        costs = [e["seconds"] for e in recorded if e["event"] == Event.CHECKPOINT_SAVED
+                 and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0]
+        return ((max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1),
+                float(costs[-1]) if costs else None)
 
     def _preempt(self, signum: int) -> None:
         p = self.progress

@@ -65,6 +65,15 @@ def test_auto_interval_is_young_daly_with_floors_and_is_recorded() -> None:
     assert not seen
 
 
+def test_auto_saves_first_after_the_floor_until_a_save_is_measured() -> None:
+    # no save measured yet and failures every ~8 s: the first save comes after the floor, before the
+    # next failure (an assumed cost of 1 s gave 20 s, and such a run never committed anything)
+    assert Cadence(None, None, "auto", run_seconds=30.0, failures=3).seconds == FLOOR_S
+    # the newest save's cost from the run's events (an earlier attempt's): Young/Daly from the start
+    known = Cadence(None, None, "auto", run_seconds=3000.0, failures=2, save_cost=2.0, clock=Clock())
+    assert known.seconds == pytest.approx(young_daly(2.0, 1000.0))
+
+
 # ---- the stop agreement -----------------------------------------------------------------------------
 @pytest.fixture
 def clean_stop():

@@ -40,8 +40,10 @@ def assert_same_weights(folder: Path, baseline: dict) -> None:
     assert not leftovers
 
 
-def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
-    run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
+def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict) -> None:
+    # torchrun only: the commit protocol is the same code on every backend; a Horovod worker killed
+    # mid-step is test_kill_right_after_a_save_and_again_in_the_first_step_after_resume[horovod]
+    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
     folder = run_dir(tmp_path, "r")
     fired = event_of(folder, "fault_fired")
     resumed = event_of(folder, "resumed")
@@ -61,8 +63,10 @@ def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_pa
     assert_same_weights(folder, baseline)
 
 
-def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
-    proc = run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
+def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict) -> None:
+    # torchrun only: a save's outcome is agreed through Comm, and every save of the Horovod tests
+    # goes through that agreement on Horovod's side
+    proc = run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
                      "restart.max_restarts=1")
     folder = run_dir(tmp_path, "r")
     assert proc.returncode != 0
@@ -71,7 +75,7 @@ def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_pat
     assert summary(folder)["status"] == "failed"
     assert not [p for p in (folder / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     # once the disk has room again, the same command finishes the run exactly
-    run_train(tmp_path, *QUICK, *backend, *STEPS, "run.name=r", check=True)
+    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", check=True)
     assert_same_weights(folder, baseline)
 
 

@@ -25,10 +25,13 @@ backend.start_method=spawn every worker imports torch itself.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
@@ -65,6 +68,38 @@ def start() -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     with _environment(SERVER_ONLY_ENV):
         forkserver.ensure_running()
+    if not _owner:
+        _owner.append(os.getpid())
+        atexit.register(_stop)
+
+
+_owner: "list[int]" = []  # the process that started the server (atexit handlers also run in its forks)
+STOP_WAIT_S = 5.0
+
+
+def _stop() -> None:
+    """At the launcher's exit: end the server and reap it, so it does not outlive the launcher and
+    its workers' CPU time counts as this process's children's (what `time` and rusage report).
+    multiprocessing itself never waits for it; a server that does not end within STOP_WAIT_S is killed."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
+    if pid is None or alive is None or _owner != [os.getpid()]:
+        return
+    os.close(alive)  # the server ends when this pipe closes
+    server._forkserver_alive_fd = None
+    deadline = time.monotonic() + STOP_WAIT_S
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
+    except (ChildProcessError, ProcessLookupError):
+        pass
+    server._forkserver_pid = None
 
 
 def server_pid() -> "int | None":
