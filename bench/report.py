@@ -205,16 +205,16 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             if label in t:
                 rows.append(["8", f"stop agreement, {label}: steps/s with / without it (CPU-second view)",
                              f"{f(t[label]['speed vs without'], 3)} ({f(t[label]['speed per CPU-second vs without'], 3)})", "-", "reported"])
+    if sc_step:
+        v = sc_step["bare/config steps_per_s"].get("run_step")
+        rows.append(["8", "the library's per-step work (steadfast.Run.step's pieces): steps/s with / without, inside one run",
+                     f"{f(v, 3)} ({f(sc_step['bare/config steps per CPU-second'].get('run_step'), 3)} per CPU-second)", "-", "reported"])
     if sc_step and sc_step.get("snapshot"):
         sn = sc_step["snapshot"]
         rows.append(["9", f"a snapshot in memory ({f((sn.get('bytes_per_node') or 0) / 1e6, 1)} MB per node): its cost per step at"
                      f" `snapshot.every_n_steps=auto` (every {sn['auto_every_n_steps']} step(s)); every step",
                      f"{100 * sn['auto_share_of_step']:.2f}%; {100 * sn['every_step_share_of_step']:.1f}%", "<= 2% at the default",
                      status(sn["auto_share_of_step"], "<=", 0.02)])
-    if sc_step:
-        v = sc_step["bare/config steps_per_s"].get("run_step")
-        rows.append(["8", "the library's per-step work (steadfast.Run.step's pieces): steps/s with / without, inside one run",
-                     f"{f(v, 3)} ({f(sc_step['bare/config steps per CPU-second'].get('run_step'), 3)} per CPU-second)", "-", "reported"])
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
 

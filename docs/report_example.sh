@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Makes docs/report.png: one run that meets a crash, a preemption and a hang, and finishes.
-#   launch 1: rank 1 is SIGKILLed at step 250 (torch elastic restarts the group from step 200),
+#   launch 1: rank 1 is SIGKILLed at step 250 (torch elastic restarts the group, which restores the
+#             newest snapshot in shared memory, a few steps back; the disk checkpoint is step 200),
 #             then the launcher gets SIGTERM after the checkpoint of step 500 (exit code 75);
 #   launch 2: the same run again; rank 1 hangs at step 650, the watchdog finds it after 5 s,
-#             the group restarts from step 600 and the run completes.
-# Usage: bash docs/report_example.sh [work folder]   (about 2 minutes on 2 cores)
+#             the group restarts from its newest snapshot and the run completes.
+# Usage: bash docs/report_example.sh [work folder]   (about a minute on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
