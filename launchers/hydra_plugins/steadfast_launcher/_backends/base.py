@@ -3,9 +3,10 @@ elastic's agent and submitit's executors): everything that differs between backe
 and nothing outside `_backends/` asks which backend a job uses."""
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Type
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Type
 
 from steadfast.contract.schemas import BackendConf
 
@@ -72,3 +73,15 @@ class Backend(ABC):
         return f"{type(error).__name__}: {error}"
 
 
+def saved_environment(keys: Iterable[str]) -> Dict[str, Optional[str]]:
+    """The launcher's values of the variables a launch is about to set (None: unset)."""
+    return {k: os.environ.get(k) for k in keys}
+
+
+def restore_environment(saved: Dict[str, Optional[str]]) -> None:
+    """Put the launcher's environment back as `saved_environment` found it, after an attempt."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -29,7 +29,7 @@ from steadfast.contract.stop import STOP_SIGNALS, Stopped, restore_handlers, sig
 from .._payload import PayloadRef
 from .._types import Interrupted, Job, WorkerFailure
 from .._worker import run_rank
-from .base import Backend
+from .base import Backend, restore_environment, saved_environment
 
 _FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 _PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
@@ -92,7 +92,7 @@ class HorovodBackend(Backend):
         # Collectives get a deadline: Horovod shuts down when some ranks have waited this long for others.
         worker_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2)))))
         worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(job.restart.collective_timeout_s)))
-        saved_env = {k: os.environ.get(k) for k in worker_env}
+        saved_env = saved_environment(worker_env)
         saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         # Horovod's runner would swap SIGINT/SIGTERM for an event that terminates the workers after a
         # fixed 5 s. Instead the launcher's handlers stay (they only set the stop flag), the launcher's
@@ -136,11 +136,7 @@ class HorovodBackend(Backend):
             gloo_run.register_shutdown_event = register
             config_parser.set_env_from_args = parse_args
             restore_handlers(saved_signals)
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment(saved_env)
         stopped = [v for v in results if isinstance(v, Stopped)]
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]

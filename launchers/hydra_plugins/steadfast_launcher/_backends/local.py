@@ -11,7 +11,7 @@ from steadfast.contract.schemas import LocalBackendConf
 from .._payload import PayloadRef
 from .._types import Job, WorkerFailure
 from .._worker import run_rank
-from .base import Backend
+from .base import Backend, restore_environment, saved_environment
 
 
 class LocalBackend(Backend):
@@ -24,18 +24,14 @@ class LocalBackend(Backend):
 
     def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
         dist_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-        saved = {k: os.environ.get(k) for k in [*env, *dist_env]}
+        saved = saved_environment([*env, *dist_env])
         os.environ.update({**env, **dist_env})
         try:
             return run_rank(payload, restore_hydra=False)
         except Exception as exc:
             raise WorkerFailure(self.root_cause(exc, run_dir)) from exc
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment(saved)
 
     def root_cause(self, error: BaseException, run_dir: Path, attempt: int = 0) -> str:
         return f"rank 0 (in-process): {type(error).__name__}: {error}"

@@ -20,7 +20,7 @@ from .. import _forkserver
 from .._payload import PayloadRef
 from .._types import Interrupted, Job, WorkerFailure
 from .._worker import run_rank
-from .base import Backend
+from .base import Backend, restore_environment, saved_environment
 
 _AGENT_STOP = signal.SIGUSR2  # what the launcher's supervisor sends the agent when a stop's grace runs out
 AGENT_SIGNALS = f"{_AGENT_STOP.name},SIGQUIT"  # the signals the agent handles itself
@@ -73,7 +73,7 @@ class TorchrunBackend(Backend):
         # normally; the agent sees a clean end. SIGUSR2 stays the agent's: the supervisor sends it to
         # the agent when the grace runs out, and the agent then stops its workers itself.
         agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **env}
-        saved = {k: os.environ.get(k) for k in agent_env}
+        saved = saved_environment(agent_env)
         os.environ.update(agent_env)  # spawned workers inherit the agent's environment
         logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
         config = launch_config(self.conf, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
@@ -90,11 +90,7 @@ class TorchrunBackend(Backend):
             raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
         finally:
             restore_handlers(handlers)
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment(saved)
         stopped = [v for v in results.values() if isinstance(v, Stopped)]
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
