@@ -72,6 +72,17 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def restored_from(run: "Run") -> Dict[str, int]:
+    """How many of a run's resumes restored from each source (memory, disk)."""
+    sources = [e.get("source", "disk") for e in run.events if e.get("event") == Event.RESUMED]
+    return {k: sources.count(k) for k in sorted(set(sources))}
+
+
+def sources_text(counts: Optional[Dict[str, int]], unit: str = "") -> str:
+    """`memory 19, disk 1`: restored_from's counts as one table cell."""
+    return ", ".join(f"{src} {n}{unit}" for src, n in (counts or {}).items())
+
+
 def spread(values: Sequence[Optional[float]]) -> Dict[str, Any]:
     v = [x for x in values if x is not None]
     return {"median": median(v), "min": min(v) if v else None, "max": max(v) if v else None, "n": len(v), "samples": v}

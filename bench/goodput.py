@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (HOT, RESULTS, Job, Run, Workdir, command_line, finish_ours, fmt, log, machine, median, read_jsonl, steady_rate,
-                     run_ours, start_ours)
+from .common import (HOT, RESULTS, Job, Run, Workdir, command_line, finish_ours, fmt, log, machine, median, read_jsonl, restored_from,
+                     run_ours, start_ours, steady_rate)
 
 TARGET = (">=", 0.92, 30)  # goodput at T = 30 s
 AUTO = "auto (checkpoint.every_n_seconds=auto)"
@@ -235,8 +235,7 @@ def measure(periods: List[float], train_s: List[float], cap_factor: float, job: 
                 overrides = run_job.overrides() + ck + ["restart.max_restarts=1000"]
                 run = timed_run(work, f"T{period:g}", overrides, period, cap=cap_factor * seconds + 15, max_kills=max_kills)
                 res = analyse(run, rate, total, ref.get("validation_factor", 1.0))
-                sources = [e.get("source", "disk") for e in run.events if e.get("event") == "resumed"]
-                res["restored_from"] = {k: sources.count(k) for k in sorted(set(sources))}
+                res["restored_from"] = restored_from(run)
                 chosen = [float(e["seconds"]) for e in run.events if e.get("event") == "checkpoint_interval"]
                 if interval is None:  # auto: the intervals the library chose (the last one governs the steady state)
                     res["auto_intervals_s"] = chosen

@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (RESULTS, TINY, Run, Workdir, command_line, fmt, log, machine, median, ratio, read_jsonl, run_ours,
-                     spread, write_json)
+from .common import (RESULTS, TINY, Run, Workdir, command_line, fmt, log, machine, median, ratio, read_jsonl, restored_from,
+                     run_ours, sources_text, spread, write_json)
 
 TARGET = ("<=", 0.25)
 TARGET_MEMORY = ("<=", 0.15)  # a restore from the snapshot in memory (the default when the kill leaves host memory)
@@ -98,7 +98,6 @@ def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]
             parts.append(split_recovery(trace, run.pid, e["time"], back))
     restarts = max([int(e.get("restart", 0)) for e in run.events] or [0])
     resumed = [e.get("step") for e in run.events if e.get("event") == "resumed"]
-    sources = [e.get("source", "disk") for e in run.events if e.get("event") == "resumed"]
     monitor = [r for r in trace if r["what"] == "agent_monitor:stats" and r["pid"] == run.pid]
     gaps = []  # per restart: seconds between the creation of the first and the last spawned worker
     for e in fired:
@@ -111,7 +110,7 @@ def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]
     return {
         "kills": len(fired), "recovered": succeeded, "restarts": restarts, "exit_code": run.returncode,
         "all_succeeded": run.ok and len(fired) == kills and succeeded == kills and restarts == kills,
-        "resumed_from_steps": sorted(set(resumed)), "restored_from": {k: sources.count(k) for k in sorted(set(sources))},
+        "resumed_from_steps": sorted(set(resumed)), "restored_from": restored_from(run),
         "cold_ttfs_s": run.ttfs(), "recovery_s": recoveries,
         "recovery_median_s": median(recoveries),
         "split_median_s": {k: median([p[k] for p in parts]) for k in (parts[0] if parts else {})},
@@ -173,7 +172,7 @@ def report(res: Dict[str, Any]) -> None:
     print(f"  {'monitor_interval':<24}{'recovery s':>11}{'/cold':>8}{'detect s':>10}  succeeded  restored from")
     for k, v in res["summary"].items():
         print(f"  {k:<24}{fmt(v['recovery_median_s'], 2):>11}{fmt(v['recovery/cold_ttfs']):>8}{fmt(v['detect_median_s'], 2):>10}  {v['succeeded']:<9}  "
-              + ", ".join(f"{src} {n}" for src, n in v.get("restored_from", {}).items()))
+              + sources_text(v.get("restored_from")))
     e = res["estimated_interval_30"]
     print(f"  {'30 (estimated)':<24}{fmt(e['recovery_s'], 2):>11}{fmt(e['recovery/cold_ttfs']):>8}")
     for r in res["runs"]:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import RESULTS, ROOT, median
+from .common import RESULTS, ROOT, median, sources_text
 
 OUT = ROOT / "BENCHMARKS.md"
 
@@ -160,7 +160,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         d = rec["summary"].get("0.5") or next(iter(rec["summary"].values()), None)
         if d:
             rows.append(["3", "recovery (SIGKILL to next step) / cold time to first step, default (forkserver, monitor_interval 0.5 s, restored from "
-                         + ", ".join(f"{src} {n}x" for src, n in d.get("restored_from", {}).items()) + ")",
+                         + sources_text(d.get("restored_from"), "x") + ")",
                          f(d["recovery/cold_ttfs"], 2), "<= 0.25; from memory <= 0.15",
                          status(d["recovery/cold_ttfs"], "<=", 0.15 if d.get("restored_from", {}).get("memory") else 0.25)])
             ok = d["succeeded"].split(" ")[0]
@@ -290,7 +290,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                   f" {rec['checkpoint_every_n_steps']}. Recovery = the restarted group's first step minus the kill. Cold time to first step"
                   f" of the same runs: median {f(cold['median'], 2)} s. All recovery runs are traced (the tracer costs milliseconds).", ""]
         rows = [[k, f(v["recovery_median_s"], 2), f(v.get("cold_ttfs_s"), 2), f(v["recovery/cold_ttfs"], 2), f(v["detect_median_s"], 2), v["succeeded"],
-                 ", ".join(f"{src} {n}" for src, n in v.get("restored_from", {}).items()) or "-"]
+                 sources_text(v.get("restored_from")) or "-"]
                 for k, v in rec["summary"].items()]
         e = rec["estimated_interval_30"]
         rows.append(["30 (estimated)", f(e["recovery_s"], 2), f(cold["median"], 2), f(e["recovery/cold_ttfs"], 2), "~15", "-", "-"])
@@ -324,7 +324,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         rows = [[f"{r['period_s']:g}", r["cadence"] + (f" (chose {', '.join(f(x, 2) + ' s' for x in r['auto_intervals_s'])})" if r.get("auto_intervals_s") else ""),
                  f(r["goodput"], 2), f(r["goodput_incl_start"], 2), f(r["predicted_goodput"], 2),
                  str(r["kills"]), f(r["recomputed_steps_median"], 0), f(r["recovery_median_s"], 2),
-                 ", ".join(f"{src} {n}" for src, n in (r.get("restored_from") or {}).items()) or "-",
+                 sources_text(r.get("restored_from")) or "-",
                  ("yes" if r["finished"] else "no (stopped at the cap)") + ("; no kill landed (done within T)" if not r["kills"] else "")]
                 for r in gp["runs"]]
         lines += table(["T (s)", "checkpoint cadence", "goodput", "incl. start", "predicted", "kills", "steps recomputed per failure",

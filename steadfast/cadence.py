@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Tuple
+
+from .contract import events
+from .contract.events import Event
 
 FLOOR_S = 5.0  # auto: never checkpoint more often than this
 FLOOR_SAVES = 20  # auto: nor spend more than 1/20 of the time saving
@@ -26,6 +30,19 @@ AUTO = "auto"
 def young_daly(save_s: float, mtbf_s: float) -> float:
     """The checkpoint interval that minimises expected lost time (Young 1974, Daly 2006), with the floors."""
     return max(FLOOR_S, FLOOR_SAVES * save_s, math.sqrt(2.0 * max(save_s, 1e-3) * max(mtbf_s, 1.0)))
+
+
+def history(run_dir: Path) -> Tuple[float, int, Optional[float]]:
+    """The run's wall time before this launch, its failures so far and the cost of its newest save,
+    if any, read from its events (what `auto` starts from when a run is launched again)."""
+    recorded = events.read(run_dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED, Event.CHECKPOINT_SAVED))
+    launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
+    attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
+    stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
+    costs = [e["seconds"] for e in recorded if e["event"] == Event.CHECKPOINT_SAVED
+             and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0]
+    return ((max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1),
+            float(costs[-1]) if costs else None)
 
 
 class Cadence:

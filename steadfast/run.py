@@ -22,14 +22,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import comm as comms
 from .agreement import StopAgreement
-from .cadence import Cadence
+from .cadence import Cadence, history
 from .checkpoint.manifest import step_dir_name
 from .checkpointer import Checkpointer
 from .config import settings_from
@@ -84,7 +84,7 @@ class Run:
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
         self.checkpointer.per_rank["telemetry"] = self.telemetry
-        run_seconds, failures, save_cost = self._history() if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0, None)
+        run_seconds, failures, save_cost = history(self.dir) if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0, None)
         self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
                                on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f), save_cost=save_cost)
         self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
@@ -362,18 +362,6 @@ class Run:
             signum = self.agreement.now()
             if signum is not None:
                 self._preempt(signum)
-
-    def _history(self) -> Tuple[float, int, Optional[float]]:
-        """This run's wall time before this launch, its failures so far and the cost of its newest
-        save, if any (for checkpoint.every_n_seconds=auto)."""
-        recorded = events.read(self.dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED, Event.CHECKPOINT_SAVED))
-        launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
-        attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
-        stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
-        costs = [e["seconds"] for e in recorded if e["event"] == Event.CHECKPOINT_SAVED
-                 and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0]
-        return ((max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1),
-                float(costs[-1]) if costs else None)
 
     def _preempt(self, signum: int) -> None:
         p = self.progress
