@@ -57,3 +57,28 @@ def test_local_backend_runs_in_process(tmp_path: Path) -> None:
     s = json.loads((tmp_path / "outputs" / "local" / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 1 and s["epochs_completed"] == 2
     assert (ROOT / "steadfast" / "conf" / "backend" / "local.yaml").exists()
+
+
+def test_each_job_of_a_sweep_is_composed_once(tmp_path: Path) -> None:
+    """The sweeper composes every job to validate it; the launcher reuses that composition instead of
+    composing the job again (a composition is a good part of a job's start-up)."""
+    proc = python(
+        "import atexit, runpy, sys\n"
+        "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
+        "composed = []\n"
+        "original = ConfigLoaderImpl.load_sweep_config\n"
+        "def counting(self, master_config, sweep_overrides):\n"
+        "    composed.append(sweep_overrides[-1])\n"
+        "    return original(self, master_config, sweep_overrides)\n"
+        "ConfigLoaderImpl.load_sweep_config = counting\n"
+        "atexit.register(lambda: print('COMPOSED', sorted(composed)))\n"
+        "sys.argv = ['train', '-m', 'backend=local', 'data=synthetic', 'data.num_samples=64', 'trainer.max_epochs=1',\n"
+        "            'snapshot=off', 'trainer.seed=1,2']\n"
+        "runpy.run_module('pipeline.train', run_name='__main__')\n",
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line == "COMPOSED ['trainer.seed=1', 'trainer.seed=2']", (line, proc.stderr[-2000:])
+    summaries = sorted(tmp_path.glob("outputs/sweeps/*/*/summary.json"))
+    assert len(summaries) == 2 and all('"completed"' in p.read_text() for p in summaries), summaries

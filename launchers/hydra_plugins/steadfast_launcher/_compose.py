@@ -29,7 +29,7 @@ def settings(master: DictConfig) -> Settings:
 
 
 def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: str) -> Job:
-    sweep_config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    sweep_config = launcher.compositions.compose(launcher.config, overrides)
     with read_write(sweep_config.hydra), open_dict(sweep_config):
         sweep_config.hydra.job.id = idx
         sweep_config.hydra.job.num = idx

@@ -12,6 +12,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
 from ._leftovers import SweepFolderSnapshot, snapshot
+from ._reuse import ReusedCompositions
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +25,14 @@ class SteadfastLauncher(Launcher):
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
         self.sweep_folder_before: Optional[SweepFolderSnapshot] = None
+        self.compositions: Optional[ReusedCompositions] = None
         self._launched = False
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        self.compositions = ReusedCompositions.install(hydra_context.config_loader)
         # The sweep's config is Hydra's config from here on, so `${hydra:...}` resolves in
         # hydra.sweep.dir (a single job's sweep folder is its run folder, named by run.name) when
         # the sweeper creates it; and what is there before the sweeper writes is noted, so a
