@@ -74,7 +74,7 @@ def start() -> None:
 
 
 _owner: "list[int]" = []  # the process that started the server (atexit handlers also run in its forks)
-STOP_WAIT_S = 5.0
+STOP_WAIT_S = 0.2  # an idle server ends within this; one still importing (a launch refused early) is killed
 
 
 def _stop() -> None:

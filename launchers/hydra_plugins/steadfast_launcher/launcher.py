@@ -9,7 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ._leftovers import SweepFolderSnapshot, snapshot
 from ._reuse import ReusedCompositions
@@ -43,6 +43,10 @@ class SteadfastLauncher(Launcher):
         except Exception:  # the sweeper reports it
             sweep_dir = None
         self.sweep_folder_before = snapshot(sweep_dir)
+        if _forkserver_wanted(config):
+            from . import _forkserver
+
+            _forkserver.start()
         self._launched = False
         atexit.register(self._never_launched)
 
@@ -60,3 +64,19 @@ class SteadfastLauncher(Launcher):
         return _core.launch(
             launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx
         )
+
+
+def _forkserver_wanted(config: DictConfig) -> bool:
+    """Will this launch most likely fork its workers from the forkserver (torchrun, the default
+    start method, on this machine)? Then the server starts now: its imports (torch, ~3 s here) are
+    the longest part of a launch's start-up, and they run while Hydra composes and checks the jobs.
+    A guess from the sweep's own config: a job that does not use the server leaves it idle, and it
+    ends with the launcher either way."""
+    try:
+        backend = OmegaConf.select(config, "hydra.launcher.backend")
+        cluster = OmegaConf.select(config, "hydra.launcher.cluster.name", default="none")
+        return (backend is not None and backend.get("name") == "torchrun" and backend.get("start_method") == "forkserver"
+                and cluster in (None, "none"))
+    except Exception:  # a config the launcher reports on properly later
+        return False
+
