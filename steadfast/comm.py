@@ -6,6 +6,8 @@ distributed, Horovod and a single process lives behind `Comm`.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
@@ -108,6 +110,8 @@ class TorchDistComm(Comm):
         kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
+        if self.rank != 0:
+            await_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s)
         dist.init_process_group(**kwargs)
         # Control messages go over Gloo on CPU tensors: with NCCL, reading a device tensor's value
         # every step would make the host wait for the GPU's queue.
@@ -178,6 +182,22 @@ class TorchDistComm(Comm):
             return
         _RETIRED.extend(g for g in (self.dist.group.WORLD, self.control) if g is not None)
         self.dist.destroy_process_group()
+
+
+def await_store(host: Optional[str], port: Optional[str], timeout_s: float) -> None:
+    """Until rank 0's store accepts connections (or timeout_s, then init_process_group's own wait).
+    A rank that asks before rank 0 listens is refused, and torch's client retries only after a
+    backoff: 0.5-0.7 s lost at every start and restart of the group whenever rank 0 is the later one."""
+    if not host or not port or not port.isdigit():
+        return
+    deadline, pause = time.monotonic() + timeout_s, 0.002
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
 
 _RETIRED: List[Any] = []  # process groups destroyed by shutdown(), referenced until the process ends
