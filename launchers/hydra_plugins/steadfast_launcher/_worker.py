@@ -49,8 +49,11 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
             setup_globals()
             HydraConfig.instance().set_config(job_cfg)
         _record_rendezvous()
-        return task_function(task_cfg)
+        result = task_function(task_cfg)
+        _end_once_returned()
+        return result
     except StopRun as stop:
+        _end_once_returned()
         return stop.marker  # a normal exit: no backend treats it as a failure to restart from
     except Exception as exc:
         _record_failure(exc)
@@ -65,6 +68,30 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
             # process, a second forward) would end a finished worker with -15, which torch elastic
             # takes for a failure and restarts the group; ignored signals stay ignored.
             ignore_stop_signals()
+
+
+def _end_once_returned() -> None:
+    """Let this worker's process end as soon as torch elastic's wrapper has handed back its result.
+
+    The wrapper (`torch.distributed.elastic.multiprocessing.api._wrap`) puts the result in a
+    SimpleQueue, a synchronous pipe write, then waits for an event the agent sets once it has
+    collected every rank's result in its monitoring loop. When the agent is stopping the group
+    instead (a node joined or left: it SIGTERMs healthy workers, which save and return) it never
+    sets it and SIGKILLs them after 30 s, so a scale-up cost 30 s. Setting the event before
+    returning is safe: each worker still puts its result before it reads the event, and the event
+    only exists to wait for results that a feeder thread has not yet written, which a SimpleQueue
+    does not have. Found by walking up to the wrapper's frame; not there (Horovod, another torch),
+    nothing changes."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        event = frame.f_locals.get("queue_finished_reading_event") if frame.f_code.co_name == "_wrap" else None
+        if event is not None:
+            try:
+                event.set()
+            except Exception:  # the agent's side of it is gone: nothing to wait for anyway
+                pass
+            return
+        frame = frame.f_back
 
 
 ORPHAN_CHECK_S = 0.5  # how often a worker looks whether its launcher is still there
