@@ -127,6 +127,9 @@ def test_launch_config_mapping(tmp_path: Path) -> None:
     assert standalone.rdzv_endpoint == "localhost:0"  # like --standalone: a free port
     static = launch_config(TorchrunBackendConf(rdzv_backend="static", master_port=29999, node_rank=0), RestartConf(), "r", tmp_path)
     assert static.rdzv_endpoint == "127.0.0.1:29999" and static.rdzv_configs["rank"] == 0
+    quick = launch_config(TorchrunBackendConf(nnodes="1:2", rdzv_endpoint="n:1", rdzv_node_timeout_s=6), RestartConf(), "r", tmp_path)
+    assert (quick.rdzv_configs["keep_alive_interval"], quick.rdzv_configs["keep_alive_max_attempt"]) == (2, 3)
+    assert "keep_alive_interval" not in standalone.rdzv_configs  # torch's default
 
 
 def test_backend_problems() -> None:
@@ -135,3 +138,4 @@ def test_backend_problems() -> None:
     assert any("backend.np" in p for p in HorovodBackendConf(np=0).problems())
     assert any("mutually exclusive" in p for p in HorovodBackendConf(hosts="a:1", host_discovery_script="x.sh").problems())
     assert any("min_np" in p for p in HorovodBackendConf(min_np=3, max_np=2).problems())
+    assert any("backend.rdzv_node_timeout_s" in p and ">= 3" in p for p in TorchrunBackendConf(rdzv_node_timeout_s=1).problems())

@@ -86,7 +86,7 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     endpoint's node must survive (use etcd when any node may go)."""
     port = free_port()
     args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
-            "backend.rdzv_last_call_s=3", "restart.max_restarts=5",
+            "backend.rdzv_last_call_s=3", "backend.rdzv_node_timeout_s=3", "restart.max_restarts=5",
             "restart.collective_timeout_s=60",
             # node A alone holds at step 200 until it is asked to stop (B rejoining stops it): the
             # test waits for B however long B takes to start, and no longer. 200 is past what the

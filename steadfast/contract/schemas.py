@@ -72,6 +72,9 @@ class TorchrunBackendConf(BackendConf):
     # Elastic jobs: once MIN nodes have joined a rendezvous round, how long it waits for more
     # (up to MAX) before it starts with what it has. null: torch's default (30 s).
     rdzv_last_call_s: Optional[int] = None
+    # Elastic jobs: how long a node's agent may go silent before the other nodes take it for lost and
+    # re-rendezvous without it (a keep-alive every third of it). null: torch's default (15 s).
+    rdzv_node_timeout_s: Optional[int] = None
     master_addr: str = "127.0.0.1"  # only for rdzv_backend=static
     master_port: Optional[int] = None  # only for rdzv_backend=static
     node_rank: int = 0  # only for rdzv_backend=static
@@ -111,6 +114,8 @@ class TorchrunBackendConf(BackendConf):
             out.append(bad(f"{prefix}.rdzv_timeout_s", self.rdzv_timeout_s, "seconds >= 1"))
         if self.rdzv_last_call_s is not None and self.rdzv_last_call_s < 1:
             out.append(bad(f"{prefix}.rdzv_last_call_s", self.rdzv_last_call_s, "seconds >= 1, or null (torch's 30 s)"))
+        if self.rdzv_node_timeout_s is not None and self.rdzv_node_timeout_s < 3:
+            out.append(bad(f"{prefix}.rdzv_node_timeout_s", self.rdzv_node_timeout_s, "seconds >= 3, or null (torch's 15 s)"))
         if self.start_method not in START_METHODS:
             out.append(bad(f"{prefix}.start_method", self.start_method, f"one of {', '.join(START_METHODS)}"))
         return out

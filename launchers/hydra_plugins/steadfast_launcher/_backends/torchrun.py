@@ -106,6 +106,9 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
     rdzv_configs: Dict[str, Any] = {"timeout": backend.rdzv_timeout_s}
     if backend.rdzv_last_call_s is not None:
         rdzv_configs["last_call_timeout"] = backend.rdzv_last_call_s
+    if backend.rdzv_node_timeout_s is not None:  # torch takes a node for lost after 3 missed keep-alives
+        rdzv_configs["keep_alive_interval"] = max(1, backend.rdzv_node_timeout_s // 3)
+        rdzv_configs["keep_alive_max_attempt"] = 3
     if backend.rdzv_backend == "static":
         endpoint = f"{backend.master_addr}:{backend.master_port}"
         rdzv_configs["rank"] = backend.node_rank
