@@ -14,7 +14,7 @@ run: setup
 	$(PY) -m pipeline.train $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(ARGS)
+	PY=$(PY) bash scripts/test.sh $(ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)

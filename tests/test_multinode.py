@@ -9,7 +9,7 @@ import pytest
 
 from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh
 
 
 def free_port() -> int:
@@ -30,9 +30,9 @@ def finish(proc, timeout: float = 150) -> tuple:
 
 def test_two_agents_complete_one_job_and_an_unrelated_launch_is_refused(tmp_path: Path) -> None:
     port = free_port()
-    # the job holds the folder for a while: rank 0 stalls for 20 s at step 5 (workers that fork from
+    # the job holds the folder for a while: rank 0 stalls for 12 s at step 5 (workers that fork from
     # the preloaded forkserver finish this job within a second of meeting, before a second launcher is up)
-    hold = ["fault=hang_rank", "fault.rank=0", "fault.at_step=5", "fault.hang_s=20"]
+    hold = ["fault=hang_rank", "fault.rank=0", "fault.at_step=5", "fault.hang_s=12"]
     a = start_train(tmp_path, *node_args(port), *hold)
     b = start_train(tmp_path, *node_args(port), *hold)
     try:
@@ -86,7 +86,7 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     endpoint's node must survive (use etcd when any node may go)."""
     port = free_port()
     args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
-            "backend.rdzv_last_call_s=3", "backend.rdzv_node_timeout_s=3", "restart.max_restarts=5",
+            "backend.rdzv_last_call_s=3", "backend.rdzv_node_timeout_s=6", "restart.max_restarts=5",
             "restart.collective_timeout_s=60",
             # node A alone holds at step 200 until it is asked to stop (B rejoining stops it): the
             # test waits for B however long B takes to start, and no longer. 200 is past what the

@@ -26,7 +26,7 @@ from helpers import QUICK, events, run_dir, start_train, stop, summary, wait_for
 
 from steadfast.contract.heartbeat import STARTUP_PHASES, read_heartbeats
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh
 ROUNDS = 5
 RESTART_WITHIN_S = 15.0
 
