@@ -1,6 +1,7 @@
 """Running the real entrypoint in a scratch folder and reading what it leaves behind."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -92,3 +93,32 @@ def stop(proc: subprocess.Popen) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=30)
     return out or ""
+
+
+def made_once(factory: Any, name: str, make: Callable[[Path], Dict[str, Any]], timeout: float = 600) -> Dict[str, Any]:
+    """What `make(folder)` returns (JSON: paths as strings), made once for the whole test session.
+
+    pytest-xdist gives each of its processes a session of its own, so a session fixture would run
+    once per process: here the first process to ask makes it, under a lock in the folder the
+    processes share, and the others read what it wrote. `make` must leave its folder as it found
+    it once returned: tests that change a reference run work on a copy.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(factory.mktemp(name))
+    shared = factory.getbasetemp().parent
+    made = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout} s waiting for another test process to make {name}")
+                time.sleep(0.05)
+        if made.is_file():
+            return json.loads(made.read_text())
+        value = make(factory.mktemp(name))
+        made.write_text(json.dumps(value))
+        return value

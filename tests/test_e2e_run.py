@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -44,10 +45,17 @@ def test_sigkill_after_first_checkpoint_restarts_and_finishes_exactly(tmp_path: 
     assert s["model_sha256"] == baseline["summary"]["model_sha256"]
 
 
-def test_running_a_finished_command_again_trains_nothing(baseline: dict) -> None:
-    folder = baseline["dir"]
+def _finished(baseline: dict, cwd: Path) -> Path:
+    """The finished baseline run, as its own command left it, in a folder of this test's."""
+    folder = run_dir(cwd, "baseline")
+    shutil.copytree(baseline["dir"], folder)
+    return folder
+
+
+def test_running_a_finished_command_again_trains_nothing(baseline: dict, tmp_path: Path) -> None:
+    folder = _finished(baseline, tmp_path)
     before = len(events(folder))
-    run_train(baseline["cwd"], *QUICK, "run.name=baseline", check=True)
+    run_train(tmp_path, *QUICK, "run.name=baseline", check=True)
     new = events(folder)[before:]
     assert not [e for e in new if e["event"] in ("checkpoint_saved", "first_step")]
     assert any(e["event"] == "resumed" for e in new)
@@ -59,15 +67,16 @@ def _tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_resume_never_refuses_and_leaves_checkpoints_untouched(baseline: dict) -> None:
-    ckpts = baseline["dir"] / "checkpoints"
+def test_resume_never_refuses_and_leaves_checkpoints_untouched(baseline: dict, tmp_path: Path) -> None:
+    folder = _finished(baseline, tmp_path)
+    ckpts = folder / "checkpoints"
     before = _tree_digest(ckpts)
-    n_events = len(events(baseline["dir"]))
-    proc = run_train(baseline["cwd"], *QUICK, "run.name=baseline", "resume=never")
+    n_events = len(events(folder))
+    proc = run_train(tmp_path, *QUICK, "run.name=baseline", "resume=never")
     assert proc.returncode != 0
     assert "resume=never" in proc.stderr and "outputs/baseline/checkpoints" in proc.stderr
     assert _tree_digest(ckpts) == before
-    assert not [e for e in events(baseline["dir"])[n_events:] if e["event"] == "attempt_started"]
+    assert not [e for e in events(folder)[n_events:] if e["event"] == "attempt_started"]
 
 
 @pytest.mark.parametrize("override,needle", [

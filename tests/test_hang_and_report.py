@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, committed_steps, env, event_of, events, run_dir, run_train, summary
+from helpers import QUICK, committed_steps, env, event_of, events, made_once, run_dir, run_train, summary
 
 pytestmark = pytest.mark.slow
 HANG = ["fault=hang_rank", "fault.rank=1", "fault.at_step=20", "restart.hang_timeout_s=4"]
@@ -19,9 +19,13 @@ HANG = ["fault=hang_rank", "fault.rank=1", "fault.at_step=20", "restart.hang_tim
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory, baseline: dict) -> dict:
     """A torchrun run in which rank 1 hangs after step 20: found, killed, the group restarted."""
-    cwd = tmp_path_factory.mktemp("hung")
-    proc = run_train(cwd, *QUICK, *HANG, "run.name=hung", check=True)
-    return {"cwd": cwd, "dir": run_dir(cwd, "hung"), "proc": proc}
+
+    def make(cwd: Path) -> dict:
+        proc = run_train(cwd, *QUICK, *HANG, "run.name=hung", check=True)
+        return {"dir": str(run_dir(cwd, "hung")), "output": proc.stderr + proc.stdout}
+
+    made = made_once(tmp_path_factory, "hung", make)
+    return {**made, "dir": Path(made["dir"])}
 
 
 def _check_hang(folder: Path, baseline: dict) -> dict:
@@ -43,7 +47,7 @@ def _check_hang(folder: Path, baseline: dict) -> dict:
 
 def test_a_hung_rank_is_found_its_stack_written_and_the_group_restarted(hung: dict, baseline: dict) -> None:
     _check_hang(hung["dir"], baseline)
-    assert "rank 1 hung: no progress for" in hung["proc"].stderr + hung["proc"].stdout
+    assert "rank 1 hung: no progress for" in hung["output"]
 
 
 def test_a_hung_horovod_rank_is_found_and_the_job_relaunched(tmp_path: Path, baseline: dict) -> None:
@@ -137,8 +141,9 @@ def _assert_picture(path: Path) -> None:
     assert pixels[..., :3].std() > 0.05 and len({tuple(p) for p in pixels[::7, ::7, :3].reshape(-1, 3).round(1)}) > 10
 
 
-def test_report_on_a_run_with_a_restart(hung: dict) -> None:
-    folder = hung["dir"]
+def test_report_on_a_run_with_a_restart(hung: dict, tmp_path: Path) -> None:
+    folder = tmp_path / "hung"
+    shutil.copytree(hung["dir"], folder)  # the report writes its picture into the folder
     proc = _report(folder)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

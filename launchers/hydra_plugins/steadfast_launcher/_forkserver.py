@@ -31,7 +31,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
@@ -74,29 +73,25 @@ def start() -> None:
 
 
 _owner: "list[int]" = []  # the process that started the server (atexit handlers also run in its forks)
-STOP_WAIT_S = 0.2  # an idle server ends within this; one still importing (a launch refused early) is killed
 
 
 def _stop() -> None:
     """At the launcher's exit: end the server and reap it, so it does not outlive the launcher and
     its workers' CPU time counts as this process's children's (what `time` and rusage report).
-    multiprocessing itself never waits for it; a server that does not end within STOP_WAIT_S is killed."""
+    multiprocessing itself never waits for it. The server is killed, not asked to end: it holds
+    nothing but imported modules (its workers are gone by now), and its own interpreter teardown,
+    torch's modules, would add 0.2-0.3 s to every launcher's exit."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
     pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
     if pid is None or alive is None or _owner != [os.getpid()]:
         return
-    os.close(alive)  # the server ends when this pipe closes
+    os.close(alive)
     server._forkserver_alive_fd = None
-    deadline = time.monotonic() + STOP_WAIT_S
     try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     except (ChildProcessError, ProcessLookupError):
         pass
     server._forkserver_pid = None
