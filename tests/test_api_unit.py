@@ -195,3 +195,26 @@ def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_p
     loader: Any = StatefulDataLoader(TensorDataset(torch.zeros(4)), batch_size=2)
     ckpt.track(Progress(), {"model": torch.nn.Linear(2, 2), "loader": loader})
     assert set(ckpt.objects) == {"model", "progress"} and set(ckpt.per_rank) == {"rng", "loader"}
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_and_never_past_its_deadline() -> None:
+    import socket
+    import threading
+
+    from steadfast.comm import await_store
+
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))  # bound, not listening yet: connections are refused, as before rank 0 starts
+        port = str(store.getsockname()[1])
+        waiter = threading.Thread(target=await_store, args=("127.0.0.1", port, 120.0), daemon=True)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), "returned while nothing listened"
+        store.listen()
+        waiter.join(30)
+        assert not waiter.is_alive(), "still waiting although the store listens"
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        free = str(unused.getsockname()[1])
+    await_store("127.0.0.1", free, 0.3)  # nothing ever listens: gives up at its deadline (init_process_group waits on)
+    await_store(None, None, 120.0)  # no store address (a launch without one): nothing to wait for

@@ -112,6 +112,16 @@ def test_workers_get_a_real_cycle_time_and_response_cache(monkeypatch: pytest.Mo
     assert ours["HOROVOD_CYCLE_TIME"] == "2.5"
 
 
+def test_the_launchers_gloo_check_gives_horovods_own_answer() -> None:
+    """horovod.run asks whether Horovod was built with Gloo at every launch; the launcher answers
+    with the same call in a new interpreter that does not import torch (see _backends/horovod.py)."""
+    from horovod.common.util import gloo_built as horovods_check
+
+    from hydra_plugins.steadfast_launcher._backends.horovod import gloo_built
+
+    assert gloo_built() is True and horovods_check() is True  # scripts/install_horovod.sh builds with Gloo
+
+
 HIDE_HOROVOD = '''
 import sys
 from importlib.machinery import PathFinder

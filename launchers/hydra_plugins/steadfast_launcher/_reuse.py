@@ -17,7 +17,6 @@ class ReusedCompositions:
     def __init__(self, loader: Any) -> None:
         self._compose = loader.load_sweep_config
         self._kept: Dict[Tuple[int, Tuple[str, ...]], List[DictConfig]] = {}
-        self.taken = 0  # how many compositions were reused (for tests)
 
     @classmethod
     def install(cls, loader: Any) -> "ReusedCompositions":
@@ -40,6 +39,5 @@ class ReusedCompositions:
         """What the launcher calls: the sweeper's composition of this job if it made one, else a new one."""
         kept = self._kept.get((id(master_config), tuple(sweep_overrides)))
         if kept:
-            self.taken += 1
             return kept.pop(0)
         return self._compose(master_config=master_config, sweep_overrides=list(sweep_overrides))

@@ -79,4 +79,3 @@ def _forkserver_wanted(config: DictConfig) -> bool:
                 and cluster in (None, "none"))
     except Exception:  # a config the launcher reports on properly later
         return False
-

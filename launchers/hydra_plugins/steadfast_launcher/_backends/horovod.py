@@ -14,13 +14,15 @@ second host until the elastic timeout.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from steadfast.contract.env import ENV_ATTEMPT, HOROVOD
 from steadfast.contract.schemas import HorovodBackendConf
@@ -79,7 +81,9 @@ class HorovodBackend(Backend):
     def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
         import horovod
         from horovod.runner import gloo_run
+        from horovod.runner import launch as runner_launch
         from horovod.runner.common.util import config_parser
+        from horovod.runner.http import http_server
 
         b = self.conf
         attempt = int(env.get(ENV_ATTEMPT, "0"))
@@ -108,6 +112,13 @@ class HorovodBackend(Backend):
         gloo_run.register_shutdown_event = event_without_handlers
         parse_args = config_parser.set_env_from_args
         config_parser.set_env_from_args = tuned(parse_args)
+        runner_gloo_built = runner_launch.gloo_built
+        known = gloo_built()
+        if known is not None:
+            runner_launch.gloo_built = lambda verbose=False: known
+        serve_forever = http_server.KVStoreHTTPServer.serve_forever
+        http_server.KVStoreHTTPServer.serve_forever = functools.partialmethod(http_server.HTTPServer.serve_forever,
+                                                                              poll_interval=SERVER_POLL_S)
         os.environ.update(worker_env)
         try:
             results = horovod.run(
@@ -135,12 +146,41 @@ class HorovodBackend(Backend):
         finally:
             gloo_run.register_shutdown_event = register
             config_parser.set_env_from_args = parse_args
+            runner_launch.gloo_built = runner_gloo_built
+            http_server.KVStoreHTTPServer.serve_forever = serve_forever
             restore_handlers(saved_signals)
             restore_environment(saved_env)
         stopped = [v for v in results if isinstance(v, Stopped)]
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
         return results[0]  # the list is in rank order
+
+
+# horovod.run's store of the workers' results answers through socketserver's serve_forever, which
+# notices the runner's shutdown() only at its next poll (0.5 s by default): every launch and every
+# relaunch ended with that wait.
+SERVER_POLL_S = 0.02
+# What horovod.run's `gloo_built` asks (in a forked child that imports torch: 1.6 s of every
+# launch here), made the way Horovod's own basics.py makes it, the extension's horovod_gloo_built
+# through ctypes, in a new interpreter that loads the library without importing torch (0.25 s).
+_GLOO_BUILT = """
+import ctypes, importlib.util, os, sysconfig
+spec = importlib.util.find_spec("horovod")
+library = os.path.join(os.path.dirname(spec.origin), "torch", "mpi_lib_v2" + sysconfig.get_config_var("EXT_SUFFIX"))
+print(int(ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL).horovod_gloo_built()))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def gloo_built() -> Optional[bool]:
+    """Whether Horovod's PyTorch extension has Gloo; None if this cannot tell (horovod.run then
+    makes its own check, and says what is wrong)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _GLOO_BUILT], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = done.stdout.strip()
+    return answer == "1" if done.returncode == 0 and answer in ("0", "1") else None
 
 
 def tuned(set_env_from_args: Callable[[Dict[str, str], Any], None]) -> Callable[[Dict[str, str], Any], None]:
