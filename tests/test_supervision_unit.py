@@ -291,3 +291,37 @@ def test_verify_recovery_splits_the_fault_schedule_from_the_job() -> None:
 
     job, fault = split_overrides(["trainer.lr=0.1", "fault=kill_rank", "fault.at_step=3", "+fault.x=1", "data=synthetic"])
     assert job == ["trainer.lr=0.1", "data=synthetic"] and fault == ["fault=kill_rank", "fault.at_step=3", "+fault.x=1"]
+
+
+AGENT_LOGS_A_FAILURE = '''
+import logging, sys
+import torch.distributed.elastic.multiprocessing.api  # what the launcher imports to run the agent
+from hydra_plugins.steadfast_launcher._backends.torchrun import render_tracebacks_first
+if sys.argv[1] == "rendered":
+    render_tracebacks_first("torch.distributed.elastic")
+log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+try:
+    raise RuntimeError("worker 1 failed")
+except RuntimeError:
+    log.exception("failed (exitcode: 1) local_rank: 1")
+print("dynamo imported" if "torch._dynamo" in sys.modules else "dynamo not imported")
+'''
+
+
+def test_a_worker_failure_logged_by_the_agent_reads_the_same_without_importing_dynamo() -> None:
+    """torch's log formatter imports torch._dynamo (about 1 s) to format a record with a traceback;
+    the torch elastic agent logs every worker failure so, and the first restart of a launch waited."""
+    outputs = {}
+    for mode in ("rendered", "plain"):
+        proc = subprocess.run([sys.executable, "-c", AGENT_LOGS_A_FAILURE, mode], cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        outputs[mode] = proc
+    assert outputs["rendered"].stdout.strip() == "dynamo not imported"
+    assert outputs["plain"].stdout.strip() == "dynamo imported"  # what it fixes: still so in this torch
+
+    def text(stderr: str) -> list:  # each line without its time and process id
+        return [line.split("] ", 1)[-1] for line in stderr.splitlines()]
+
+    assert text(outputs["rendered"].stderr) == text(outputs["plain"].stderr)
+    assert "RuntimeError: worker 1 failed" in outputs["rendered"].stderr and "Traceback" in outputs["rendered"].stderr
