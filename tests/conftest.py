@@ -10,20 +10,13 @@ for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from helpers import QUICK, made_once, run_dir, run_train, summary  # noqa: E402
+from helpers import QUICK, reference_run  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One uninterrupted 2-worker run of the QUICK job: the reference every recovery must reproduce.
-    Read only: a test that runs in its folder works on a copy."""
-
-    def make(cwd: Path) -> dict:
-        run_train(cwd, *QUICK, "run.name=baseline", check=True)
-        return {"dir": str(run_dir(cwd, "baseline")), "summary": summary(run_dir(cwd, "baseline"))}
-
-    made = made_once(tmp_path_factory, "baseline", make)
-    return {**made, "dir": Path(made["dir"])}
+    """One uninterrupted 2-worker run of the QUICK job: the reference every recovery must reproduce."""
+    return reference_run(tmp_path_factory, "baseline", *QUICK)
 
 
 def _horovod_available() -> bool:

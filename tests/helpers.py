@@ -122,3 +122,30 @@ def made_once(factory: Any, name: str, make: Callable[[Path], Dict[str, Any]], t
         value = make(factory.mktemp(name))
         made.write_text(json.dumps(value))
         return value
+
+
+def reference_run(factory: Any, name: str, *overrides: str) -> Dict[str, Any]:
+    """An uninterrupted run `run.name=<name>` of `overrides`, made once per test session (made_once):
+    its folder (read only: a test that runs in it or writes to it works on a copy), its summary and
+    the launcher's output."""
+
+    def make(cwd: Path) -> Dict[str, Any]:
+        proc = run_train(cwd, *overrides, f"run.name={name}", check=True)
+        folder = run_dir(cwd, name)
+        return {"dir": str(folder), "summary": summary(folder), "output": proc.stderr + proc.stdout}
+
+    made = made_once(factory, name, make)
+    return {**made, "dir": Path(made["dir"])}
+
+
+def restores(folder: Path) -> List[Dict[str, Any]]:
+    """Every `resumed` event after a failed attempt, with `reached`: the furthest step any rank had
+    reached in that attempt (its attempt_ended)."""
+    out, reached = [], None
+    for e in events(folder):
+        if e["event"] == "attempt_ended":
+            reached = e["last_step"]
+        elif e["event"] == "resumed" and reached is not None:
+            out.append({**e, "reached": reached})
+            reached = None
+    return out

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from helpers import ROOT, env, event_of, events, run_dir, run_train, summary
+from helpers import ROOT, env, event_of, restores, run_dir, run_train, summary
 
 from pipeline.text import load_corpus
 from steadfast.contract.heartbeat import read_heartbeats
@@ -115,12 +115,7 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "step" in r]
     assert steps and steps[-1]["step"] == 250 and all(r["loss"] > 0 for r in steps)  # logged every 10 steps
-    resumed, reached = [], None  # each restore, with the furthest step any rank had reached before it
-    for e in events(folder):
-        if e["event"] == "attempt_ended":
-            reached = e["last_step"]
-        elif e["event"] == "resumed":
-            resumed.append({**e, "reached": reached})
+    resumed = restores(folder)
     # the second restore comes from the node's snapshot in memory, unless the kill landed right on a
     # checkpoint step (both tiers hold it: disk); the first: memory and disk both held step 64. (The
     # step a heartbeat showed when the test killed is no bound: a worker writes its heartbeat only

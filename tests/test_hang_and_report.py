@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, committed_steps, env, event_of, events, made_once, run_dir, run_train, summary
+from helpers import QUICK, committed_steps, env, event_of, events, reference_run, run_dir, run_train, summary
 
 pytestmark = pytest.mark.slow
 HANG = ["fault=hang_rank", "fault.rank=1", "fault.at_step=20", "restart.hang_timeout_s=4"]
@@ -19,13 +19,7 @@ HANG = ["fault=hang_rank", "fault.rank=1", "fault.at_step=20", "restart.hang_tim
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory, baseline: dict) -> dict:
     """A torchrun run in which rank 1 hangs after step 20: found, killed, the group restarted."""
-
-    def make(cwd: Path) -> dict:
-        proc = run_train(cwd, *QUICK, *HANG, "run.name=hung", check=True)
-        return {"dir": str(run_dir(cwd, "hung")), "output": proc.stderr + proc.stdout}
-
-    made = made_once(tmp_path_factory, "hung", make)
-    return {**made, "dir": Path(made["dir"])}
+    return reference_run(tmp_path_factory, "hung", *QUICK, *HANG)
 
 
 def _check_hang(folder: Path, baseline: dict) -> dict:

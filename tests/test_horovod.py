@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, committed_steps, env, event_of, events, made_once, run_dir, run_train, summary, train_cmd
+from helpers import QUICK, committed_steps, env, event_of, events, reference_run, run_dir, run_train, summary, train_cmd
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: bash scripts/install_horovod.sh $(which python)")
 
@@ -15,13 +15,7 @@ KILL_AT = 20  # after the first epoch's checkpoint (13 steps an epoch per worker
 @pytest.fixture(scope="module")
 def hvd_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One uninterrupted 2-process Horovod run of the QUICK job."""
-
-    def make(cwd: Path) -> dict:
-        run_train(cwd, *HVD, "run.name=hvd_baseline", check=True)
-        return {"dir": str(run_dir(cwd, "hvd_baseline")), "summary": summary(run_dir(cwd, "hvd_baseline"))}
-
-    made = made_once(tmp_path_factory, "hvd_baseline", make)
-    return {**made, "dir": Path(made["dir"])}
+    return reference_run(tmp_path_factory, "hvd_baseline", *HVD)
 
 
 @pytest.mark.slow

@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
-from helpers import QUICK, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+from helpers import QUICK, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
 
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
@@ -125,18 +125,6 @@ LONG = [*QUICK, "snapshot.every_n_steps=1", "trainer.max_epochs=30", "checkpoint
         "restart.max_restarts=6"]
 
 
-def _lost_per_restore(folder: Path) -> List[Dict[str, Any]]:
-    """For every restore: the step it resumed from, the furthest step any rank had reached, and where from."""
-    out, reached = [], None
-    for e in events(folder):
-        if e["event"] == "attempt_ended":
-            reached = e["last_step"]
-        elif e["event"] == "resumed" and reached is not None:
-            out.append({"step": e["step"], "reached": reached, "source": e.get("source")})
-            reached = None
-    return out
-
-
 def _every_n(folder: Path) -> int:
     return max(e["every_n_steps"] for e in events(folder) if e["event"] == "snapshot_created")
 
@@ -162,11 +150,11 @@ def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp
     finally:
         out = stop(proc)
     assert code == 0, (seed, out[-3000:])
-    restores = _lost_per_restore(folder)
+    restored = restores(folder)
     every = _every_n(folder)
     # from memory, unless the kill landed right on a checkpoint step (both tiers hold it: disk)
-    assert len(restores) == 3 and all(r["source"] == "memory" or r["step"] % 40 == 0 for r in restores), (seed, restores)
-    assert every == 1 and all(0 <= r["reached"] - r["step"] <= every for r in restores), (seed, every, restores)
+    assert len(restored) == 3 and all(r["source"] == "memory" or r["step"] % 40 == 0 for r in restored), (seed, restored)
+    assert every == 1 and all(0 <= r["reached"] - r["step"] <= every for r in restored), (seed, every, restored)
     assert summary(folder)["model_sha256"] == summary(run_dir(tmp_path, "ref"))["model_sha256"], seed
 
 
