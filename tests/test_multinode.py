@@ -88,10 +88,12 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
             "backend.rdzv_last_call_s=3", "backend.rdzv_node_timeout_s=6", "restart.max_restarts=5",
             "restart.collective_timeout_s=60",
-            # node A alone holds at step 200 until it is asked to stop (B rejoining stops it): the
-            # test waits for B however long B takes to start, and no longer. 200 is past what the
-            # two-worker round reaches before B is killed (just after its first checkpoint), however
-            # fast the workers start and train, and before A alone ends (26 steps an epoch, 260 in all)
+            # node A alone holds at step 200 until it is asked to stop (B rejoining stops it); B is
+            # started again only once A holds, so the hang never reaches a two-worker round (there
+            # its peer would wait out the collective deadline) and the test waits for B however long
+            # B takes to start, and no longer. 200 is past what the two-worker round reaches before
+            # B is killed (just after its first checkpoint), however fast the workers start and
+            # train, and before A alone ends (26 steps an epoch, 260 in all)
             "fault=hang_rank", "fault.rank=0", "fault.at_step=200", "fault.hang_until_stop=true"]
     args = [a for a in args if a != "trainer.max_epochs=2"]
     folder = run_dir(tmp_path, "el")
@@ -109,6 +111,7 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
         changed = wait_for(lambda: event_of(folder, "world_size_changed", world_size=1, saved_world_size=2), 120,
                            "A resuming alone", a)
         assert changed["saved_world_size"] == 2 and changed["global_batch"] == 32  # keep_global_batch: 16 x 2
+        wait_for(lambda: event_of(folder, "fault_fired", step=200), 120, "node A alone holding at step 200", a)
         b2 = start_train(tmp_path, *args)
         back = wait_for(lambda: [e for e in events(folder) if e.get("event") == "world_size_changed"
                                  and e.get("world_size") == 2 and e["time"] > changed["time"]], 120, "B rejoining", a)[0]
