@@ -200,6 +200,7 @@ def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_p
 def test_a_rank_waits_for_rank_0s_store_to_listen_and_never_past_its_deadline() -> None:
     import socket
     import threading
+    import time
 
     from steadfast.comm import await_store
 
@@ -216,5 +217,7 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_and_never_past_its_deadline() 
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         free = str(unused.getsockname()[1])
+    began = time.monotonic()
     await_store("127.0.0.1", free, 0.3)  # nothing ever listens: gives up at its deadline (init_process_group waits on)
+    assert 0.3 <= time.monotonic() - began < 30, "waited until its deadline, then returned"
     await_store(None, None, 120.0)  # no store address (a launch without one): nothing to wait for

@@ -17,7 +17,7 @@ HANG = ["fault=hang_rank", "fault.rank=1", "fault.at_step=20", "restart.hang_tim
 
 
 @pytest.fixture(scope="module")
-def hung(tmp_path_factory: pytest.TempPathFactory, baseline: dict) -> dict:
+def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A torchrun run in which rank 1 hangs after step 20: found, killed, the group restarted."""
     return reference_run(tmp_path_factory, "hung", *QUICK, *HANG)
 
