@@ -67,8 +67,9 @@ def committed_steps(folder: Path) -> List[int]:
     return sorted(int(p.name[5:]) for p in ckpts.glob("step_*") if (p / "manifest.json").is_file())
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Optional[subprocess.Popen] = None) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Optional[subprocess.Popen] = None,
+             every: float = 0.05) -> Any:
+    """Poll `predicate` every `every` seconds until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -76,7 +77,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Opti
             return value
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"process ended (exit {proc.returncode}) while waiting for {what}:\n{proc.stdout.read()[-4000:] if proc.stdout else ''}")
-        time.sleep(0.05)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 

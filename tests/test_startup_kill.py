@@ -71,14 +71,7 @@ def phase_of(folder: Path, pid: int) -> Optional[str]:
 
 def poll(predicate: Any, timeout: float, what: str, proc: Any) -> Any:
     """wait_for, polling every 5 ms: a forked worker's start-up takes 0.1-0.3 s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"the launcher ended while waiting for {what}"
-        time.sleep(0.005)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return wait_for(predicate, timeout, what, proc, every=0.005)
 
 
 def _one_of(phase: Optional[str], wanted: tuple) -> Optional[str]:

@@ -99,7 +99,8 @@ class TorchrunBackend(Backend):
 
 
 class _TracebackRendered(logging.Filter):
-    """Puts a record's traceback into its text and drops exc_info, before torch's log formatter sees it.
+    """Puts the traceback of a record of logger `name` (or below) into its text and drops exc_info,
+    before torch's log formatter sees it; other records pass untouched.
 
     That formatter (torch._logging's TorchLogsFormatter) imports torch._dynamo to read one setting
     whenever a record carries exc_info, and torch elastic's agent logs every worker failure that
@@ -107,7 +108,7 @@ class _TracebackRendered(logging.Filter):
     is the same: logging's own formatException, which that formatter would use."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info:
+        if record.exc_info and super().filter(record):
             if not record.exc_text:
                 record.exc_text = logging.Formatter().formatException(record.exc_info)
             record.exc_info = None
@@ -119,8 +120,8 @@ def render_tracebacks_first(name: str) -> None:
     logger: Optional[logging.Logger] = logging.getLogger(name)
     while logger is not None:
         for handler in logger.handlers:
-            if not any(isinstance(f, _TracebackRendered) for f in handler.filters):
-                handler.addFilter(_TracebackRendered())
+            if not any(isinstance(f, _TracebackRendered) and f.name == name for f in handler.filters):
+                handler.addFilter(_TracebackRendered(name))
         logger = logger.parent if logger.propagate else None
 
 
