@@ -14,6 +14,7 @@ Rank 0 appends JSON lines to --out: {"event": "first_step", "time": ...} after t
 step, then {"step", "epoch", "time"} every --log-every steps (after loss.item(), the usual print),
 and {"event": "done", "time": ...}. Times are time.time(), comparable with the trainer's records.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers, as the trainer)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers, as the trainer)"
+    )
     p.add_argument("--loader", choices=("dataloader", "slices"), default="dataloader")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -56,8 +59,13 @@ def main() -> None:
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local_world))  # as the trainer
     torch.manual_seed(args.seed)
 
-    data = synthetic(num_samples=args.num_samples, num_features=args.num_features, num_classes=args.num_classes,
-                     val_fraction=0.2, seed=args.seed)
+    data = synthetic(
+        num_samples=args.num_samples,
+        num_features=args.num_features,
+        num_classes=args.num_classes,
+        val_fraction=0.2,
+        seed=args.seed,
+    )
     model = DDP(MLP(data.input_shape, data.output_size, [int(h) for h in args.hidden.split(",")], dropout=0.1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -83,7 +91,7 @@ def main() -> None:
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        for x, y in (loader if args.loader == "dataloader" else slices(epoch)):
+        for x, y in loader if args.loader == "dataloader" else slices(epoch):
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()

@@ -22,6 +22,7 @@ is dropped (root only, else only warm reads are measured). Every timed write sta
 previous method's files were removed: on a thin-provisioned virtual disk, writing blocks that were
 just freed is several times faster than writing fresh ones, and a method must not win by that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,9 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from pipeline.models import MLP
 from steadfast.checkpoint.manager import CheckpointManager
 from steadfast.comm import Comm
-from pipeline.models import MLP
 
 MiB = 1 << 20
 TARGETS = {"project_sync/raw_fsync_write throughput": (">=", 0.9), "async_blocked/sync_save time": ("<=", 0.05)}
@@ -92,8 +93,12 @@ def params_case(label: str, mb: int, count: int) -> Case:
     model = torch.nn.ParameterDict({f"t{i:05d}": torch.nn.Parameter(torch.randn(numel, generator=g)) for i in range(count)})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     size = f"{numel * 4 / MiB:.1f} MiB" if numel * 4 >= MiB else f"{numel * 4 // 1024} KiB"
-    return Case(f"{label}: {count} x {size} float32 parameters + SGD", {"model": model, "optimizer": optimizer}, {},
-                lambda: ({"model": Holder(), "optimizer": Holder()}, {}))
+    return Case(
+        f"{label}: {count} x {size} float32 parameters + SGD",
+        {"model": model, "optimizer": optimizer},
+        {},
+        lambda: ({"model": Holder(), "optimizer": Holder()}, {}),
+    )
 
 
 def model_case(hidden: List[int]) -> Case:
@@ -104,8 +109,7 @@ def model_case(hidden: List[int]) -> Case:
     optimizer.step()
     rng = Holder({"torch": torch.get_rng_state()})
     objects = {"model": model, "optimizer": optimizer}
-    return Case(f"B: MLP{tuple(hidden)} + Adam after one step", objects, {"rng": rng},
-                lambda: (objects, {"rng": Holder()}))
+    return Case(f"B: MLP{tuple(hidden)} + Adam after one step", objects, {"rng": rng}, lambda: (objects, {"rng": Holder()}))
 
 
 def drop_caches() -> bool:
@@ -126,8 +130,9 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def manager(folder: Path, async_save: bool = False, keep_last: int = 1) -> CheckpointManager:
-    return CheckpointManager(folder, Comm(), keep_last=keep_last, training_config={}, on_event=lambda *a, **k: None,
-                             async_save=async_save)
+    return CheckpointManager(
+        folder, Comm(), keep_last=keep_last, training_config={}, on_event=lambda *a, **k: None, async_save=async_save
+    )
 
 
 def project_sync(case: Case, folder: Path) -> Dict[str, float]:
@@ -216,7 +221,7 @@ def run_case(case: Case, root: Path, repeats: int, cold: bool) -> Dict[str, Any]
     payload = sum(t.nbytes for t in tensors_of(case.tree()))
     samples: Dict[str, List[float]] = {}
     for r in range(repeats):
-        order = WRITERS[r % len(WRITERS):] + WRITERS[: r % len(WRITERS)]
+        order = WRITERS[r % len(WRITERS) :] + WRITERS[: r % len(WRITERS)]
         for writer in order:
             folder = root / f"{writer.__name__}-{r}"
             for k, v in writer(case, folder).items():
@@ -241,10 +246,13 @@ def run_case(case: Case, root: Path, repeats: int, cold: bool) -> Dict[str, Any]
     }
     if cold:
         ratios["restore/raw_read throughput (cold)"] = med["raw_read_cold"] / med["restore_cold"]
-    return {"case": case.name, "payload_bytes": payload, "repeats": repeats,
-            "methods": {k: {"median_s": med[k], "MiB_per_s": payload / MiB / med[k], "samples_s": v}
-                        for k, v in samples.items()},
-            "ratios": ratios}
+    return {
+        "case": case.name,
+        "payload_bytes": payload,
+        "repeats": repeats,
+        "methods": {k: {"median_s": med[k], "MiB_per_s": payload / MiB / med[k], "samples_s": v} for k, v in samples.items()},
+        "ratios": ratios,
+    }
 
 
 def filesystem(path: Path) -> str:
@@ -288,16 +296,27 @@ def main(argv: List[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="steadfast-bench-", dir=args.dir))
     load_before = os.getloadavg()
     try:
-        cases = [params_case("A", args.mb, args.tensors), model_case([int(h) for h in args.hidden.split(",")]),
-                 params_case("C", args.mb, max(1, args.mb * 1024 // args.small_kib))]
+        cases = [
+            params_case("A", args.mb, args.tensors),
+            model_case([int(h) for h in args.hidden.split(",")]),
+            params_case("C", args.mb, max(1, args.mb * 1024 // args.small_kib)),
+        ]
         results = [run_case(case, root / f"case{i}", args.repeats, cold) for i, case in enumerate(cases)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = {
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.checkpoint_io", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "filesystem": filesystem(root.parent),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "command": " ".join(
+            [Path(sys.executable).name, "-m", "bench.checkpoint_io", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "filesystem": filesystem(root.parent),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "reads": "cold (page cache dropped) and warm" if cold else "warm only (page cache could not be dropped)",
         "targets": {**TARGETS, f"C: {SMALL_TARGET[0]}": SMALL_TARGET[1]},
         "results": results,

@@ -3,6 +3,7 @@
 Every timing here is wall clock (time.time()) on one machine, so the trainer's records
 (events.jsonl, metrics.jsonl), the baseline's records and the benchmark's own clock compare.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,14 @@ def machine() -> Dict[str, Any]:
         torch_version = torch.__version__
     except ImportError:  # pragma: no cover
         torch_version = "?"
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "torch": torch_version,
-            "python": platform.python_version(), "platform": platform.platform(), "loadavg": os.getloadavg()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def command_line(module: str, argv: Optional[Sequence[str]]) -> str:
@@ -104,18 +111,42 @@ class Job:
     threads: Optional[int] = None  # torch threads per worker (None: both sides use cores / workers)
 
     def overrides(self, backend: str = "torchrun") -> List[str]:
-        workers = [f"backend.nproc_per_node={self.workers}"] if backend == "torchrun" else ["backend=horovod", f"backend.np={self.workers}"]
-        return ["data=synthetic", f"data.num_samples={self.num_samples}", f"data.num_features={self.num_features}",
-                f"data.num_classes={self.num_classes}", f"data.batch_size={self.batch_size}",
-                f"model.hidden_sizes=[{','.join(map(str, self.hidden))}]", f"trainer.max_epochs={self.epochs}",
-                f"trainer.log_every_n_steps={self.log_every}", *workers,
-                *([f"trainer.num_threads={self.threads}"] if self.threads else [])]
+        workers = (
+            [f"backend.nproc_per_node={self.workers}"]
+            if backend == "torchrun"
+            else ["backend=horovod", f"backend.np={self.workers}"]
+        )
+        return [
+            "data=synthetic",
+            f"data.num_samples={self.num_samples}",
+            f"data.num_features={self.num_features}",
+            f"data.num_classes={self.num_classes}",
+            f"data.batch_size={self.batch_size}",
+            f"model.hidden_sizes=[{','.join(map(str, self.hidden))}]",
+            f"trainer.max_epochs={self.epochs}",
+            f"trainer.log_every_n_steps={self.log_every}",
+            *workers,
+            *([f"trainer.num_threads={self.threads}"] if self.threads else []),
+        ]
 
     def baseline_args(self) -> List[str]:
-        return ["--num-samples", str(self.num_samples), "--num-features", str(self.num_features),
-                "--num-classes", str(self.num_classes), "--hidden", ",".join(map(str, self.hidden)),
-                "--batch-size", str(self.batch_size), "--epochs", str(self.epochs), "--log-every", str(self.log_every),
-                *(["--threads", str(self.threads)] if self.threads else [])]
+        return [
+            "--num-samples",
+            str(self.num_samples),
+            "--num-features",
+            str(self.num_features),
+            "--num-classes",
+            str(self.num_classes),
+            "--hidden",
+            ",".join(map(str, self.hidden)),
+            "--batch-size",
+            str(self.batch_size),
+            "--epochs",
+            str(self.epochs),
+            "--log-every",
+            str(self.log_every),
+            *(["--threads", str(self.threads)] if self.threads else []),
+        ]
 
     def params(self) -> int:
         width, total = self.num_features, 0
@@ -130,8 +161,12 @@ class Job:
         return -(-per_worker // self.batch_size)
 
     def describe(self) -> Dict[str, Any]:
-        return {**dataclasses.asdict(self), "parameters": self.params(), "parameter_MB": round(self.params() * 4 / 1e6, 2),
-                "steps_per_epoch": self.steps_per_epoch()}
+        return {
+            **dataclasses.asdict(self),
+            "parameters": self.params(),
+            "parameter_MB": round(self.params() * 4 / 1e6, 2),
+            "steps_per_epoch": self.steps_per_epoch(),
+        }
 
 
 # Tiny: the synthetic data's defaults (start-up and recovery are not diluted by work).
@@ -233,22 +268,44 @@ class Workdir:
         self.close()
 
 
-def start_ours(work: Workdir, name: str, overrides: Sequence[str], trace: Optional[Path] = None,
-               extra_env: Optional[Dict[str, str]] = None, python_flags: Sequence[str] = (),
-               cli_flags: Sequence[str] = ()) -> Tuple[subprocess.Popen, float, Path]:
-    extra = os.environ.get("STEADFAST_BENCH_OVERRIDES", "").split()  # extra overrides for every run of ours (debugging a benchmark)
+def start_ours(
+    work: Workdir,
+    name: str,
+    overrides: Sequence[str],
+    trace: Optional[Path] = None,
+    extra_env: Optional[Dict[str, str]] = None,
+    python_flags: Sequence[str] = (),
+    cli_flags: Sequence[str] = (),
+) -> Tuple[subprocess.Popen, float, Path]:
+    extra = os.environ.get(
+        "STEADFAST_BENCH_OVERRIDES", ""
+    ).split()  # extra overrides for every run of ours (debugging a benchmark)
     if "backend=horovod" in overrides:
         extra = [o for o in extra if not o.startswith("backend.")]
     cmd = [PY, *python_flags, "-m", "pipeline.train", *cli_flags, *overrides, *extra, f"run.name={name}"]
     work.counters = cpu_counters()
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace, extra_env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work.path,
+        env=env(trace, extra_env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     return proc, started, work.path / "outputs" / name
 
 
-def finish_ours(proc: subprocess.Popen, started: float, folder: Path, timeout: float, keep: bool = False,
-                counters: Optional[Tuple[float, float, float]] = None, sampler: Optional[CpuSampler] = None) -> Run:
+def finish_ours(
+    proc: subprocess.Popen,
+    started: float,
+    folder: Path,
+    timeout: float,
+    keep: bool = False,
+    counters: Optional[Tuple[float, float, float]] = None,
+    sampler: Optional[CpuSampler] = None,
+) -> Run:
     rc, out = _communicate(proc, timeout)
     if sampler is not None:
         sampler.stop.set()
@@ -263,7 +320,9 @@ def finish_ours(proc: subprocess.Popen, started: float, folder: Path, timeout: f
     return run
 
 
-def run_ours(work: Workdir, label: str, overrides: Sequence[str], timeout: float = 300, sample_cpu: bool = False, **kw: Any) -> Run:
+def run_ours(
+    work: Workdir, label: str, overrides: Sequence[str], timeout: float = 300, sample_cpu: bool = False, **kw: Any
+) -> Run:
     proc, started, folder = start_ours(work, work.name(label), overrides, **kw)
     sampler = None
     if sample_cpu:
@@ -272,18 +331,36 @@ def run_ours(work: Workdir, label: str, overrides: Sequence[str], timeout: float
     return finish_ours(proc, started, folder, timeout, counters=work.counters, sampler=sampler)
 
 
-def run_baseline(work: Workdir, label: str, job: Job, timeout: float = 300, trace: Optional[Path] = None,
-                 sample_cpu: bool = False, loader: str = "dataloader") -> Run:
+def run_baseline(
+    work: Workdir,
+    label: str,
+    job: Job,
+    timeout: float = 300,
+    trace: Optional[Path] = None,
+    sample_cpu: bool = False,
+    loader: str = "dataloader",
+) -> Run:
     """bench/baseline_ddp.py under torchrun; loader "slices": batches indexed out of the tensors, no DataLoader."""
     folder = work.path / "baseline" / work.name(label)
     folder.mkdir(parents=True)
     records = folder / "records.jsonl"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(job.workers), str(ROOT / "bench" / "baseline_ddp.py"),
-           *job.baseline_args(), "--loader", loader, "--out", str(records)]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node",
+        str(job.workers),
+        str(ROOT / "bench" / "baseline_ddp.py"),
+        *job.baseline_args(),
+        "--loader",
+        loader,
+        "--out",
+        str(records),
+    ]
     counters = cpu_counters()
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=work.path, env=env(trace), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=work.path, env=env(trace), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     sampler = CpuSampler(proc.pid) if sample_cpu else None
     if sampler:
         sampler.start()
@@ -345,8 +422,11 @@ def steady_window(run: Run, warmup_steps: int) -> Optional[Tuple[Dict[str, Any],
     start = next((r for r in rows if r["step"] >= warmup_steps), None)
     if start is None:
         return None
-    same = [r for r in rows if r.get("epoch") == start.get("epoch") and r.get("restart", 0) == start.get("restart", 0)
-            and r["step"] > start["step"]]
+    same = [
+        r
+        for r in rows
+        if r.get("epoch") == start.get("epoch") and r.get("restart", 0) == start.get("restart", 0) and r["step"] > start["step"]
+    ]
     return (start, same[-1]) if same else None
 
 
@@ -361,12 +441,19 @@ def cpu_per_step(run: Run, warmup_steps: int = 30) -> Optional[Dict[str, float]]
     if ca is None or cb is None:
         return None
     steps, seconds = b["step"] - a["step"], b["time"] - a["time"]
-    return {"workers_cpu_s_per_step": (cb[1] - ca[1]) / steps, "launcher_cpu_s_per_step": (cb[0] - ca[0]) / steps,
-            "total_cpu_s_per_step": (cb[0] + cb[1] - ca[0] - ca[1]) / steps, "launcher_cpu_share": (cb[0] - ca[0]) / seconds,
-            "window_steps": steps, "window_s": seconds}
+    return {
+        "workers_cpu_s_per_step": (cb[1] - ca[1]) / steps,
+        "launcher_cpu_s_per_step": (cb[0] - ca[0]) / steps,
+        "total_cpu_s_per_step": (cb[0] + cb[1] - ca[0] - ca[1]) / steps,
+        "launcher_cpu_share": (cb[0] - ca[0]) / seconds,
+        "window_steps": steps,
+        "window_s": seconds,
+    }
 
 
-def alternate(rounds: int, makers: Sequence[Tuple[str, Callable[[], Run]]], on_run: Optional[Callable[[str, int, Run], None]] = None) -> Dict[str, List[Run]]:
+def alternate(
+    rounds: int, makers: Sequence[Tuple[str, Callable[[], Run]]], on_run: Optional[Callable[[str, int, Run], None]] = None
+) -> Dict[str, List[Run]]:
     """Run every maker once per round, rotating the order each round (ABC, BCA, CAB, ...)."""
     out: Dict[str, List[Run]] = {name: [] for name, _ in makers}
     for r in range(rounds):

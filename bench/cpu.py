@@ -1,5 +1,6 @@
 """CPU accounting for the benchmarks: how much of the machine other tenants used during a run, and
 the CPU time of a run's process tree over time (the low-noise view of what a step costs)."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,12 @@ def foreign_load(before: Tuple[float, float, float], wall: float) -> Dict[str, f
     """How much of the machine other tenants used during a run (our own process tree left out)."""
     busy, steal, ours = (b - a for a, b in zip(before, cpu_counters()))
     capacity = max(wall, 1e-9) * (os.cpu_count() or 1)
-    return {"our_cpu_s": round(ours, 2), "foreign_cpu_s": round(max(0.0, busy - ours), 2), "steal_s": round(steal, 2),
-            "foreign_share": round(max(0.0, busy - ours + steal) / capacity, 3)}
+    return {
+        "our_cpu_s": round(ours, 2),
+        "foreign_cpu_s": round(max(0.0, busy - ours), 2),
+        "steal_s": round(steal, 2),
+        "foreign_share": round(max(0.0, busy - ours + steal) / capacity, 3),
+    }
 
 
 class CpuSampler(threading.Thread):

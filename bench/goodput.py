@@ -28,6 +28,7 @@ seconds until the run ends; a run that has not ended by --cap-factor x its failu
   goodput incl. start = useful time / wall time from the command
   recomputed steps per failure = step reached at the kill (from the logged steps) - step resumed from
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,24 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (HOT, RESULTS, Job, Run, Workdir, command_line, finish_ours, fmt, log, machine, median, read_jsonl, restored_from,
-                     run_ours, start_ours, steady_rate)
+from .common import (
+    HOT,
+    RESULTS,
+    Job,
+    Run,
+    Workdir,
+    command_line,
+    finish_ours,
+    fmt,
+    log,
+    machine,
+    median,
+    read_jsonl,
+    restored_from,
+    run_ours,
+    start_ours,
+    steady_rate,
+)
 
 TARGET = (">=", 0.92, 30)  # goodput at T = 30 s
 AUTO = "auto (checkpoint.every_n_seconds=auto)"
@@ -67,8 +84,11 @@ def worker_pids(launcher: int) -> List[int]:
             procs.append((int(entry.name), int(fields[1]), int(fields[19]), (entry / "cmdline").read_bytes()))
         except (OSError, ValueError, IndexError):
             continue
-    helpers = {pid for pid, parent, _, cmd in procs if parent == launcher
-               and (b"resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd)}
+    helpers = {
+        pid
+        for pid, parent, _, cmd in procs
+        if parent == launcher and (b"resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd)
+    }
     found = [(start, pid) for pid, parent, start, _ in procs if (parent == launcher and pid not in helpers) or parent in helpers]
     return [pid for _, pid in sorted(found)]
 
@@ -93,8 +113,11 @@ class Killer(threading.Thread):
         while first is None and not self.stop.wait(0.05):
             first = self._first_step()
         k = 1
-        while first is not None and (self.max_kills is None or k <= self.max_kills) and \
-                not self.stop.wait(max(0.0, first + k * self.period - time.time())):
+        while (
+            first is not None
+            and (self.max_kills is None or k <= self.max_kills)
+            and not self.stop.wait(max(0.0, first + k * self.period - time.time()))
+        ):
             while not self.stop.is_set():
                 pids = worker_pids(self.launcher)
                 if pids:
@@ -108,8 +131,9 @@ class Killer(threading.Thread):
             k += 1
 
 
-def timed_run(work: Workdir, label: str, overrides: List[str], period: Optional[float], cap: float,
-              max_kills: Optional[int] = None) -> Run:
+def timed_run(
+    work: Workdir, label: str, overrides: List[str], period: Optional[float], cap: float, max_kills: Optional[int] = None
+) -> Run:
     proc, started, folder = start_ours(work, work.name(label), overrides)
     counters = work.counters
     killer = None
@@ -137,10 +161,16 @@ def reference(work: Workdir, job: Job) -> Dict[str, Any]:
     steps = int(done["step"]) - 1  # the first step ends at `first`
     rate = steps / (float(done["time"]) - first - sum(saves[:-1]))  # the final save is after the last step
     step_rate = steady_rate(run, 10)  # the median logged interval: steps only, no validation, no saves
-    return {"steps_per_s": rate, "step_only_steps_per_s": step_rate,
-            # training time (validation included) over pure step time: turns a run's own step speed into its useful speed
-            "validation_factor": (step_rate / rate) if step_rate else 1.0,
-            "save_cost_s": median(saves), "saves": len(saves), "ttfs_s": run.ttfs(), "wall_s": run.wall}
+    return {
+        "steps_per_s": rate,
+        "step_only_steps_per_s": step_rate,
+        # training time (validation included) over pure step time: turns a run's own step speed into its useful speed
+        "validation_factor": (step_rate / rate) if step_rate else 1.0,
+        "save_cost_s": median(saves),
+        "saves": len(saves),
+        "ttfs_s": run.ttfs(),
+        "wall_s": run.wall,
+    }
 
 
 def analyse(run: Run, rate: float, total_steps: int, validation_factor: float = 1.0) -> Dict[str, Any]:
@@ -175,9 +205,15 @@ def analyse(run: Run, rate: float, total_steps: int, validation_factor: float = 
             reached = before[-1]["step"] + min(LOG_EVERY, int((kill - before[-1]["time"]) * rate))
         elif resumed_from is not None:
             reached = resumed_from  # killed before this attempt logged a step
-        per_failure.append({"kill": kill, "recovery_s": (back - kill) if back else None, "resumed_from": resumed_from,
-                            "reached": reached,
-                            "recomputed_steps": (reached - resumed_from) if reached is not None and resumed_from is not None else None})
+        per_failure.append(
+            {
+                "kill": kill,
+                "recovery_s": (back - kill) if back else None,
+                "resumed_from": resumed_from,
+                "reached": reached,
+                "recomputed_steps": (reached - resumed_from) if reached is not None and resumed_from is not None else None,
+            }
+        )
     # Useful time at this run's own failure-free speed (other tenants' load changes from run to run):
     # its median logged interval, scaled by the reference run's validation factor.
     own = steady_rate(run, 10)
@@ -186,14 +222,25 @@ def analyse(run: Run, rate: float, total_steps: int, validation_factor: float = 
     wall = end - first if first else None
     saves = [float(e["seconds"]) for e in events if e.get("event") == "checkpoint_saved"]
     return {
-        "finished": bool(done), "exit_code": run.returncode, "steps": steps, "of_steps": total_steps,
-        "kills": len(kills), "restarts": restarts, "checkpoints": len(saves), "checkpoint_s_total": sum(saves),
-        "useful_s": useful, "own_steps_per_s": own_rate, "wall_from_first_step_s": wall, "wall_from_command_s": end - run.started,
-        "goodput": useful / wall if wall else None, "goodput_incl_start": useful / (end - run.started),
+        "finished": bool(done),
+        "exit_code": run.returncode,
+        "steps": steps,
+        "of_steps": total_steps,
+        "kills": len(kills),
+        "restarts": restarts,
+        "checkpoints": len(saves),
+        "checkpoint_s_total": sum(saves),
+        "useful_s": useful,
+        "own_steps_per_s": own_rate,
+        "wall_from_first_step_s": wall,
+        "wall_from_command_s": end - run.started,
+        "goodput": useful / wall if wall else None,
+        "goodput_incl_start": useful / (end - run.started),
         "recovery_median_s": median([f.get("recovery_s") for f in per_failure]),
         "recomputed_steps_median": median([f.get("recomputed_steps") for f in per_failure]),
         "recomputed_s_median": (median([f.get("recomputed_steps") for f in per_failure]) or 0) / rate if per_failure else None,
-        "failures": per_failure, "load": run.extra.get("load"),
+        "failures": per_failure,
+        "load": run.extra.get("load"),
     }
 
 
@@ -202,9 +249,16 @@ def predicted(rate_tau_s: float, cost: float, recovery: float, period: float) ->
     return (1 / (1 + cost / rate_tau_s)) * max(0.0, 1 - (recovery + rate_tau_s / 2) / period)
 
 
-def measure(periods: List[float], train_s: List[float], cap_factor: float, job: Job = JOB,
-            given: Optional[Dict[str, float]] = None, cadences_wanted: str = "all", max_kills: Optional[int] = None,
-            skip_default_below: Optional[float] = None) -> Dict[str, Any]:
+def measure(
+    periods: List[float],
+    train_s: List[float],
+    cap_factor: float,
+    job: Job = JOB,
+    given: Optional[Dict[str, float]] = None,
+    cadences_wanted: str = "all",
+    max_kills: Optional[int] = None,
+    skip_default_below: Optional[float] = None,
+) -> Dict[str, Any]:
     job = dataclasses.replace(job, log_every=LOG_EVERY)
     out: Dict[str, Any] = {"job": job.describe(), "periods_s": periods}
     with Workdir() as work:
@@ -220,13 +274,26 @@ def measure(periods: List[float], train_s: List[float], cap_factor: float, job: 
             run_job = dataclasses.replace(job, epochs=epochs)
             total = epochs * job.steps_per_epoch()
             tau = math.sqrt(2 * cost * period) if cost else None
-            cadences = [("default (every 10 epochs)", ["checkpoint.every_n_epochs=10"], 10 * epoch_s),
-                        (AUTO, ["checkpoint.every_n_epochs=null", "checkpoint.every_n_seconds=auto"], None)]
+            cadences = [
+                ("default (every 10 epochs)", ["checkpoint.every_n_epochs=10"], 10 * epoch_s),
+                (AUTO, ["checkpoint.every_n_epochs=null", "checkpoint.every_n_seconds=auto"], None),
+            ]
             if period <= MEMORY_TARGET[2]:  # what the memory tier is worth: the same without it
-                cadences.append((DISK_ONLY, ["checkpoint.every_n_epochs=null", "checkpoint.every_n_seconds=auto", "snapshot.every_n_steps=0"], None))
+                cadences.append(
+                    (
+                        DISK_ONLY,
+                        ["checkpoint.every_n_epochs=null", "checkpoint.every_n_seconds=auto", "snapshot.every_n_steps=0"],
+                        None,
+                    )
+                )
             if tau:
-                cadences.append((f"Young/Daly (every {tau:.2f} s)",
-                                 ["checkpoint.every_n_epochs=null", f"checkpoint.every_n_seconds={tau:.3f}"], tau))
+                cadences.append(
+                    (
+                        f"Young/Daly (every {tau:.2f} s)",
+                        ["checkpoint.every_n_epochs=null", f"checkpoint.every_n_seconds={tau:.3f}"],
+                        tau,
+                    )
+                )
             if cadences_wanted != "all":
                 cadences = [c for c in cadences if c[0].split(" ")[0].lower().startswith(cadences_wanted)]
             elif skip_default_below and period < skip_default_below and len(cadences) > 1:
@@ -240,36 +307,58 @@ def measure(periods: List[float], train_s: List[float], cap_factor: float, job: 
                 if interval is None:  # auto: the intervals the library chose (the last one governs the steady state)
                     res["auto_intervals_s"] = chosen
                     interval = chosen[-1] if chosen else None
-                res.update(period_s=period, cadence=name, checkpoint_interval_s=interval, epochs=epochs, failure_free_train_s=seconds,
-                           predicted_goodput=predicted(interval, cost, res["recovery_median_s"] or 0.0, period) if interval else None)
+                res.update(
+                    period_s=period,
+                    cadence=name,
+                    checkpoint_interval_s=interval,
+                    epochs=epochs,
+                    failure_free_train_s=seconds,
+                    predicted_goodput=predicted(interval, cost, res["recovery_median_s"] or 0.0, period) if interval else None,
+                )
                 results.append(res)
-                log(f"  T={period:g}s {name:<40} goodput {fmt(res['goodput'])} (predicted {fmt(res['predicted_goodput'])})"
+                log(
+                    f"  T={period:g}s {name:<40} goodput {fmt(res['goodput'])} (predicted {fmt(res['predicted_goodput'])})"
                     f"  kills {res['kills']}  recomputed/failure {fmt(res['recomputed_steps_median'], 0)} steps"
-                    f"  recovery {fmt(res['recovery_median_s'], 2)} s  {'finished' if res['finished'] else 'STOPPED at cap'}")
+                    f"  recovery {fmt(res['recovery_median_s'], 2)} s  {'finished' if res['finished'] else 'STOPPED at cap'}"
+                )
     out["runs"] = results
-    out["young_daly"] = {f"T={p:g}": {"interval_s": math.sqrt(2 * cost * p) if cost else None,
-                                      "formula": "sqrt(2 * save cost * MTBF)"} for p in periods}
+    out["young_daly"] = {
+        f"T={p:g}": {"interval_s": math.sqrt(2 * cost * p) if cost else None, "formula": "sqrt(2 * save cost * MTBF)"}
+        for p in periods
+    }
     return out
 
 
 def report(res: Dict[str, Any]) -> None:
     ref = res["reference"]
-    print(f"\nGoodput (failure-free {ref['steps_per_s']:.1f} steps/s, sync save {fmt(ref['save_cost_s'], 4)} s,"
-          f" default cadence = {res['default_cadence']['seconds_of_training']:.1f} s of training)")
-    print(f"  {'T':>4}  {'cadence':<40}{'goodput':>8}{'incl.start':>11}{'predicted':>10}{'kills':>6}{'recomp.':>8}{'recovery':>9}")
+    print(
+        f"\nGoodput (failure-free {ref['steps_per_s']:.1f} steps/s, sync save {fmt(ref['save_cost_s'], 4)} s,"
+        f" default cadence = {res['default_cadence']['seconds_of_training']:.1f} s of training)"
+    )
+    print(
+        f"  {'T':>4}  {'cadence':<40}{'goodput':>8}{'incl.start':>11}{'predicted':>10}{'kills':>6}{'recomp.':>8}{'recovery':>9}"
+    )
     for r in res["runs"]:
-        print(f"  {r['period_s']:>4g}  {r['cadence']:<40}{fmt(r['goodput']):>8}{fmt(r['goodput_incl_start']):>11}"
-              f"{fmt(r['predicted_goodput']):>10}{r['kills']:>6}{fmt(r['recomputed_steps_median'], 0):>8}{fmt(r['recovery_median_s'], 2):>9}"
-              + ("" if r["finished"] else "  (stopped at the cap)"))
+        print(
+            f"  {r['period_s']:>4g}  {r['cadence']:<40}{fmt(r['goodput']):>8}{fmt(r['goodput_incl_start']):>11}"
+            f"{fmt(r['predicted_goodput']):>10}{r['kills']:>6}{fmt(r['recomputed_steps_median'], 0):>8}{fmt(r['recovery_median_s'], 2):>9}"
+            + ("" if r["finished"] else "  (stopped at the cap)")
+        )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--periods", default="30,10", help="seconds between kills")
     p.add_argument("--train-s", default="45,20", help="failure-free training seconds for each period")
-    p.add_argument("--cap-factor", type=float, default=1.75, help="stop a run after this many times its failure-free time (+15 s)")
-    p.add_argument("--quick", action="store_true", help="T=30 with 40 s of training; T=10 with 15 s, without the fixed Young/Daly cadence")
-    p.add_argument("--tiny", action="store_true", help="one run of a tiny job, one kill (smoke test; reference figures given, not measured)")
+    p.add_argument(
+        "--cap-factor", type=float, default=1.75, help="stop a run after this many times its failure-free time (+15 s)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="T=30 with 40 s of training; T=10 with 15 s, without the fixed Young/Daly cadence"
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="one run of a tiny job, one kill (smoke test; reference figures given, not measured)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "goodput.json")
     args = p.parse_args(argv)
     periods = [float(x) for x in args.periods.split(",")]
@@ -284,7 +373,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         given = {"steps_per_s": 250.0, "save_cost_s": 0.01, "note": "given, not measured (--tiny)"}
     log(f"goodput: kill every {periods} s, {train_s} s of failure-free training")
     res = measure(periods, train_s, args.cap_factor, job, given, cadences, max_kills, skip_default_below)
-    res["target"] = {"goodput at T=30 (auto cadence)": TARGET[:2], "goodput at T=10 (default cadences, snapshots in memory)": MEMORY_TARGET[:2]}
+    res["target"] = {
+        "goodput at T=30 (auto cadence)": TARGET[:2],
+        "goodput at T=10 (default cadences, snapshots in memory)": MEMORY_TARGET[:2],
+    }
     out = {"benchmark": "goodput", "command": command_line("bench.goodput", argv), "machine": machine(), **res}
     report(out)
     from .common import write_json

@@ -14,6 +14,7 @@ wins over the backend's TUNING):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.comm_horovod, chosen the same way).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,27 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (HOT, RESULTS, Job, Run, Workdir, alternate, check, command_line, cpu_per_step, fmt, foreign, log, machine, median,
-                     ratio, run_ours, spread, steady_rate, write_json)
+from .common import (
+    HOT,
+    RESULTS,
+    Job,
+    Run,
+    Workdir,
+    alternate,
+    check,
+    command_line,
+    cpu_per_step,
+    fmt,
+    foreign,
+    log,
+    machine,
+    median,
+    ratio,
+    run_ours,
+    spread,
+    steady_rate,
+    write_json,
+)
 
 
 def horovod_available() -> bool:
@@ -46,28 +66,45 @@ TUNING_VARIANTS: Dict[str, Dict[str, str]] = {
 }
 
 
-def measure(job: Job, rounds: int, timeout: float = 300, variants: Optional[Dict[str, Dict[str, str]]] = None,
-            torchrun: bool = True) -> Dict[str, Any]:
+def measure(
+    job: Job, rounds: int, timeout: float = 300, variants: Optional[Dict[str, Dict[str, str]]] = None, torchrun: bool = True
+) -> Dict[str, Any]:
     warm = min(30, job.steps_per_epoch() // 2)
     extra = ["checkpoint.every_n_epochs=1000"]
     variants = VARIANTS if variants is None else variants
     with Workdir() as work:
-        makers = [("torchrun", lambda: run_ours(work, "torchrun", job.overrides() + extra, timeout, sample_cpu=True))] if torchrun else []
-        makers += [(name, lambda name=name, e=e: run_ours(work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e))
-                   for name, e in variants.items()]
+        makers = (
+            [("torchrun", lambda: run_ours(work, "torchrun", job.overrides() + extra, timeout, sample_cpu=True))]
+            if torchrun
+            else []
+        )
+        makers += [
+            (
+                name,
+                lambda name=name, e=e: run_ours(
+                    work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e
+                ),
+            )
+            for name, e in variants.items()
+        ]
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"horovod bench {name}")
             cpu = cpu_per_step(run, warm) or {}
-            log(f"  round {r + 1} {name:<20} steps/s {fmt(steady_rate(run, warm), 1):>7}  CPU ms/step "
-                f"{fmt((cpu.get('total_cpu_s_per_step') or 0) * 1e3, 2)}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s")
+            log(
+                f"  round {r + 1} {name:<20} steps/s {fmt(steady_rate(run, warm), 1):>7}  CPU ms/step "
+                f"{fmt((cpu.get('total_cpu_s_per_step') or 0) * 1e3, 2)}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s"
+            )
 
         runs = alternate(rounds, makers, show)
     rates = {k: [steady_rate(r, warm) for r in v] for k, v in runs.items()}
     cpu = {k: [(cpu_per_step(r, warm) or {}).get("total_cpu_s_per_step") for r in v] for k, v in runs.items()}
     ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
     out: Dict[str, Any] = {
-        "job": job.describe(), "rounds": rounds, "warmup_steps": warm, "variants": variants,
+        "job": job.describe(),
+        "rounds": rounds,
+        "warmup_steps": warm,
+        "variants": variants,
         "steps_per_s": {k: spread(v) for k, v in rates.items()},
         "cpu_s_per_step": {k: spread(v) for k, v in cpu.items()},
         "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
@@ -77,15 +114,24 @@ def measure(job: Job, rounds: int, timeout: float = 300, variants: Optional[Dict
     }
     if torchrun:
         for name in variants:
-            out["ratios"].update({
-                f"{name}/torchrun steps_per_s": ratio(median(rates[name]), median(rates["torchrun"])),
-                f"{name}/torchrun steps_per_s (median of paired rounds)": median(
-                    [ratio(h, t) for h, t in zip(rates[name], rates["torchrun"])]),
-                f"{name}/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu[name]))})
+            out["ratios"].update(
+                {
+                    f"{name}/torchrun steps_per_s": ratio(median(rates[name]), median(rates["torchrun"])),
+                    f"{name}/torchrun steps_per_s (median of paired rounds)": median(
+                        [ratio(h, t) for h, t in zip(rates[name], rates["torchrun"])]
+                    ),
+                    f"{name}/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu[name])),
+                }
+            )
         if "horovod" in variants:
-            out["ratios"].update({
-                "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
-                "horovod/torchrun wall": ratio(median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]]))})
+            out["ratios"].update(
+                {
+                    "horovod/torchrun ttfs": ratio(median(ttfs["horovod"]), median(ttfs["torchrun"])),
+                    "horovod/torchrun wall": ratio(
+                        median([r.wall for r in runs["horovod"]]), median([r.wall for r in runs["torchrun"]])
+                    ),
+                }
+            )
     return out
 
 
@@ -95,8 +141,10 @@ def report(res: Dict[str, Any]) -> None:
         return
     print(f"\nHorovod vs torchrun ({res['rounds']} rounds)")
     for k in res["steps_per_s"]:
-        print(f"  {k:<20} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
-              f"  wall {fmt(res['wall_s'][k]['median'], 1)} s")
+        print(
+            f"  {k:<20} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
+            f"  wall {fmt(res['wall_s'][k]['median'], 1)} s"
+        )
     for k, v in res["ratios"].items():
         print(f"  {k:<55} {fmt(v)}")
 

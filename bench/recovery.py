@@ -25,6 +25,7 @@ again), 'fork' (backend.start_method=fork: copies of the launcher, fast but not 
 (snapshot.every_n_steps=0: no snapshot in memory, every restart reads the checkpoint from disk; the
 default restores from memory, and each run records where every restore came from).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,26 +34,54 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import (RESULTS, TINY, Run, Workdir, command_line, fmt, log, machine, median, ratio, read_jsonl, restored_from,
-                     run_ours, sources_text, spread, write_json)
+from .common import (
+    RESULTS,
+    TINY,
+    Run,
+    Workdir,
+    command_line,
+    fmt,
+    log,
+    machine,
+    median,
+    ratio,
+    read_jsonl,
+    restored_from,
+    run_ours,
+    sources_text,
+    spread,
+    write_json,
+)
 
 TARGET = ("<=", 0.25)
 TARGET_MEMORY = ("<=", 0.15)  # a restore from the snapshot in memory (the default when the kill leaves host memory)
 DEFAULT_INTERVAL = 0.5  # conf/restart/default.yaml
 CKPT_EVERY, KILL_AT = 20, 25
 JOB = dataclasses.replace(TINY, epochs=2)
-VARIANTS = {"spawn": ["backend.start_method=spawn"], "fork": ["backend.start_method=fork"],
-            "disk": ["snapshot.every_n_steps=0"]}  # no snapshots in memory: every restart resumes from the disk checkpoint
+VARIANTS = {
+    "spawn": ["backend.start_method=spawn"],
+    "fork": ["backend.start_method=fork"],
+    "disk": ["snapshot.every_n_steps=0"],
+}  # no snapshots in memory: every restart resumes from the disk checkpoint
 
 
 def overrides(interval: float, kills: int, extra: List[str]) -> List[str]:
     return JOB.overrides() + [
-        "checkpoint=every_n_steps", f"checkpoint.every_n_steps={CKPT_EVERY}",
-        "fault=kill_rank", "fault.rank=1", f"fault.at_step={KILL_AT}", f"fault.times={kills}",
-        f"restart.max_restarts={kills + 3}", f"restart.monitor_interval={interval}", *extra]
+        "checkpoint=every_n_steps",
+        f"checkpoint.every_n_steps={CKPT_EVERY}",
+        "fault=kill_rank",
+        "fault.rank=1",
+        f"fault.at_step={KILL_AT}",
+        f"fault.times={kills}",
+        f"restart.max_restarts={kills + 3}",
+        f"restart.monitor_interval={interval}",
+        *extra,
+    ]
 
 
-def _after(recs: List[Dict[str, Any]], what: str, since: float, until: float, pids: Optional[set] = None, last: bool = False) -> Optional[float]:
+def _after(
+    recs: List[Dict[str, Any]], what: str, since: float, until: float, pids: Optional[set] = None, last: bool = False
+) -> Optional[float]:
     times = [r["t"] for r in recs if r["what"] == what and since < r["t"] <= until and (pids is None or r["pid"] in pids)]
     if not times:
         return None
@@ -62,13 +91,21 @@ def _after(recs: List[Dict[str, Any]], what: str, since: float, until: float, pi
 def split_recovery(trace: List[Dict[str, Any]], launcher: int, kill: float, back: float) -> Dict[str, Optional[float]]:
     """Where one recovery's time went, from the trace (seconds)."""
     # the restarted group's workers: spawned by the launcher, or forked from it or from its forkserver
-    new_workers = {r["pid"] for r in trace if r["pid"] != launcher and kill < r["t"] <= back
-                   and r["what"] in ("process", "worker_run_rank:start", "init_process_group:start")}
+    new_workers = {
+        r["pid"]
+        for r in trace
+        if r["pid"] != launcher
+        and kill < r["t"] <= back
+        and r["what"] in ("process", "worker_run_rank:start", "init_process_group:start")
+    }
     marks = [
         ("detect (kill -> agent sees FAILED)", _after(trace, "agent_monitor:FAILED", kill, back, {launcher})),
         ("agent: stop workers, rendezvous", _after(trace, "agent_rendezvous:end", kill, back, {launcher})),
-        ("workers: spawn + imports", _after(trace, "import:torch", kill, back, new_workers, last=True)
-         or _after(trace, "worker_run_rank:start", kill, back, new_workers, last=True)),
+        (
+            "workers: spawn + imports",
+            _after(trace, "import:torch", kill, back, new_workers, last=True)
+            or _after(trace, "worker_run_rank:start", kill, back, new_workers, last=True),
+        ),
         ("workers: to init_process_group end", _after(trace, "init_process_group:end", kill, back, new_workers, last=True)),
         ("data + model + DDP init", _after(trace, "ddp_init:end", kill, back, new_workers, last=True)),
         ("checkpoint load (resume)", _after(trace, "trainer_resume:end", kill, back, new_workers, last=True)),
@@ -101,23 +138,42 @@ def analyse(run: Run, trace: List[Dict[str, Any]], kills: int) -> Dict[str, Any]
     monitor = [r for r in trace if r["what"] == "agent_monitor:stats" and r["pid"] == run.pid]
     gaps = []  # per restart: seconds between the creation of the first and the last spawned worker
     for e in fired:
-        created = sorted(r["created"] for r in trace if r["what"] == "process" and r.get("ppid") == run.pid
-                         and "--multiprocessing-fork" in r.get("argv", []) and r["created"] > e["time"])[:2]
+        created = sorted(
+            r["created"]
+            for r in trace
+            if r["what"] == "process"
+            and r.get("ppid") == run.pid
+            and "--multiprocessing-fork" in r.get("argv", [])
+            and r["created"] > e["time"]
+        )[:2]
         if len(created) == 2:
             gaps.append(created[1] - created[0])
     payload = next((r["bytes"] for r in trace if r["what"] == "payload" and r["pid"] == run.pid), None)
     succeeded = len(recoveries)
     return {
-        "kills": len(fired), "recovered": succeeded, "restarts": restarts, "exit_code": run.returncode,
+        "kills": len(fired),
+        "recovered": succeeded,
+        "restarts": restarts,
+        "exit_code": run.returncode,
         "all_succeeded": run.ok and len(fired) == kills and succeeded == kills and restarts == kills,
-        "resumed_from_steps": sorted(set(resumed)), "restored_from": restored_from(run),
-        "cold_ttfs_s": run.ttfs(), "recovery_s": recoveries,
+        "resumed_from_steps": sorted(set(resumed)),
+        "restored_from": restored_from(run),
+        "cold_ttfs_s": run.ttfs(),
+        "recovery_s": recoveries,
         "recovery_median_s": median(recoveries),
         "split_median_s": {k: median([p[k] for p in parts]) for k in (parts[0] if parts else {})},
         # the median call: the mean is dominated by the few calls that collect exited or failed workers
-        "agent_poll": {"calls": monitor[0]["calls"], "median_s_per_call": monitor[0].get("median_s"),
-                       "mean_s_per_call": monitor[0]["seconds"] / max(1, monitor[0]["calls"])} if monitor else None,
-        "wall_s": run.wall, "payload_bytes": payload, "workers_created_apart_median_s": median(gaps), "load": run.extra.get("load"),
+        "agent_poll": {
+            "calls": monitor[0]["calls"],
+            "median_s_per_call": monitor[0].get("median_s"),
+            "mean_s_per_call": monitor[0]["seconds"] / max(1, monitor[0]["calls"]),
+        }
+        if monitor
+        else None,
+        "wall_s": run.wall,
+        "payload_bytes": payload,
+        "workers_created_apart_median_s": median(gaps),
+        "load": run.extra.get("load"),
     }
 
 
@@ -128,8 +184,10 @@ def one(work: Workdir, label: str, interval: float, kills: int, extra: List[str]
     res.update(monitor_interval=interval, variant=label)
     if not run.ok:
         res["output_tail"] = run.tail(2000)
-    log(f"  {label:<16} interval {interval:<4} kills {res['kills']:>2} recovered {res['recovered']:>2} restarts {res['restarts']:>2}"
-        f"  recovery median {fmt(res['recovery_median_s'], 2)} s  cold ttfs {fmt(res['cold_ttfs_s'], 2)} s  exit {run.returncode}")
+    log(
+        f"  {label:<16} interval {interval:<4} kills {res['kills']:>2} recovered {res['recovered']:>2} restarts {res['restarts']:>2}"
+        f"  recovery median {fmt(res['recovery_median_s'], 2)} s  cold ttfs {fmt(res['cold_ttfs_s'], 2)} s  exit {run.returncode}"
+    )
     return res
 
 
@@ -161,23 +219,37 @@ def measure(intervals: List[float], kills: int, default_kills: int, variants: bo
     if base and base["recovery_median_s"] is not None:
         # The kill lands at a uniformly random phase of the agent's poll: mean detection delay = interval / 2.
         estimate_30 = base["recovery_median_s"] + (30 - base["monitor_interval"]) / 2
-    return {"job": JOB.describe(), "checkpoint_every_n_steps": CKPT_EVERY, "kill_at_step": KILL_AT,
-            "cold_ttfs_s": spread(cold_all), "runs": results, "summary": by_interval,
-            "estimated_interval_30": {"recovery_s": estimate_30, "recovery/cold_ttfs": ratio(estimate_30, cold),
-                                      "how": f"recovery at {min(intervals)} s + (30 - {min(intervals)})/2 s mean detection delay"}}
+    return {
+        "job": JOB.describe(),
+        "checkpoint_every_n_steps": CKPT_EVERY,
+        "kill_at_step": KILL_AT,
+        "cold_ttfs_s": spread(cold_all),
+        "runs": results,
+        "summary": by_interval,
+        "estimated_interval_30": {
+            "recovery_s": estimate_30,
+            "recovery/cold_ttfs": ratio(estimate_30, cold),
+            "how": f"recovery at {min(intervals)} s + (30 - {min(intervals)})/2 s mean detection delay",
+        },
+    }
 
 
 def report(res: Dict[str, Any]) -> None:
     print(f"\nRecovery (cold ttfs median {fmt(res['cold_ttfs_s']['median'], 2)} s over {res['cold_ttfs_s']['n']} runs)")
     print(f"  {'monitor_interval':<24}{'recovery s':>11}{'/cold':>8}{'detect s':>10}  succeeded  restored from")
     for k, v in res["summary"].items():
-        print(f"  {k:<24}{fmt(v['recovery_median_s'], 2):>11}{fmt(v['recovery/cold_ttfs']):>8}{fmt(v['detect_median_s'], 2):>10}  {v['succeeded']:<9}  "
-              + sources_text(v.get("restored_from")))
+        print(
+            f"  {k:<24}{fmt(v['recovery_median_s'], 2):>11}{fmt(v['recovery/cold_ttfs']):>8}{fmt(v['detect_median_s'], 2):>10}  {v['succeeded']:<9}  "
+            + sources_text(v.get("restored_from"))
+        )
     e = res["estimated_interval_30"]
     print(f"  {'30 (estimated)':<24}{fmt(e['recovery_s'], 2):>11}{fmt(e['recovery/cold_ttfs']):>8}")
     for r in res["runs"]:
         if r["split_median_s"]:
-            print(f"  where the time goes ({r['variant']}): " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in r["split_median_s"].items()))
+            print(
+                f"  where the time goes ({r['variant']}): "
+                + ", ".join(f"{k} {fmt(v, 2)}" for k, v in r["split_median_s"].items())
+            )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -185,9 +257,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--intervals", default="0.1,0.5,2,5")
     p.add_argument("--kills", type=int, default=2, help="kills per run for the non-default intervals")
     p.add_argument("--variant-kills", type=int, default=4, help="kills in each start-method variant's run (spawn, fork)")
-    p.add_argument("--default-kills", type=int, default=20, help=f"kills in the run at the default interval ({DEFAULT_INTERVAL} s)")
+    p.add_argument(
+        "--default-kills", type=int, default=20, help=f"kills in the run at the default interval ({DEFAULT_INTERVAL} s)"
+    )
     p.add_argument("--no-variants", action="store_true")
-    p.add_argument("--quick", action="store_true", help="intervals 0.1,0.5,2 with 1 kill (20 at the default); spawn and fork with 2")
+    p.add_argument(
+        "--quick", action="store_true", help="intervals 0.1,0.5,2 with 1 kill (20 at the default); spawn and fork with 2"
+    )
     p.add_argument("--tiny", action="store_true", help="one run at the default interval with 1 kill (smoke test)")
     p.add_argument("--json", type=Path, default=RESULTS / "recovery.json")
     args = p.parse_args(argv)

@@ -9,6 +9,7 @@ benchmark in its --quick form when the full one would not fit (the JSON and BENC
 which form ran). A benchmark that fails is recorded and the others still run; the exit status
 is then non-zero.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", default="", help="comma-separated benchmark names")
     p.add_argument("--budget", type=float, default=1200.0, help="seconds for the whole suite (quick forms when short)")
     p.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
-    p.add_argument("--results", type=Path, default=None, help="default: bench/results (with --tiny: a temporary folder, and no BENCHMARKS.md)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="default: bench/results (with --tiny: a temporary folder, and no BENCHMARKS.md)",
+    )
     args = p.parse_args(argv)
     if args.results is None:
         if args.tiny:  # smoke figures must not replace the real ones
@@ -73,10 +79,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}; known: {', '.join(s[0] for s in SUITE)}")
 
     started = time.time()
-    record: Dict[str, Any] = {"command": "make bench" + (f" ARGS='{' '.join(argv if argv is not None else sys.argv[1:])}'" if (argv if argv is not None else sys.argv[1:]) else ""),
-                              "equivalent": " ".join(["python", "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])]),
-                              "machine": machine(), "git": git_state(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                              "budget_s": args.budget, "benchmarks": {}}
+    record: Dict[str, Any] = {
+        "command": "make bench"
+        + (
+            f" ARGS='{' '.join(argv if argv is not None else sys.argv[1:])}'"
+            if (argv if argv is not None else sys.argv[1:])
+            else ""
+        ),
+        "equivalent": " ".join(["python", "-m", "bench.run_all", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine(),
+        "git": git_state(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "budget_s": args.budget,
+        "benchmarks": {},
+    }
     failed = []
     # Other tenants' share of the machine right now: the first guess of how much slower than expected it runs.
     before = cpu_counters()
@@ -90,11 +106,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             slow = max(1.0, spent / expected)
         elif expected:
             slow = max(prior, spent / expected)
-        after = slow * sum(s[3][1] for s in suite[i + 1:])  # what the rest needs at least (quick forms)
+        after = slow * sum(s[3][1] for s in suite[i + 1 :])  # what the rest needs at least (quick forms)
         form = "tiny" if args.tiny else "quick" if args.quick or left - after < slow * full_s else "full"
         if form == "quick" and not args.quick and left < slow * quick_s:
             log(f"=== {name}: skipped, {left:.0f} s of the budget left and its quick form needs ~{slow * quick_s:.0f} s here")
-            record["benchmarks"][name] = {"form": "skipped", "reason": f"out of the time budget ({args.budget:.0f} s); run it alone: python -m {module}"}
+            record["benchmarks"][name] = {
+                "form": "skipped",
+                "reason": f"out of the time budget ({args.budget:.0f} s); run it alone: python -m {module}",
+            }
             continue
         if args.tiny:
             margs = TINY_ARGS.get(name, ["--tiny"])

@@ -17,6 +17,7 @@ The breakdown comes from separate traced runs: bench/trace/sitecustomize.py (opt
 PYTHONPATH only for those runs) records when each process was created, when watched modules
 finish importing and when the launcher's, the agent's and the library's steps start and end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,28 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .common import (RESULTS, TINY, Job, Run, Workdir, alternate, check, command_line, fmt, foreign, aborted_at_exit, log, machine, median, ratio,
-                     read_jsonl, run_baseline, run_ours, spread, write_json)
+from .common import (
+    RESULTS,
+    TINY,
+    Job,
+    Run,
+    Workdir,
+    aborted_at_exit,
+    alternate,
+    check,
+    command_line,
+    fmt,
+    foreign,
+    log,
+    machine,
+    median,
+    ratio,
+    read_jsonl,
+    run_baseline,
+    run_ours,
+    spread,
+    write_json,
+)
 
 TARGET = ("<=", 1.10)
 START_METHODS = {"ours": [], "ours_spawn": ["backend.start_method=spawn"], "ours_fork": ["backend.start_method=fork"]}
@@ -58,8 +79,11 @@ def _total(recs: List[Dict[str, Any]], what: str) -> Tuple[float, int]:
 def worker_records(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[int, List[Dict[str, Any]]]:
     """Every worker's records: the processes that initialised a process group (spawned by the launcher,
     forked from its forkserver, or forked from it)."""
-    return {pid: recs for pid, recs in _by_pid(trace).items()
-            if pid != launcher_pid and any(r["what"] == "init_process_group:start" for r in recs)}
+    return {
+        pid: recs
+        for pid, recs in _by_pid(trace).items()
+        if pid != launcher_pid and any(r["what"] == "init_process_group:start" for r in recs)
+    }
 
 
 def _started(recs: List[Dict[str, Any]]) -> float:
@@ -140,19 +164,27 @@ def details(trace: List[Dict[str, Any]], launcher_pid: int) -> Dict[str, Any]:
     server = forkserver_records(trace, launcher_pid)
     compose, n = _total(main, "hydra_compose:end")
     scan, _ = _total(main, "hydra_plugin_scan:end")
-    worker_imports = {name: max([r["t"] - r["start"] for r in workers if r["what"] == f"import:{name}"] or [0.0])
-                      for name in ("hydra", "torch")}
+    worker_imports = {
+        name: max([r["t"] - r["start"] for r in workers if r["what"] == f"import:{name}"] or [0.0]) for name in ("hydra", "torch")
+    }
     created = [r["created"] for r in server if r["what"] == "process"]
     ready = _first(server, "import:steadfast.run")
-    return {"hydra_compose_calls": n, "hydra_compose_s": compose, "plugin_scan_s": scan,
-            "preflight_s": _total(main, "launcher_preflight:end")[0],
-            "launcher_torch_import_s": max([r["t"] - r["start"] for r in main if r["what"] == "import:torch"] or [0.0]),
-            "worker_hydra_import_s (slowest)": worker_imports["hydra"], "worker_torch_import_s (slowest)": worker_imports["torch"],
-            "ddp_init_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "ddp_init:end"] or [0.0]),
-            "checkpoint_discovery_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "trainer_resume:end"] or [0.0]),
-            "forkserver_preload_s": (ready - created[0]) if ready is not None and created else None,
-            "payload_bytes": next((r["bytes"] for r in main if r["what"] == "payload"), None),
-            "workers_created_apart_s": _spawn_gap(trace, launcher_pid)}
+    return {
+        "hydra_compose_calls": n,
+        "hydra_compose_s": compose,
+        "plugin_scan_s": scan,
+        "preflight_s": _total(main, "launcher_preflight:end")[0],
+        "launcher_torch_import_s": max([r["t"] - r["start"] for r in main if r["what"] == "import:torch"] or [0.0]),
+        "worker_hydra_import_s (slowest)": worker_imports["hydra"],
+        "worker_torch_import_s (slowest)": worker_imports["torch"],
+        "ddp_init_s (slowest)": max([r["t"] - r["start"] for r in workers if r["what"] == "ddp_init:end"] or [0.0]),
+        "checkpoint_discovery_s (slowest)": max(
+            [r["t"] - r["start"] for r in workers if r["what"] == "trainer_resume:end"] or [0.0]
+        ),
+        "forkserver_preload_s": (ready - created[0]) if ready is not None and created else None,
+        "payload_bytes": next((r["bytes"] for r in main if r["what"] == "payload"), None),
+        "workers_created_apart_s": _spawn_gap(trace, launcher_pid),
+    }
 
 
 def _spawn_gap(trace: List[Dict[str, Any]], launcher_pid: int) -> Optional[float]:
@@ -180,7 +212,9 @@ def traced(work: Workdir, kind: str, job: Job, timeout: float, extra_overrides: 
 VARIANTS = {k: v for k, v in START_METHODS.items() if k != "ours"}
 
 
-def breakdown(work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True, baseline: bool = True) -> Dict[str, Any]:
+def breakdown(
+    work: Workdir, job: Job, rounds: int, timeout: float, variants: bool = True, baseline: bool = True
+) -> Dict[str, Any]:
     samples: Dict[str, List[Dict[str, Any]]] = {"baseline": [], "ours": []} if baseline else {"ours": []}
     makers = [("ours", lambda: traced(work, "ours", job, timeout))]
     if baseline:
@@ -214,12 +248,20 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
     if rounds == 0:  # the smoke test: one traced run of ours
         with Workdir() as work:
             b = breakdown(work, job, traced_rounds, timeout, variants=False, baseline=False)
-        return {"job": job.describe(), "rounds": 0, "traced_only": True, "ttfs_s": {"ours": spread([b["ours"]["ttfs_s"]])},
-                "ratios": {}, "breakdown": b}
+        return {
+            "job": job.describe(),
+            "rounds": 0,
+            "traced_only": True,
+            "ttfs_s": {"ours": spread([b["ours"]["ttfs_s"]])},
+            "ratios": {},
+            "breakdown": b,
+        }
     with Workdir() as work:
         makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout))]
         for name, overrides in START_METHODS.items() if variants else [("ours", [])]:
-            makers.append((name, lambda name=name, overrides=overrides: run_ours(work, name, ours_overrides(job) + overrides, timeout)))
+            makers.append(
+                (name, lambda name=name, overrides=overrides: run_ours(work, name, ours_overrides(job) + overrides, timeout))
+            )
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"startup {name}")
@@ -229,7 +271,8 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
         ttfs = {k: [r.ttfs() for r in v] for k, v in runs.items()}
         base = median(ttfs["baseline"])
         out: Dict[str, Any] = {
-            "job": job.describe(), "rounds": rounds,
+            "job": job.describe(),
+            "rounds": rounds,
             "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
             "wall_s": {k: spread([r.wall for r in v]) for k, v in runs.items()},
             "foreign_load": {k: foreign(v) for k, v in runs.items()},
@@ -237,7 +280,8 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
             "ratios": {f"{k}/baseline ttfs": ratio(median(v), base) for k, v in ttfs.items() if k != "baseline"},
         }
         out["ratios"]["ours/baseline ttfs (median of paired rounds)"] = median(
-            [ratio(o, b) for o, b in zip(ttfs["ours"], ttfs["baseline"])])
+            [ratio(o, b) for o, b in zip(ttfs["ours"], ttfs["baseline"])]
+        )
         if traced_rounds:
             out["breakdown"] = breakdown(work, job, traced_rounds, timeout, variants)
     return out
@@ -252,12 +296,19 @@ def report(res: Dict[str, Any]) -> None:
     b = res.get("breakdown")
     if b and "baseline" in b:
         var = [k for k in VARIANTS if k in b]
-        print(f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}" + "".join(f"{k[5:]:>11}" for k in var))
+        print(
+            f"\n  {'segment (median of traced runs, s)':<55}{'baseline':>9}{'ours':>9}{'extra':>9}"
+            + "".join(f"{k[5:]:>11}" for k in var)
+        )
         for lab, _, _ in SEGMENTS:
-            print(f"  {lab:<55}{b['baseline']['segments_s'][lab]:>9.3f}{b['ours']['segments_s'][lab]:>9.3f}"
-                  f"{b['extra_s'][lab]:>9.3f}" + "".join(f"{b[k]['segments_s'][lab]:>11.3f}" for k in var))
-        print(f"  {'time to first step (traced)':<55}{b['baseline']['ttfs_s']:>9.3f}{b['ours']['ttfs_s']:>9.3f}"
-              f"{b['ours']['ttfs_s'] - b['baseline']['ttfs_s']:>9.3f}" + "".join(f"{b[k]['ttfs_s']:>11.3f}" for k in var))
+            print(
+                f"  {lab:<55}{b['baseline']['segments_s'][lab]:>9.3f}{b['ours']['segments_s'][lab]:>9.3f}"
+                f"{b['extra_s'][lab]:>9.3f}" + "".join(f"{b[k]['segments_s'][lab]:>11.3f}" for k in var)
+            )
+        print(
+            f"  {'time to first step (traced)':<55}{b['baseline']['ttfs_s']:>9.3f}{b['ours']['ttfs_s']:>9.3f}"
+            f"{b['ours']['ttfs_s'] - b['baseline']['ttfs_s']:>9.3f}" + "".join(f"{b[k]['ttfs_s']:>11.3f}" for k in var)
+        )
         for k, v in b["ours"]["details"].items():
             print(f"    ours {k}: {fmt(v)}")
 

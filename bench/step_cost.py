@@ -26,6 +26,7 @@ machine, which other tenants' load hardly moves):
 
 Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,9 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))
     torch.manual_seed(0)
     job = HOT
-    data = synthetic(num_samples=job.num_samples, num_features=job.num_features, num_classes=job.num_classes, val_fraction=0.2, seed=0)
+    data = synthetic(
+        num_samples=job.num_samples, num_features=job.num_features, num_classes=job.num_classes, val_fraction=0.2, seed=0
+    )
     model = comm.wrap_model(MLP(data.input_shape, data.output_size, list(job.hidden), dropout=0.1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     features, labels = data.train.tensors
@@ -181,8 +184,16 @@ def _worker(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         shm.remove(segment)
         total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
-        Path(args.out).write_text(json.dumps({"seconds_per_step": times, "cpu_seconds_per_step": total, "agreement_every": agreement.every,
-                                              "snapshot_bytes": memory.bytes}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "seconds_per_step": times,
+                    "cpu_seconds_per_step": total,
+                    "agreement_every": agreement.every,
+                    "snapshot_bytes": memory.bytes,
+                }
+            )
+        )
 
 
 def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) -> Dict[str, Any]:
@@ -192,8 +203,23 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
 
     with tempfile.TemporaryDirectory(prefix="steadfast-step-cost-") as tmp:
         out = Path(tmp) / "times.json"
-        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()), "--worker",
-               "--rounds", str(rounds), "--block", str(block), "--dir", tmp, "--out", str(out), *(["--configs", configs] if configs else [])]
+        cmd = [
+            TORCHRUN,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--rounds",
+            str(rounds),
+            "--block",
+            str(block),
+            "--dir",
+            tmp,
+            "--out",
+            str(out),
+            *(["--configs", configs] if configs else []),
+        ]
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
         if not out.exists():
             raise RuntimeError(f"step_cost workers failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -206,36 +232,55 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
     if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.snapshots.MemoryCadence.retune)
         cost = per["snapshot"] - bare
         every = max(1, math.ceil(cost / (MEMORY_SHARE * bare)))
-        snapshot = {"bytes_per_node": raw.get("snapshot_bytes"), "cost_ms": cost * 1e3, "every_step_share_of_step": cost / bare,
-                    "auto_every_n_steps": every, "auto_share_of_step": cost / every / bare, "target_share": MEMORY_SHARE}
-    return {"rounds": rounds, "block_steps": block, "agreement_every": raw["agreement_every"], "snapshot": snapshot,
-            "ms_per_step": {k: v * 1e3 for k, v in per.items()},
-            "extra_us_per_step": {k: (v - bare) * 1e6 for k, v in per.items()},
-            "bare/config steps_per_s": {k: bare / v for k, v in per.items()},
-            "cpu_ms_per_step (both workers)": {k: v * 1e3 for k, v in cpu.items()},
-            "extra_cpu_us_per_step": {k: (v - bare_cpu) * 1e6 for k, v in cpu.items()},
-            "bare/config steps per CPU-second": {k: bare_cpu / v for k, v in cpu.items()},
-            "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["seconds_per_step"].items()},
-            "cpu_samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["cpu_seconds_per_step"].items()}}
+        snapshot = {
+            "bytes_per_node": raw.get("snapshot_bytes"),
+            "cost_ms": cost * 1e3,
+            "every_step_share_of_step": cost / bare,
+            "auto_every_n_steps": every,
+            "auto_share_of_step": cost / every / bare,
+            "target_share": MEMORY_SHARE,
+        }
+    return {
+        "rounds": rounds,
+        "block_steps": block,
+        "agreement_every": raw["agreement_every"],
+        "snapshot": snapshot,
+        "ms_per_step": {k: v * 1e3 for k, v in per.items()},
+        "extra_us_per_step": {k: (v - bare) * 1e6 for k, v in per.items()},
+        "bare/config steps_per_s": {k: bare / v for k, v in per.items()},
+        "cpu_ms_per_step (both workers)": {k: v * 1e3 for k, v in cpu.items()},
+        "extra_cpu_us_per_step": {k: (v - bare_cpu) * 1e6 for k, v in cpu.items()},
+        "bare/config steps per CPU-second": {k: bare_cpu / v for k, v in cpu.items()},
+        "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["seconds_per_step"].items()},
+        "cpu_samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in raw["cpu_seconds_per_step"].items()},
+    }
 
 
 def report(res: Dict[str, Any]) -> None:
-    print(f"\nStep cost ({res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every {res['agreement_every']} steps)")
+    print(
+        f"\nStep cost ({res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every {res['agreement_every']} steps)"
+    )
     snap = res.get("snapshot")
     if snap:
-        print(f"  snapshot: {snap['cost_ms']:.3f} ms ({100 * snap['every_step_share_of_step']:.1f}% of a step) every step;"
-              f" auto: every {snap['auto_every_n_steps']} step(s), {100 * snap['auto_share_of_step']:.2f}% of a step")
+        print(
+            f"  snapshot: {snap['cost_ms']:.3f} ms ({100 * snap['every_step_share_of_step']:.1f}% of a step) every step;"
+            f" auto: every {snap['auto_every_n_steps']} step(s), {100 * snap['auto_share_of_step']:.2f}% of a step"
+        )
     for k in res["ms_per_step"]:
-        print(f"  {k:<10} {res['ms_per_step'][k]:7.3f} ms/step  {res['extra_us_per_step'][k]:+8.1f} us  "
-              f"speed vs bare {res['bare/config steps_per_s'][k]:.3f}   CPU {res['cpu_ms_per_step (both workers)'][k]:7.3f} ms/step"
-              f"  {res['extra_cpu_us_per_step'][k]:+8.1f} us  per CPU-second vs bare {res['bare/config steps per CPU-second'][k]:.3f}")
+        print(
+            f"  {k:<10} {res['ms_per_step'][k]:7.3f} ms/step  {res['extra_us_per_step'][k]:+8.1f} us  "
+            f"speed vs bare {res['bare/config steps_per_s'][k]:.3f}   CPU {res['cpu_ms_per_step (both workers)'][k]:7.3f} ms/step"
+            f"  {res['extra_cpu_us_per_step'][k]:+8.1f} us  per CPU-second vs bare {res['bare/config steps per CPU-second'][k]:.3f}"
+        )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--block", type=int, default=20)
-    p.add_argument("--configs", default="", help=f"comma-separated, from {', '.join(CONFIGS)} (NAME@N: the agreement every N steps)")
+    p.add_argument(
+        "--configs", default="", help=f"comma-separated, from {', '.join(CONFIGS)} (NAME@N: the agreement every N steps)"
+    )
     p.add_argument("--quick", action="store_true", help="15 rounds")
     p.add_argument("--tiny", action="store_true", help="1 round of 5-step blocks (smoke test)")
     p.add_argument("--json", type=Path, default=None)
@@ -252,7 +297,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiny:
         rounds, block = 1, 5
     log(f"step cost: {rounds} rounds of {block}-step blocks")
-    out = {"benchmark": "step_cost", "command": command_line("bench.step_cost", argv), "machine": machine(), **measure(rounds, block, args.configs)}
+    out = {
+        "benchmark": "step_cost",
+        "command": command_line("bench.step_cost", argv),
+        "machine": machine(),
+        **measure(rounds, block, args.configs),
+    }
     report(out)
     write_json(args.json or RESULTS / "step_cost.json", out)
     return 0

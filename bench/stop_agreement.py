@@ -13,6 +13,7 @@ on 2 local workers:
    step time), and never (every 10**6 steps), each against the same loop without it; wall-clock
    and CPU time (both workers), medians of the blocks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,13 +118,20 @@ def in_training(rounds: int, block: int) -> Dict[str, Any]:
     from .step_cost import measure
 
     res = measure(rounds, block, ",".join(["bare", *CONFIGS.values()]))
-    out: Dict[str, Any] = {"rounds": rounds, "block_steps": block, "auto_every_n_steps": res["agreement_every"],
-                           "bare_ms_per_step": res["ms_per_step"]["bare"]}
+    out: Dict[str, Any] = {
+        "rounds": rounds,
+        "block_steps": block,
+        "auto_every_n_steps": res["agreement_every"],
+        "bare_ms_per_step": res["ms_per_step"]["bare"],
+    }
     for label, config in CONFIGS.items():
-        out[label] = {"ms_per_step": res["ms_per_step"][config], "extra_us_per_step": res["extra_us_per_step"][config],
-                      "speed vs without": res["bare/config steps_per_s"][config],
-                      "extra_cpu_us_per_step": res["extra_cpu_us_per_step"][config],
-                      "speed per CPU-second vs without": res["bare/config steps per CPU-second"][config]}
+        out[label] = {
+            "ms_per_step": res["ms_per_step"][config],
+            "extra_us_per_step": res["extra_us_per_step"][config],
+            "speed vs without": res["bare/config steps_per_s"][config],
+            "extra_cpu_us_per_step": res["extra_cpu_us_per_step"][config],
+            "speed per CPU-second vs without": res["bare/config steps per CPU-second"][config],
+        }
     return out
 
 
@@ -132,12 +140,16 @@ def report(out: Dict[str, Any]) -> None:
     for backend, c in out["collective"].items():
         print(f"  {backend:<10} median {c['median_us']:8.1f} us   p90 {c['p90_us']:8.1f} us")
     t = out["in_training"]
-    print(f"\nIn training ({t['rounds']} rounds of {t['block_steps']}-step blocks; a step without it {t['bare_ms_per_step']:.3f} ms;"
-          f" auto = every {t['auto_every_n_steps']} steps here)")
+    print(
+        f"\nIn training ({t['rounds']} rounds of {t['block_steps']}-step blocks; a step without it {t['bare_ms_per_step']:.3f} ms;"
+        f" auto = every {t['auto_every_n_steps']} steps here)"
+    )
     for label in CONFIGS:
         r = t[label]
-        print(f"  {label:<15} {r['extra_us_per_step']:+8.1f} us/step (speed {r['speed vs without']:.3f})"
-              f"   CPU {r['extra_cpu_us_per_step']:+8.1f} us/step (per CPU-second {r['speed per CPU-second vs without']:.3f})")
+        print(
+            f"  {label:<15} {r['extra_us_per_step']:+8.1f} us/step (speed {r['speed vs without']:.3f})"
+            f"   CPU {r['extra_cpu_us_per_step']:+8.1f} us/step (per CPU-second {r['speed per CPU-second vs without']:.3f})"
+        )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -154,8 +166,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         n, rounds = 500, 20
     if args.tiny:
         n, rounds, block = 50, 1, 5
-    out: Dict[str, Any] = {"benchmark": "stop_agreement", "command": command_line("bench.stop_agreement", argv), "machine": machine(),
-                           "collective": {}}
+    out: Dict[str, Any] = {
+        "benchmark": "stop_agreement",
+        "command": command_line("bench.stop_agreement", argv),
+        "machine": machine(),
+        "collective": {},
+    }
     log(f"stop agreement: {n} bare all-reduces, {rounds} rounds in training")
     out["collective"]["torchrun"] = _latency(bare_gloo(n))
     try:

@@ -4,6 +4,7 @@ The library's groups (backend, restart, checkpoint, cluster, fault, logger) and 
 have their schemas in steadfast; this app adds `trainer`, `model` and `data`. Choice fields are
 Enums: a bad value fails at composition, naming the key and listing what is allowed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -212,10 +213,17 @@ class TrainConfig:
 
 
 MODEL_SCHEMAS: Dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}
-DATA_SCHEMAS: Dict[str, type] = {"digits": DigitsConfig, "synthetic": SyntheticConfig,
-                                 "synthetic_regression": SyntheticRegressionConfig, "text": TextConfig}
-TASK_SCHEMAS: Dict[str, type] = {"classification": ClassificationConfig, "regression": RegressionConfig,
-                                 "language_model": LanguageModelConfig}
+DATA_SCHEMAS: Dict[str, type] = {
+    "digits": DigitsConfig,
+    "synthetic": SyntheticConfig,
+    "synthetic_regression": SyntheticRegressionConfig,
+    "text": TextConfig,
+}
+TASK_SCHEMAS: Dict[str, type] = {
+    "classification": ClassificationConfig,
+    "regression": RegressionConfig,
+    "language_model": LanguageModelConfig,
+}
 
 
 def typed(cfg: DictConfig) -> TrainConfig:
@@ -276,9 +284,15 @@ def preflight(job_cfg: DictConfig) -> List[str]:
             positive("data.block_size", d.block_size)
             positive("data.stride", d.stride, allow_none=True)
             positive("data.max_chars", d.max_chars)
-    for group, node, schemas in (("model", cfg.model, MODEL_SCHEMAS), ("data", cfg.data, DATA_SCHEMAS), ("task", cfg.task, TASK_SCHEMAS)):
+    for group, node, schemas in (
+        ("model", cfg.model, MODEL_SCHEMAS),
+        ("data", cfg.data, DATA_SCHEMAS),
+        ("task", cfg.task, TASK_SCHEMAS),
+    ):
         if "_target_" not in node and node.get("name") not in schemas:
-            out.append(bad(f"{group}.name", node.get("name"), f"one of {', '.join(schemas)}, or set {group}._target_ to an import path"))
+            out.append(
+                bad(f"{group}.name", node.get("name"), f"one of {', '.join(schemas)}, or set {group}._target_ to an import path")
+            )
     if isinstance(c.model, (MLPConfig, CNNConfig, TransformerConfig)) and not 0 <= c.model.dropout < 1:
         out.append(bad("model.dropout", c.model.dropout, "a fraction in [0, 1)"))
     if isinstance(c.model, TransformerConfig):
@@ -302,14 +316,19 @@ def _mismatches(c: TrainConfig) -> List[str]:
     """A model, data and task that cannot work together, and an objective the task does not report
     (built-in choices only: a `_target_` node's inputs and metrics are its own business)."""
     out: List[str] = []
-    model, data, task = (x if isinstance(x, base) else None for x, base in
-                         ((c.model, ModelConfig), (c.data, DataConfig), (c.task, TaskConfig)))
+    model, data, task = (
+        x if isinstance(x, base) else None for x, base in ((c.model, ModelConfig), (c.data, DataConfig), (c.task, TaskConfig))
+    )
     if data is not None and task is not None and data.targets != task.targets:
-        out.append(f"{_name('task', task)} needs data with {TARGETS[task.targets]}, but {_name('data', data)} gives "
-                   f"{TARGETS[data.targets]}: choose {_fits(DATA_SCHEMAS, 'targets', task.targets, 'data')}")
+        out.append(
+            f"{_name('task', task)} needs data with {TARGETS[task.targets]}, but {_name('data', data)} gives "
+            f"{TARGETS[data.targets]}: choose {_fits(DATA_SCHEMAS, 'targets', task.targets, 'data')}"
+        )
     if data is not None and model is not None and data.inputs != model.inputs:
-        out.append(f"{_name('model', model)} takes {INPUTS[model.inputs]}, but {_name('data', data)} gives "
-                   f"{INPUTS[data.inputs]}: choose {_fits(MODEL_SCHEMAS, 'inputs', data.inputs, 'model')}")
+        out.append(
+            f"{_name('model', model)} takes {INPUTS[model.inputs]}, but {_name('data', data)} gives "
+            f"{INPUTS[data.inputs]}: choose {_fits(MODEL_SCHEMAS, 'inputs', data.inputs, 'model')}"
+        )
     if task is not None:
         reported = ["val_loss", *(f"val_{m}" for m in task.metrics), "best_val_loss", "final_loss"]
         objective = c.trainer.objective.value

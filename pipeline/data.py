@@ -1,4 +1,5 @@
 """Built-in datasets (the sampler that resumes mid-epoch is steadfast.data.ResumableSampler)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ class Datasets:
     output_size: int  # what the model produces per sample (or per position): classes, targets, vocabulary
 
 
-def _split(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int, input_shape: Tuple[int, ...], output_size: int) -> Datasets:
+def _split(
+    x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int, input_shape: Tuple[int, ...], output_size: int
+) -> Datasets:
     order = np.random.RandomState(seed).permutation(len(x))
     n_val = max(1, int(round(len(x) * val_fraction)))
     val, train = order[:n_val], order[n_val:]
@@ -43,7 +46,9 @@ def digits(val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
     return _split(x, table[:, -1].astype(np.int64), val_fraction, seed, (1, 8, 8), 10)
 
 
-def synthetic(num_samples: int = 2048, num_features: int = 32, num_classes: int = 4, val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
+def synthetic(
+    num_samples: int = 2048, num_features: int = 32, num_classes: int = 4, val_fraction: float = 0.2, seed: int = 0, **_: Any
+) -> Datasets:
     """Gaussian clusters around random class centres: learnable, generated from a fixed seed."""
     rng = np.random.RandomState(seed)
     centres = rng.normal(0.0, 0.3, size=(num_classes, num_features))
@@ -52,8 +57,16 @@ def synthetic(num_samples: int = 2048, num_features: int = 32, num_classes: int 
     return _split(x, y, val_fraction, seed, (num_features,), num_classes)
 
 
-def synthetic_regression(num_samples: int = 2048, num_features: int = 16, num_targets: int = 1, hidden: int = 8,
-                         noise: float = 0.1, val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
+def synthetic_regression(
+    num_samples: int = 2048,
+    num_features: int = 16,
+    num_targets: int = 1,
+    hidden: int = 8,
+    noise: float = 0.1,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    **_: Any,
+) -> Datasets:
     """Real-valued targets from a fixed random function of the features, y = tanh(x A) B + noise:
     nonlinear, learnable, generated from a fixed seed."""
     rng = np.random.RandomState(seed)
@@ -64,7 +77,9 @@ def synthetic_regression(num_samples: int = 2048, num_features: int = 16, num_ta
     return _split(x, y, val_fraction, seed, (num_features,), num_targets)
 
 
-def text(block_size: int = 128, stride: int | None = None, max_chars: int = 1_000_000, val_fraction: float = 0.1, **_: Any) -> Datasets:
+def text(
+    block_size: int = 128, stride: int | None = None, max_chars: int = 1_000_000, val_fraction: float = 0.1, **_: Any
+) -> Datasets:
     """Character windows of the Python standard library's own sources (pipeline/text.py): inputs
     and next-character targets, `block_size` long, a window every `stride` characters (default:
     block_size, no overlap); the last `val_fraction` of the text is the validation set."""
@@ -75,8 +90,12 @@ def text(block_size: int = 128, stride: int | None = None, max_chars: int = 1_00
     return Datasets(train, val, (block_size,), corpus.vocab_size)
 
 
-DATASETS: Dict[str, Callable[..., Datasets]] = {"digits": digits, "synthetic": synthetic,
-                                                "synthetic_regression": synthetic_regression, "text": text}
+DATASETS: Dict[str, Callable[..., Datasets]] = {
+    "digits": digits,
+    "synthetic": synthetic,
+    "synthetic_regression": synthetic_regression,
+    "text": text,
+}
 LOADER_KEYS = ("batch_size", "num_workers")
 
 

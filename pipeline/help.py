@@ -1,4 +1,5 @@
 """`--help`: the app's config groups and their options (registered as the `steadfast_help_groups` resolver)."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -34,8 +35,11 @@ def help_groups(choices: Any, config_name: Any = None) -> str:
             full = f"{parent}/{group}" if parent else group
             if full == "hydra" or full.startswith("hydra/"):
                 continue
-            options = [o for o in loader.get_group_options(full, results_filter=ObjectType.CONFIG, config_name=config_name)
-                       if not o.startswith("schema") and o != "steadfast"]
+            options = [
+                o
+                for o in loader.get_group_options(full, results_filter=ObjectType.CONFIG, config_name=config_name)
+                if not o.startswith("schema") and o != "steadfast"
+            ]
             if options:
                 default = choices.get(full)
                 shown = ", ".join(f"{o} (default)" if o == default else o for o in options)

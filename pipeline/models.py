@@ -4,6 +4,7 @@ A builder gets the data's `input_shape` (one sample's) and `output_size` (what t
 produces per sample, or per position for a sequence: the classes, the regression targets, the
 vocabulary), plus the `model` node's own keys.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,9 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, input_shape: Sequence[int], output_size: int, hidden_sizes: Sequence[int] = (64, 64), dropout: float = 0.1) -> None:
+    def __init__(
+        self, input_shape: Sequence[int], output_size: int, hidden_sizes: Sequence[int] = (64, 64), dropout: float = 0.1
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
@@ -32,7 +35,9 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     """Two 3x3 convolutions and a linear head, for small images shaped (channels, height, width)."""
 
-    def __init__(self, input_shape: Sequence[int], output_size: int, channels: Sequence[int] = (16, 32), dropout: float = 0.1) -> None:
+    def __init__(
+        self, input_shape: Sequence[int], output_size: int, channels: Sequence[int] = (16, 32), dropout: float = 0.1
+    ) -> None:
         super().__init__()
         if len(input_shape) != 3:
             raise ValueError(f"model=cnn needs image data shaped (C, H, W); this data gives samples shaped {tuple(input_shape)}")
@@ -71,8 +76,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(), nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -87,11 +93,21 @@ class CharTransformer(nn.Module):
     inputs are indices into the same vocabulary). Maps indices (B, T) to logits (B, T, vocabulary).
     """
 
-    def __init__(self, input_shape: Sequence[int], output_size: int, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 128, dropout: float = 0.1, bias: bool = True) -> None:
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        output_size: int,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.1,
+        bias: bool = True,
+    ) -> None:
         super().__init__()
         if len(input_shape) != 1:
-            raise ValueError(f"model=transformer needs sequences of token indices; this data gives samples shaped {tuple(input_shape)}")
+            raise ValueError(
+                f"model=transformer needs sequences of token indices; this data gives samples shaped {tuple(input_shape)}"
+            )
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}")
         self.block_size = int(input_shape[0])
@@ -123,11 +139,17 @@ class CharTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
         """Continue each row of `idx` (B, T) by `new_tokens` sampled tokens (the last block_size as context)."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1, :] / max(temperature, 1e-6)
+            logits = self(idx[:, -self.block_size :])[:, -1, :] / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

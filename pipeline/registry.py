@@ -1,4 +1,5 @@
 """Choosing a builder by `name` (built-ins) or by `_target_` (your own code, by import path)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -6,11 +6,11 @@ task, plus the task's own metrics (`val_<key>` for each key of its sums besides 
 pipeline/config.py's task schemas declare them, so the launcher's pre-flight can check
 `trainer.objective` without importing torch).
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
-
 import math
+from typing import Any, Dict, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,11 @@ class Classification(Task):
         return F.cross_entropy(output, target)
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> Dict[str, float]:
-        return {"loss": F.cross_entropy(output, target, reduction="sum").item(),
-                "accuracy": (output.argmax(1) == target).sum().item(), "count": float(len(target))}
+        return {
+            "loss": F.cross_entropy(output, target, reduction="sum").item(),
+            "accuracy": (output.argmax(1) == target).sum().item(),
+            "count": float(len(target)),
+        }
 
 
 class Regression(Task):

@@ -10,6 +10,7 @@ in-memory `TensorDataset` that `steadfast.Run.loader` fetches a batch at a time.
 Used by `data=text` (the built-in trainer) and by examples/charlm (an own loop): one corpus, one
 vocabulary, one windowing.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,10 @@ def stdlib_text(max_chars: int = DEFAULT_MAX_CHARS, root: Optional[Path] = None)
             break
     text = "".join(parts)[:max_chars]
     if len(text) < max_chars:
-        raise RuntimeError(f"data=text: the Python sources under {root} hold only {len(text)} characters, "
-                           f"fewer than data.max_chars={max_chars}; lower data.max_chars")
+        raise RuntimeError(
+            f"data=text: the Python sources under {root} hold only {len(text)} characters, "
+            f"fewer than data.max_chars={max_chars}; lower data.max_chars"
+        )
     return text
 
 
@@ -129,5 +132,7 @@ class Vocabulary:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("chars") != self.corpus.chars or state.get("sha256") != self.corpus.sha256:
-            raise ValueError(f"the checkpoint was trained on another corpus (sha256 {state.get('sha256')}) than this "
-                             f"machine's standard library gives (sha256 {self.corpus.sha256}): another Python version?")
+            raise ValueError(
+                f"the checkpoint was trained on another corpus (sha256 {state.get('sha256')}) than this "
+                f"machine's standard library gives (sha256 {self.corpus.sha256}): another Python version?"
+            )

@@ -3,6 +3,7 @@
 Hydra composes the config; the steadfast launcher validates it, freezes it into the run folder
 and calls `main` on every worker rank.
 """
+
 from __future__ import annotations
 
 from typing import Any

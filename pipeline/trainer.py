@@ -3,6 +3,7 @@
 Everything that makes a run safe (resume, cadence, preemption, heartbeat, records) comes from the
 library; what is left here is the model, the data, the task, the optimizer and the loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,8 +87,15 @@ def validate(run: Run, model: torch.nn.Module, dataset: Any, task: Any) -> Dict[
 def train(cfg: DictConfig) -> Dict[str, Any]:
     c = schema.typed(cfg)
     t = c.trainer
-    with Run(cfg, seed=t.seed, log_every_n_steps=t.log_every_n_steps, stop_check_every_n_steps=t.stop_check_every_n_steps,
-             max_rss_mb=t.max_rss_mb, num_threads=t.num_threads, elastic=t.on_world_size_change.value != "refuse") as run:
+    with Run(
+        cfg,
+        seed=t.seed,
+        log_every_n_steps=t.log_every_n_steps,
+        stop_check_every_n_steps=t.stop_check_every_n_steps,
+        max_rss_mb=t.max_rss_mb,
+        num_threads=t.num_threads,
+        elastic=t.on_world_size_change.value != "refuse",
+    ) as run:
         seed_everything(t.seed)  # the same initial weights on every rank
         data = build_data(c.data)
         task = build_task(c.task)
@@ -98,9 +106,15 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         scores, world = Scores(), WorldSizePolicy(t.on_world_size_change.value, c.data.batch_size)
         run.resume(model=model, optimizer=optimizer, scheduler=scheduler, scores=scores, world=world)
         loader = run.loader(data.train, world.batch_size(run, optimizer, scheduler), num_workers=c.data.num_workers)
-        log.info("Training %s on %d worker(s), %d batches per epoch per worker, epochs %d..%d%s", type(model).__name__,
-                 run.world_size, run.batches_per_epoch, run.epoch + 1,
-                 t.max_epochs, f" (resumed from step {run.resumed_from})" if run.resumed_from is not None else "")
+        log.info(
+            "Training %s on %d worker(s), %d batches per epoch per worker, epochs %d..%d%s",
+            type(model).__name__,
+            run.world_size,
+            run.batches_per_epoch,
+            run.epoch + 1,
+            t.max_epochs,
+            f" (resumed from step {run.resumed_from})" if run.resumed_from is not None else "",
+        )
         for epoch in run.epochs(t.max_epochs):
             ddp_model.train()
             for x, y in loader:
@@ -115,7 +129,12 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             found = validate(run, model, data.val, task)
             scores.update(found)
             run.log(train_loss=train_loss, **found, best_val_loss=scores.best_val_loss)
-            log.info("epoch %d/%d  step %d  train_loss %.4f  %s", epoch + 1, t.max_epochs, run.global_step,
-                     train_loss if train_loss is not None else float("nan"),
-                     "  ".join(f"{k} {v:.4f}" for k, v in found.items()))
+            log.info(
+                "epoch %d/%d  step %d  train_loss %.4f  %s",
+                epoch + 1,
+                t.max_epochs,
+                run.global_step,
+                train_loss if train_loss is not None else float("nan"),
+                "  ".join(f"{k} {v:.4f}" for k, v in found.items()),
+            )
         return run.finish(**scores.result())

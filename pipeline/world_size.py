@@ -1,5 +1,6 @@
 """trainer.on_world_size_change: what a resume with another number of workers does to the batch
 size and the learning rate (the data position is kept in samples by the library either way)."""
+
 from __future__ import annotations
 
 import logging
@@ -42,10 +43,27 @@ class WorldSizePolicy:
         saved = run.saved_world_size
         if run.resumed_from is not None and saved is not None and saved != ws:
             p = run.progress
-            log.warning("Resuming with %d worker(s) where the checkpoint had %d (trainer.on_world_size_change=%s): "
-                        "%d samples per worker per step (global batch %d), learning rate x%g; the epoch continues at "
-                        "sample %d", ws, saved, self.policy, batch, batch * ws, self.lr_scale, p.sample_in_epoch)
-            run.record.event(Event.WORLD_SIZE_CHANGED, step=run.resumed_from, saved_world_size=saved, world_size=ws,
-                             policy=self.policy, batch_per_worker=batch, global_batch=batch * ws, lr_scale=self.lr_scale,
-                             sample_in_epoch=p.sample_in_epoch)
+            log.warning(
+                "Resuming with %d worker(s) where the checkpoint had %d (trainer.on_world_size_change=%s): "
+                "%d samples per worker per step (global batch %d), learning rate x%g; the epoch continues at "
+                "sample %d",
+                ws,
+                saved,
+                self.policy,
+                batch,
+                batch * ws,
+                self.lr_scale,
+                p.sample_in_epoch,
+            )
+            run.record.event(
+                Event.WORLD_SIZE_CHANGED,
+                step=run.resumed_from,
+                saved_world_size=saved,
+                world_size=ws,
+                policy=self.policy,
+                batch_per_worker=batch,
+                global_batch=batch * ws,
+                lr_scale=self.lr_scale,
+                sample_in_epoch=p.sample_in_epoch,
+            )
         return batch

@@ -8,6 +8,7 @@
 The names below are imported on first use, so `import steadfast` (and its `contract`, which the
 launcher imports at Hydra's start-up) never imports torch.
 """
+
 from __future__ import annotations
 
 from importlib import import_module

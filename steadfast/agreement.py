@@ -7,6 +7,7 @@ overlaps the steps in between instead of adding its latency to one; every rank r
 result at the same step, so all of them stop (and save) at the same step. At an epoch's end it is
 waited for at once (a stop may have come during validation or a save).
 """
+
 from __future__ import annotations
 
 import logging

@@ -12,6 +12,7 @@ a save of this run has been measured (its events record each one's cost), the fi
 after FLOOR_S: assuming a cost instead could choose an interval longer than the time between
 failures, and a run that fails that often would then never commit anything.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,16 +40,30 @@ def history(run_dir: Path) -> Tuple[float, int, Optional[float]]:
     launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
     attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
     stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
-    costs = [e["seconds"] for e in recorded if e["event"] == Event.CHECKPOINT_SAVED
-             and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0]
-    return ((max(0.0, time.time() - launches[0]) if launches else 0.0), max(0, attempts - stops - len(launches) + 1),
-            float(costs[-1]) if costs else None)
+    costs = [
+        e["seconds"]
+        for e in recorded
+        if e["event"] == Event.CHECKPOINT_SAVED and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0
+    ]
+    return (
+        (max(0.0, time.time() - launches[0]) if launches else 0.0),
+        max(0, attempts - stops - len(launches) + 1),
+        float(costs[-1]) if costs else None,
+    )
 
 
 class Cadence:
-    def __init__(self, every_n_epochs: Optional[int], every_n_steps: Optional[int], every_n_seconds: Any,
-                 run_seconds: float = 0.0, failures: int = 0, clock: Callable[[], float] = time.monotonic,
-                 on_interval: Optional[Callable[..., None]] = None, save_cost: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        every_n_epochs: Optional[int],
+        every_n_steps: Optional[int],
+        every_n_seconds: Any,
+        run_seconds: float = 0.0,
+        failures: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        on_interval: Optional[Callable[..., None]] = None,
+        save_cost: Optional[float] = None,
+    ) -> None:
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.auto = every_n_seconds == AUTO
         self.seconds: Optional[float] = None if every_n_seconds in (None, AUTO) else float(every_n_seconds)
@@ -87,6 +102,11 @@ class Cadence:
             interval = young_daly(seconds, self.mtbf())
             changed = self.seconds is None or abs(interval - self.seconds) > 0.1 * self.seconds
             if self.on_interval is not None and (self._measured is None or changed):
-                self.on_interval(seconds=round(interval, 3), save_seconds=round(seconds, 4), mtbf_seconds=round(self.mtbf(), 1),
-                                 failures=self._failures, how="young_daly")
+                self.on_interval(
+                    seconds=round(interval, 3),
+                    save_seconds=round(seconds, 4),
+                    mtbf_seconds=round(self.mtbf(), 1),
+                    failures=self._failures,
+                    how="young_daly",
+                )
             self.seconds, self._measured = interval, seconds

@@ -6,6 +6,7 @@ loop's progress and every rank's RNG states, the resume policy (`resume=auto|nev
 config-drift guard, a world size that changed since the checkpoint, and the fence that keeps an
 orphaned worker (its launcher killed) from committing into a folder a new launch may hold.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,14 +51,29 @@ class _SaveHooks:
 
 
 class Checkpointer:
-    def __init__(self, folder: Path, comm: Any, settings: Settings, resolved_cfg: Dict[str, Any], record: RunRecord,
-                 launch: LaunchEnv, faults: FaultInjector, beat: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        comm: Any,
+        settings: Settings,
+        resolved_cfg: Dict[str, Any],
+        record: RunRecord,
+        launch: LaunchEnv,
+        faults: FaultInjector,
+        beat: Callable[[str], None],
+    ) -> None:
         ck = settings.checkpoint
         self.settings, self.comm, self.record = settings, comm, record
         self.manager = CheckpointManager(
-            folder, comm, ck.keep_last, manifest.training_config(resolved_cfg, settings.run.safe_to_change), record.event,
-            async_save=ck.async_save, keep_every_n_epochs=ck.keep_every_n_epochs,
-            full_config=dict(manifest.flatten(resolved_cfg)), hooks=_SaveHooks(faults, beat, launch),
+            folder,
+            comm,
+            ck.keep_last,
+            manifest.training_config(resolved_cfg, settings.run.safe_to_change),
+            record.event,
+            async_save=ck.async_save,
+            keep_every_n_epochs=ck.keep_every_n_epochs,
+            full_config=dict(manifest.flatten(resolved_cfg)),
+            hooks=_SaveHooks(faults, beat, launch),
         )
         self.objects: Dict[str, Any] = {}
         self.per_rank: Dict[str, Any] = {"rng": RNGState()}
@@ -78,8 +94,10 @@ class Checkpointer:
             if name in RESERVED:
                 raise ValueError(f"run.resume({name}=...): {name!r} is reserved for the run's own state; use another name")
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"run.resume({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
-                                "checkpointed objects must have both")
+                raise TypeError(
+                    f"run.resume({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                    "checkpointed objects must have both"
+                )
             (self.per_rank if is_per_rank(obj) else self.objects)[name] = unwrap(obj)
         self.objects["progress"] = progress
 
@@ -92,8 +110,9 @@ class Checkpointer:
             return None
         restored = self._from_memory()
         if restored is None:
-            restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change,
-                                            s.run.fresh_start_if_unusable, new_rank=new_rank)
+            restored = self.manager.restore(
+                self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable, new_rank=new_rank
+            )
             self.source = "disk"
             if self.memory is not None:  # snapshots newer than where the run continues belong to another timeline
                 self.memory.discard_after(restored.step if restored is not None else 0)
@@ -130,15 +149,26 @@ class Checkpointer:
         for name, obj in self.per_rank.items():
             obj.load_state_dict(own[name])
         self.source = "memory"
-        return Restored(step=step, path=self.memory.objects.slots[0].path.parent if self.memory else self.folder,
-                        manifest={"step": step, "world_size": self.comm.world_size})
+        return Restored(
+            step=step,
+            path=self.memory.objects.slots[0].path.parent if self.memory else self.folder,
+            manifest={"step": step, "world_size": self.comm.world_size},
+        )
 
     def save(self, progress: Progress) -> float:
         """Collective: commit the tracked state at the current step; returns the seconds training waited."""
         started = time.perf_counter()
-        self.manager.save(progress.global_step, self.objects, self.per_rank,
-                          {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch,
-                           "global_step": progress.global_step, "sample_in_epoch": progress.sample_in_epoch})
+        self.manager.save(
+            progress.global_step,
+            self.objects,
+            self.per_rank,
+            {
+                "epoch": progress.epoch,
+                "batch_in_epoch": progress.batch_in_epoch,
+                "global_step": progress.global_step,
+                "sample_in_epoch": progress.sample_in_epoch,
+            },
+        )
         return time.perf_counter() - started
 
     def close(self) -> None:

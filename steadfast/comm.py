@@ -3,6 +3,7 @@
 The trainer never asks which backend it runs on; everything that differs between torch
 distributed, Horovod and a single process lives behind `Comm`.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Horovod (over Gloo): the Comm behind `backend=horovod`. Imported only when that backend runs."""
+
 from __future__ import annotations
 
 import time
@@ -78,8 +79,9 @@ class HorovodComm(Comm):
         # at once would cost a cycle every step; started now, it rides with the next gradients.
         # a name of its own per call (the same sequence on every rank): two may be in flight at once
         self._controls = getattr(self, "_controls", 0) + 1
-        handle = self.hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=self.hvd.Max,
-                                          name=f"steadfast.control.{self._controls}")
+        handle = self.hvd.allreduce_async(
+            torch.tensor(values, dtype=torch.float64), op=self.hvd.Max, name=f"steadfast.control.{self._controls}"
+        )
         return Pending(lambda: self._result(handle).tolist())
 
     def start_sum(self, tensor: torch.Tensor) -> Pending:

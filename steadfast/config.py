@@ -6,6 +6,7 @@
 in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search path). Choice fields are
 Enums, so a bad value fails at composition, naming the key and listing what is allowed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,9 +105,14 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     for group, name, node in (
-        ("backend", "schema_torchrun", TorchrunBackendConf), ("backend", "schema_horovod", HorovodBackendConf),
-        ("backend", "schema_local", LocalBackendConf), ("restart", "schema", RestartConf), ("cluster", "schema", ClusterConf),
-        ("checkpoint", "schema", CheckpointConf), ("fault", "schema", FaultConf), ("logger", "schema", LoggerConf),
+        ("backend", "schema_torchrun", TorchrunBackendConf),
+        ("backend", "schema_horovod", HorovodBackendConf),
+        ("backend", "schema_local", LocalBackendConf),
+        ("restart", "schema", RestartConf),
+        ("cluster", "schema", ClusterConf),
+        ("checkpoint", "schema", CheckpointConf),
+        ("fault", "schema", FaultConf),
+        ("logger", "schema", LoggerConf),
         ("snapshot", "schema", SnapshotConf),
     ):
         cs.store(group=group, name=name, node=node, provider="steadfast")
@@ -131,7 +137,11 @@ def settings_from(cfg: Any) -> Settings:
 
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    node = {key: cfg[key] for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot") if isinstance(cfg, dict) and key in cfg and cfg[key] is not None}
+    node = {
+        key: cfg[key]
+        for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot")
+        if isinstance(cfg, dict) and key in cfg and cfg[key] is not None
+    }
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Settings), node)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]

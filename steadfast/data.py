@@ -4,6 +4,7 @@
 permutation per epoch, positioned where the run stands; in-memory tensor datasets are fetched a
 batch at a time by index (no per-sample `__getitem__` and collate).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
@@ -31,8 +32,16 @@ class ResumableSampler(Sampler[int]):
     time it is iterated; otherwise `start(epoch, sample)` sets them.
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int, seed: int = 0, batch_size: int = 1,
-                 shuffle: bool = True, progress: Optional[Progress] = None) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        world_size: int,
+        rank: int,
+        seed: int = 0,
+        batch_size: int = 1,
+        shuffle: bool = True,
+        progress: Optional[Progress] = None,
+    ) -> None:
         if num_samples < world_size:
             raise ValueError(f"{num_samples} training samples cannot be split over {world_size} workers")
         self.total = num_samples
@@ -90,8 +99,14 @@ class TensorBatches:
     """Batches of in-memory tensors, fetched a batch at a time by index: what a DataLoader over a
     TensorDataset yields, without a `__getitem__` and a collate per sample."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], sampler: ResumableSampler, batch_size: int,
-                 drop_last: bool = False, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sampler: ResumableSampler,
+        batch_size: int,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         self.tensors, self.sampler, self.batch_size, self.drop_last = tuple(tensors), sampler, batch_size, drop_last
         self.pin_memory = pin_memory
 
@@ -108,9 +123,17 @@ class TensorBatches:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
-def make_loader(dataset: Dataset, batch_size: int, sampler: ResumableSampler, num_workers: int = 0,
-                collate_fn: Optional[Callable[..., Any]] = None, drop_last: bool = False, pin_memory: bool = False,
-                generator: Optional[torch.Generator] = None, **kwargs: Any) -> Any:
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    sampler: ResumableSampler,
+    num_workers: int = 0,
+    collate_fn: Optional[Callable[..., Any]] = None,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+    generator: Optional[torch.Generator] = None,
+    **kwargs: Any,
+) -> Any:
     """A loader over `dataset` in `sampler`'s order: TensorBatches for an in-memory TensorDataset
     read in this process, else a DataLoader (with its own generator, so it never draws on the
     global RNG: a resumed run must see the same random numbers as the uninterrupted one)."""
@@ -118,5 +141,14 @@ def make_loader(dataset: Dataset, batch_size: int, sampler: ResumableSampler, nu
         return TensorBatches(dataset.tensors, sampler, batch_size, drop_last=drop_last, pin_memory=pin_memory)
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
-                      drop_last=drop_last, pin_memory=pin_memory, generator=generator, **kwargs)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        generator=generator,
+        **kwargs,
+    )

@@ -19,6 +19,7 @@ corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it
 With `fault.hang_until_stop=true` a hang ends as soon as the process is asked to stop
 (SIGTERM/SIGINT): tests use it to deliver a real signal at an exact moment.
 """
+
 from __future__ import annotations
 
 import errno

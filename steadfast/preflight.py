@@ -3,6 +3,7 @@
 Every problem names the full key, the bad value and what is allowed. It reads checkpoints'
 manifests only (cheap, no torch): a resume that cannot work is refused here, not after start-up.
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,15 +60,30 @@ def check(job_cfg: DictConfig) -> List[str]:
                 ck.every_n_seconds = float(ck.every_n_seconds)
             except ValueError:
                 pass
-        if ck.every_n_seconds is not None and (isinstance(ck.every_n_seconds, bool) or not isinstance(ck.every_n_seconds, (int, float))
-                                               or ck.every_n_seconds <= 0):
-            out.append(bad("checkpoint.every_n_seconds", ck.every_n_seconds, "seconds > 0, auto (from the save cost and the failures seen), or null"))
+        if ck.every_n_seconds is not None and (
+            isinstance(ck.every_n_seconds, bool) or not isinstance(ck.every_n_seconds, (int, float)) or ck.every_n_seconds <= 0
+        ):
+            out.append(
+                bad(
+                    "checkpoint.every_n_seconds",
+                    ck.every_n_seconds,
+                    "seconds > 0, auto (from the save cost and the failures seen), or null",
+                )
+            )
     if ck.every_n_epochs is None and ck.every_n_steps is None and ck.every_n_seconds is None:
-        out.append("checkpoint: set at least one of checkpoint.every_n_epochs, checkpoint.every_n_steps, checkpoint.every_n_seconds")
+        out.append(
+            "checkpoint: set at least one of checkpoint.every_n_epochs, checkpoint.every_n_steps, checkpoint.every_n_seconds"
+        )
     if ck.keep_last < 1:
         out.append(bad("checkpoint.keep_last", ck.keep_last, "an integer >= 1 (the newest checkpoint is always kept)"))
     elif ck.async_save and ck.keep_last < 2:
-        out.append(bad("checkpoint.keep_last", ck.keep_last, "at least 2 with checkpoint.async_save=true (the newest may still be writing)"))
+        out.append(
+            bad(
+                "checkpoint.keep_last",
+                ck.keep_last,
+                "at least 2 with checkpoint.async_save=true (the newest may still be writing)",
+            )
+        )
     positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
     f = s.fault
     if f.kind.value != "none":
@@ -83,8 +99,10 @@ def check(job_cfg: DictConfig) -> List[str]:
     if s.logger.progress_every_s < 0:
         out.append(bad("logger.progress_every_s", s.logger.progress_every_s, "seconds >= 0"))
     if s.logger.tensorboard and find_spec("tensorboard") is None:
-        out.append("logger.tensorboard=true: the tensorboard package is not installed. Install it with "
-                   "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none")
+        out.append(
+            "logger.tensorboard=true: the tensorboard package is not installed. Install it with "
+            "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none"
+        )
     return out + _resume_problems(job_cfg, cfg, s)
 
 
@@ -113,8 +131,10 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[
         return [problem]
     found = manifest.committed(folder)
     if s.resume == Resume.never and found:
-        return [f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "
-                "untouched. Use resume=auto to continue that run, or choose another run.name"]
+        return [
+            f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "
+            "untouched. Use resume=auto to continue that run, or choose another run.name"
+        ]
     if s.resume == Resume.must and not found:
         return [f"resume=must, but there is no committed checkpoint in {folder}"]
     newest = manifest.newest_manifest(folder)
@@ -122,7 +142,9 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[
         return []
     diff = manifest.changes(newest.get("config", {}), manifest.training_config(OmegaConf.to_container(cfg), s.run.safe_to_change))
     if diff:
-        return [f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "
-                f"config: {manifest.describe_changes(diff)}. Restore those values, choose another run.name, or set "
-                "run.allow_config_change=true to resume anyway"]
+        return [
+            f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "
+            f"config: {manifest.describe_changes(diff)}. Restore those values, choose another run.name, or set "
+            "run.allow_config_change=true to resume anyway"
+        ]
     return []

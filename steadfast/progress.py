@@ -7,6 +7,7 @@ else (CI, a pipe, Horovod's forwarded output, logger.progress=lines) it is a pla
 cases. Other ranks show nothing. `update` is cheap enough to call every step: a clock read and a
 comparison, unless something is due.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class _ClearLine(logging.Filter):
 
 
 class ProgressDisplay:
-    def __init__(self, mode: str, every_s: float, total_steps: int, max_epochs: int, enabled: bool = True,
-                 stream: Optional[TextIO] = None) -> None:
+    def __init__(
+        self, mode: str, every_s: float, total_steps: int, max_epochs: int, enabled: bool = True, stream: Optional[TextIO] = None
+    ) -> None:
         self.stream = stream or sys.stderr
         if mode == "auto":
             is_tty = getattr(self.stream, "isatty", lambda: False)()
@@ -82,8 +84,10 @@ class ProgressDisplay:
         pct = 100.0 * step / self.total if self.total else 0.0
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         speed = f"{rate:.1f} steps/s" if rate else "- steps/s"
-        return (f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | step {step}/{self.total} ({pct:.0f}%) | "
-                f"loss {loss} | {speed} | ETA {format_duration(eta)}")
+        return (
+            f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | step {step}/{self.total} ({pct:.0f}%) | "
+            f"loss {loss} | {speed} | ETA {format_duration(eta)}"
+        )
 
     # ---- called by the trainer -------------------------------------------------------------------
     def update(self, step: int, epoch: int, loss: Optional[float] = None) -> None:

@@ -1,4 +1,5 @@
 """What a run's workers leave in its folder: metrics.jsonl, events (rank 0), per-rank logs."""
+
 from __future__ import annotations
 
 import hashlib
@@ -53,7 +54,9 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
     file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     file_handler.setFormatter(fmt)
     root.addHandler(file_handler)
-    if rank == 0 and not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in root.handlers):
+    if rank == 0 and not any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in root.handlers
+    ):
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(fmt)
         root.addHandler(console)
@@ -92,9 +95,11 @@ def check_shared_run_dir(run_dir: Path, comm: Any) -> None:
     message = ""
     if blind:
         who = "; ".join(f"rank {r} on {h} (its run folder: {d})" for r, h, d, _ in blind)
-        message = (f"not every worker sees the run folder {root_dir} that rank 0 on {root_host} writes checkpoints to: {who} "
-                   f"cannot read the file rank 0 wrote there. The nodes of a multi-node job need shared storage mounted at "
-                   f"the same path, and the same working directory (or an absolute hydra.sweep.dir/run.name) on every node")
+        message = (
+            f"not every worker sees the run folder {root_dir} that rank 0 on {root_host} writes checkpoints to: {who} "
+            f"cannot read the file rank 0 wrote there. The nodes of a multi-node job need shared storage mounted at "
+            f"the same path, and the same working directory (or an absolute hydra.sweep.dir/run.name) on every node"
+        )
     message = comm.broadcast_object(message)
     if token is not None:
         token.unlink(missing_ok=True)

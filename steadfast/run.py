@@ -16,6 +16,7 @@ committed, and the run ends with exit code 75 ("run the same command again"). Le
 block (or `run.finish()`) commits the last step and records the run's result in summary.json,
 with the final weights' sha256.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,9 +57,17 @@ MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
 class Run:
     """One rank's view of the run. Construct it once per task call, on every rank."""
 
-    def __init__(self, cfg: Any = None, *, seed: int = 0, log_every_n_steps: int = 10,
-                 stop_check_every_n_steps: Optional[int] = None, max_rss_mb: Optional[float] = None,
-                 num_threads: Optional[int] = None, elastic: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: Any = None,
+        *,
+        seed: int = 0,
+        log_every_n_steps: int = 10,
+        stop_check_every_n_steps: Optional[int] = None,
+        max_rss_mb: Optional[float] = None,
+        num_threads: Optional[int] = None,
+        elastic: bool = True,
+    ) -> None:
         self.launch = LaunchEnv.current()
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
         self.settings = settings_from(resolved)
@@ -76,17 +85,41 @@ class Run:
         self._log_handler = setup_logging(self.dir, self.comm.rank)
         self.progress = Progress()
         lg = self.settings.logger
-        self.telemetry = Telemetry(self.comm, self.record, lg.progress.value, lg.progress_every_s, log_every_n_steps,
-                                   self.started, self.restarts, self.dir / "tensorboard" if lg.tensorboard else None, max_rss_mb)
-        self.faults = FaultInjector(self.settings.fault, self.comm.rank, self.dir,
-                                    lambda kind, **f: events.append(self.dir, kind, restart=self.restarts, **f))
+        self.telemetry = Telemetry(
+            self.comm,
+            self.record,
+            lg.progress.value,
+            lg.progress_every_s,
+            log_every_n_steps,
+            self.started,
+            self.restarts,
+            self.dir / "tensorboard" if lg.tensorboard else None,
+            max_rss_mb,
+        )
+        self.faults = FaultInjector(
+            self.settings.fault,
+            self.comm.rank,
+            self.dir,
+            lambda kind, **f: events.append(self.dir, kind, restart=self.restarts, **f),
+        )
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
-        self.checkpointer = Checkpointer(folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat)
+        self.checkpointer = Checkpointer(
+            folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat
+        )
         self.checkpointer.per_rank["telemetry"] = self.telemetry
-        run_seconds, failures, save_cost = history(self.dir) if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0, None)
-        self.cadence = Cadence(ck.every_n_epochs, ck.every_n_steps, ck.every_n_seconds, run_seconds, failures,
-                               on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f), save_cost=save_cost)
+        run_seconds, failures, save_cost = (
+            history(self.dir) if ck.every_n_seconds == "auto" and self.comm.rank == 0 else (0.0, 0, None)
+        )
+        self.cadence = Cadence(
+            ck.every_n_epochs,
+            ck.every_n_steps,
+            ck.every_n_seconds,
+            run_seconds,
+            failures,
+            on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f),
+            save_cost=save_cost,
+        )
         self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
         self._auto_check = stop_check_every_n_steps is None
         self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
@@ -192,11 +225,24 @@ class Run:
         self.saved_world_size = int(restored.manifest.get("world_size") or self.world_size)
         if self.progress.first_world_size is None:
             self.progress.first_world_size = self.saved_world_size
-        self.record.event(Event.RESUMED, step=restored.step, path=str(restored.path), epoch=self.progress.epoch,
-                          batch_in_epoch=self.progress.batch_in_epoch, sample_in_epoch=self.progress.sample_in_epoch,
-                          saved_world_size=self.saved_world_size, world_size=self.world_size, source=self.checkpointer.source)
-        log.info("Resumed from %s%s (epoch %d, batch %d)", "the snapshot in memory of step %d in " % restored.step
-                 if self.checkpointer.source == "memory" else "", restored.path, self.progress.epoch, self.progress.batch_in_epoch)
+        self.record.event(
+            Event.RESUMED,
+            step=restored.step,
+            path=str(restored.path),
+            epoch=self.progress.epoch,
+            batch_in_epoch=self.progress.batch_in_epoch,
+            sample_in_epoch=self.progress.sample_in_epoch,
+            saved_world_size=self.saved_world_size,
+            world_size=self.world_size,
+            source=self.checkpointer.source,
+        )
+        log.info(
+            "Resumed from %s%s (epoch %d, batch %d)",
+            "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else "",
+            restored.path,
+            self.progress.epoch,
+            self.progress.batch_in_epoch,
+        )
         self._beat("train", force=True)
         return restored.step
 
@@ -252,10 +298,16 @@ class Run:
             self._preempt(control.stop)
         if over is not None:
             rank, mb = over
-            self._stop("memory_limit", None, 1,
-                       f"peak resident memory of rank {rank} reached {mb:.0f} MB > trainer.max_rss_mb={self.max_rss_mb:g} at step "
-                       f"{p.global_step}; checkpoint step {p.global_step} committed. Lower the memory use (the batch size, "
-                       "the model) or raise the limit, then run the same command again to continue", rss_mb=mb, rank=rank)
+            self._stop(
+                "memory_limit",
+                None,
+                1,
+                f"peak resident memory of rank {rank} reached {mb:.0f} MB > trainer.max_rss_mb={self.max_rss_mb:g} at step "
+                f"{p.global_step}; checkpoint step {p.global_step} committed. Lower the memory use (the batch size, "
+                "the model) or raise the limit, then run the same command again to continue",
+                rss_mb=mb,
+                rank=rank,
+            )
         if due or control.save_due:
             self.save()
         if self._memory is not None:
@@ -272,8 +324,13 @@ class Run:
     def log(self, **metrics: Any) -> None:
         """A row of metrics.jsonl (rank 0 writes what it is given: reduce first, e.g. with run.mean)."""
         self.latest.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        self.telemetry.metrics(step=self.progress.global_step, epoch=self.progress.epoch, **metrics,
-                               wall=round(time.time() - self.started, 3), restart=self.restarts)
+        self.telemetry.metrics(
+            step=self.progress.global_step,
+            epoch=self.progress.epoch,
+            **metrics,
+            wall=round(time.time() - self.started, 3),
+            restart=self.restarts,
+        )
 
     def epoch_loss(self) -> Optional[float]:
         """The mean training loss of this epoch over every rank and batch, after its last step
@@ -308,18 +365,26 @@ class Run:
 
             export_safetensors(unwrap(self.model).state_dict(), self.dir / MODEL_FILE)
             out["model_file"] = MODEL_FILE
-        self.record.event(Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out)
+        self.record.event(
+            Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out
+        )
         self._finished = True
         self._close()
         return out
 
     def result(self, **extra: Any) -> Dict[str, Any]:
         p = self.progress
-        out: Dict[str, Any] = {"epochs_completed": p.epoch, "global_step": p.global_step,
-                               "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
-                               **self.latest, "restarts": self.restarts, "resumed_from_step": self.resumed_from,
-                               "world_size": self.world_size, "wall_seconds": round(time.time() - self.started, 3),
-                               "run_dir": str(self.dir)}
+        out: Dict[str, Any] = {
+            "epochs_completed": p.epoch,
+            "global_step": p.global_step,
+            "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
+            **self.latest,
+            "restarts": self.restarts,
+            "resumed_from_step": self.resumed_from,
+            "world_size": self.world_size,
+            "wall_seconds": round(time.time() - self.started, 3),
+            "run_dir": str(self.dir),
+        }
         if self.model is not None:
             out["model_sha256"] = model_sha256(unwrap(self.model))
         out.update(extra)
@@ -365,9 +430,13 @@ class Run:
 
     def _preempt(self, signum: int) -> None:
         p = self.progress
-        self._stop(PREEMPTED, signum, EXIT_PREEMPTED,
-                   f"{signal_name(signum)}: stopped at step {p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch}), "
-                   "checkpoint committed. Run the same command again to continue.")
+        self._stop(
+            PREEMPTED,
+            signum,
+            EXIT_PREEMPTED,
+            f"{signal_name(signum)}: stopped at step {p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch}), "
+            "checkpoint committed. Run the same command again to continue.",
+        )
 
     def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
         """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
@@ -377,8 +446,15 @@ class Run:
         self.checkpointer.close()  # an asynchronous save must be committed before we report it
         self.telemetry.close()
         p = self.progress
-        fields.update(step=p.global_step, epoch=p.epoch, batch_in_epoch=p.batch_in_epoch, saved=True, message=message,
-                      checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step)), result=self.result())
+        fields.update(
+            step=p.global_step,
+            epoch=p.epoch,
+            batch_in_epoch=p.batch_in_epoch,
+            saved=True,
+            message=message,
+            checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step)),
+            result=self.result(),
+        )
         if reason == PREEMPTED:
             asked = stop_requested_at()
             fields.update(signal=signal_name(signum), signal_number=signum)

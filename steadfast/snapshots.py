@@ -16,6 +16,7 @@ removes them when the job ends, and removes segments a killed launcher left behi
 never retained, listed as a checkpoint, or moved between machines: disk checkpoints keep their
 cadence and their role (node loss, a new launch, another machine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,10 +68,11 @@ class Slot:
                 os.close(fd)
         return self._map
 
-    def write(self, seq: int, step: int, world_size: int, pieces: List[Any], size: int,
-              halfway: Optional[Callable[[], None]] = None) -> None:
+    def write(
+        self, seq: int, step: int, world_size: int, pieces: List[Any], size: int, halfway: Optional[Callable[[], None]] = None
+    ) -> None:
         m = self._mapped(size)
-        m[:HEADER.size] = EMPTY  # empty until the copy is whole
+        m[: HEADER.size] = EMPTY  # empty until the copy is whole
         digest, offset = xxhash.xxh3_128(), HEADER_BYTES
         for i, piece in enumerate(pieces):
             if halfway is not None and i == len(pieces) // 2:
@@ -79,7 +81,7 @@ class Slot:
             m[offset : offset + view.nbytes] = view
             digest.update(view)
             offset += view.nbytes
-        m[:HEADER.size] = HEADER.pack(MAGIC, seq, step, size, digest.digest(), world_size)
+        m[: HEADER.size] = HEADER.pack(MAGIC, seq, step, size, digest.digest(), world_size)
         self.seq, self.step = seq, step
 
     def header(self) -> Optional[Tuple[int, int, int, bytes, int]]:
@@ -182,8 +184,10 @@ class MemorySnapshots:
     def take(self, step: int, planned: List[Tuple[Buffer, Any]], halfway: Optional[Callable[[], None]] = None) -> None:
         started = time.perf_counter()
         self.seq += 1
-        self.bytes = sum(buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is self.objects else None)
-                         for buffer, layout in planned)
+        self.bytes = sum(
+            buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is self.objects else None)
+            for buffer, layout in planned
+        )
         self.seconds = time.perf_counter() - started
 
     def steps(self) -> List[int]:
@@ -236,8 +240,11 @@ class MemoryCadence:
 
     @staticmethod
     def _off(run: Any, why: str) -> None:
-        log.warning("Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
-                    "disk. (snapshot.every_n_steps=0 turns them off without this message.)", why)
+        log.warning(
+            "Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
+            "disk. (snapshot.every_n_steps=0 turns them off without this message.)",
+            why,
+        )
         run.record.event(Event.SNAPSHOT_UNAVAILABLE, reason=why)
         run._memory = run.checkpointer.memory = None
 
@@ -263,8 +270,12 @@ class MemoryCadence:
             raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
         memory.seconds = time.perf_counter() - started
         if announce and run.rank == 0:
-            log.info("Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)", memory.bytes / 1e6,
-                     SHM_DIR, f"auto: {self.every}" if self.auto else self.every)
+            log.info(
+                "Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)",
+                memory.bytes / 1e6,
+                SHM_DIR,
+                f"auto: {self.every}" if self.auto else self.every,
+            )
             self._record(memory.seconds)
 
     def retune(self, step_seconds: Optional[float]) -> None:
@@ -278,8 +289,15 @@ class MemoryCadence:
         self.every = every
 
     def _record(self, seconds: float, **fields: Any) -> None:
-        self.run.record.event(Event.SNAPSHOT_CREATED, bytes=self.memory.bytes, every_n_steps=self.every, auto=self.auto,
-                              segment=self.run.launch.snapshot, seconds=round(seconds, 5), **fields)
+        self.run.record.event(
+            Event.SNAPSHOT_CREATED,
+            bytes=self.memory.bytes,
+            every_n_steps=self.every,
+            auto=self.auto,
+            segment=self.run.launch.snapshot,
+            seconds=round(seconds, 5),
+            **fields,
+        )
 
 
 def fits(prefix: str, nbytes: int) -> Optional[str]:
@@ -294,4 +312,3 @@ def fits(prefix: str, nbytes: int) -> Optional[str]:
     if free + used < need:
         return f"{SHM_DIR} has {free / 2**20:.0f} MiB free and the snapshots need {need / 2**20:.0f} MiB (two copies)"
     return None
-

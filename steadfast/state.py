@@ -6,6 +6,7 @@ once, from rank 0 (they are the same on every rank after a step); `PerRank` mark
 state differs between ranks (a data loader's position, a rank's own RNG): every rank's state is
 gathered and each rank gets its own back.
 """
+
 from __future__ import annotations
 
 import random

@@ -9,6 +9,7 @@ read at the next, so its latency (a fraction of a millisecond, several on a load
 holds up a step; the row of step s is written at step s + log_every_n_steps, with step s's time.
 The epoch's end, a stop and the end of the run read what is in flight at once.
 """
+
 from __future__ import annotations
 
 import resource
@@ -43,8 +44,18 @@ class _Window:
 
 
 class Telemetry:
-    def __init__(self, comm: Any, record: RunRecord, progress_mode: str, progress_every_s: float, log_every_n_steps: int,
-                 started: float, restarts: int, tensorboard_dir: Any = None, max_rss_mb: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        record: RunRecord,
+        progress_mode: str,
+        progress_every_s: float,
+        log_every_n_steps: int,
+        started: float,
+        restarts: int,
+        tensorboard_dir: Any = None,
+        max_rss_mb: Optional[float] = None,
+    ) -> None:
         self.comm, self.record, self.every = comm, record, max(1, int(log_every_n_steps))
         self.started, self.restarts, self.max_rss_mb = started, restarts, max_rss_mb
         self.cuda = comm.device.type == "cuda"
@@ -106,7 +117,9 @@ class Telemetry:
             packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
         loss, count = self._window, self._count
         self._window, self._count = None, 0
-        return _Window(step, epoch, time.time(), time.time() - self.started, self.lr, rss, loss, count, self.comm.start_sum(packed))
+        return _Window(
+            step, epoch, time.time(), time.time() - self.started, self.lr, rss, loss, count, self.comm.start_sum(packed)
+        )
 
     def _pop_over(self) -> Optional[Tuple[int, float]]:
         over, self._over = self._over, None
@@ -139,8 +152,15 @@ class Telemetry:
         if window.lr is not None:
             row["lr"] = window.lr
         extra = {"cuda_mb_per_rank": [round(v, 1) for v in packed[2 + ws : 2 + 2 * ws].tolist()]} if self.cuda else {}
-        self.metrics(**row, wall=round(window.wall, 3), restart=self.restarts, rss_mb=window.rss_mb,
-                     rss_mb_per_rank=rss, rss_mb_max=max(rss), **extra)
+        self.metrics(
+            **row,
+            wall=round(window.wall, 3),
+            restart=self.restarts,
+            rss_mb=window.rss_mb,
+            rss_mb_per_rank=rss,
+            rss_mb_max=max(rss),
+            **extra,
+        )
 
     def end_epoch(self) -> Optional[float]:
         """The epoch's mean loss over every rank and batch (collective; reads what is in flight at
@@ -200,4 +220,3 @@ class Telemetry:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-

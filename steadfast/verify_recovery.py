@@ -15,6 +15,7 @@ The two runs live in outputs/verify_recovery/<name>/{reference,faulted}, replace
 (the name comes from the overrides other than the fault's; `--name` sets it). Read what
 happened with `python -m pipeline.report outputs/verify_recovery/<name>/faulted`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ def _summary(folder: Path) -> Dict[str, Any]:
     return summary.read(folder)
 
 
-def run_job(app: str, overrides: List[str], root: Path, name: str, verbose: bool, max_launches: int) -> tuple[int, int, float, str]:
+def run_job(
+    app: str, overrides: List[str], root: Path, name: str, verbose: bool, max_launches: int
+) -> tuple[int, int, float, str]:
     """Run until the job completes or fails; a stop on request (75) is run again. (exit code, launches, seconds, output)."""
     cmd = [sys.executable, "-m", app, *overrides, f"run.name={name}", f"hydra.sweep.dir='{root}'"]
     started, launches, out = time.monotonic(), 0, ""
@@ -64,12 +67,19 @@ def run_job(app: str, overrides: List[str], root: Path, name: str, verbose: bool
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.verify_recovery", description=__doc__.split("\n\n")[0],
-                                     epilog="Every other argument is a Hydra override of the training job (as for pipeline.train).")
-    parser.add_argument("--app", default="pipeline.train", help="the training app's module, run as `python -m APP` (default: pipeline.train)")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.verify_recovery",
+        description=__doc__.split("\n\n")[0],
+        epilog="Every other argument is a Hydra override of the training job (as for pipeline.train).",
+    )
+    parser.add_argument(
+        "--app", default="pipeline.train", help="the training app's module, run as `python -m APP` (default: pipeline.train)"
+    )
     parser.add_argument("--name", help="folder name under outputs/verify_recovery (default: from the overrides)")
     parser.add_argument("--root", type=Path, default=Path("outputs") / "verify_recovery")
-    parser.add_argument("--max-launches", type=int, default=5, help="launches of the faulted run at most (each stop on request is run again)")
+    parser.add_argument(
+        "--max-launches", type=int, default=5, help="launches of the faulted run at most (each stop on request is run again)"
+    )
     parser.add_argument("--verbose", action="store_true", help="show the runs' own output")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
@@ -93,8 +103,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code, launches, seconds, out = run_job(args.app, [*job, *extra], root, sub, args.verbose, args.max_launches)
         summary = _summary(root / sub)
         results[sub] = {"code": code, "launches": launches, "summary": summary}
-        print(f"  {sub}: exit code {code} after {launches} launch(es), {seconds:.1f} s, status {summary.get('status', '?')}, "
-              f"restarts {summary.get('restarts', '?')}")
+        print(
+            f"  {sub}: exit code {code} after {launches} launch(es), {seconds:.1f} s, status {summary.get('status', '?')}, "
+            f"restarts {summary.get('restarts', '?')}"
+        )
         if code != 0 or summary.get("status") != "completed":
             print(out[-6000:], file=sys.stderr)
             print(f"RESULT: the {sub} run did not complete (exit code {code}); see {root / sub}", file=sys.stderr)

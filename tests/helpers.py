@@ -1,4 +1,5 @@
 """Running the real entrypoint in a scratch folder and reading what it leaves behind."""
+
 from __future__ import annotations
 
 import fcntl
@@ -15,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small and quick: synthetic data, 2 torchrun workers, a few epochs.
 QUICK = [
-    "data=synthetic", "data.num_samples=512", "data.batch_size=16",
-    "trainer.max_epochs=4", "checkpoint=every_epoch", "restart.monitor_interval=0.1",
+    "data=synthetic",
+    "data.num_samples=512",
+    "data.batch_size=16",
+    "trainer.max_epochs=4",
+    "checkpoint=every_epoch",
+    "restart.monitor_interval=0.1",
     "snapshot=off",  # the disk tier: tests/test_snapshots.py turns the memory tier on where it tests it
 ]
 
@@ -41,8 +46,15 @@ def run_train(cwd: Path, *overrides: str, timeout: float = 240, check: bool = Fa
 
 
 def start_train(cwd: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(train_cmd(*overrides), cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        train_cmd(*overrides),
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run_dir(cwd: Path, name: str) -> Path:
@@ -67,8 +79,9 @@ def committed_steps(folder: Path) -> List[int]:
     return sorted(int(p.name[5:]) for p in ckpts.glob("step_*") if (p / "manifest.json").is_file())
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Optional[subprocess.Popen] = None,
-             every: float = 0.05) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, proc: Optional[subprocess.Popen] = None, every: float = 0.05
+) -> Any:
     """Poll `predicate` every `every` seconds until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -76,7 +89,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: Opti
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process ended (exit {proc.returncode}) while waiting for {what}:\n{proc.stdout.read()[-4000:] if proc.stdout else ''}")
+            raise AssertionError(
+                f"process ended (exit {proc.returncode}) while waiting for {what}:\n{proc.stdout.read()[-4000:] if proc.stdout else ''}"
+            )
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
@@ -116,7 +131,7 @@ def made_once(factory: Any, name: str, make: Callable[[Path], Dict[str, Any]], t
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"timed out after {timeout} s waiting for another test process to make {name}")
+                    raise AssertionError(f"timed out after {timeout} s waiting for another test process to make {name}") from None
                 time.sleep(0.05)
         if made.is_file():
             return json.loads(made.read_text())

@@ -1,5 +1,6 @@
 """The own-loop API's pieces, without processes: cadence, the stop agreement, the sampler's position
 after a resume at any point, the loader's batches, and what a checkpoint collects."""
+
 from __future__ import annotations
 
 import itertools
@@ -131,7 +132,7 @@ def test_a_resume_at_any_step_reads_the_rest_of_the_epoch_exactly(total: int, wo
     for done in range(steps + 1):
         progress.sample_in_epoch = done * batch * world
         resumed = [list(ResumableSampler(total, world, r, seed=7, batch_size=batch, progress=progress)) for r in range(world)]
-        assert resumed == [w[done * batch:] for w in whole], done
+        assert resumed == [w[done * batch :] for w in whole], done
 
 
 def test_the_sampler_follows_the_runs_progress_and_shuffles_per_epoch() -> None:
@@ -183,9 +184,16 @@ def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_p
     from steadfast.faults import FaultInjector
     from steadfast.records import RunRecord
 
-    ckpt = Checkpointer(tmp_path / "ckpt", Comm(), Settings(), {}, RunRecord(tmp_path, 0),
-                        LaunchEnv(backend="local", collective="none", run_dir=tmp_path), FaultInjector(None, 0, tmp_path, print),
-                        lambda phase: None)
+    ckpt = Checkpointer(
+        tmp_path / "ckpt",
+        Comm(),
+        Settings(),
+        {},
+        RunRecord(tmp_path, 0),
+        LaunchEnv(backend="local", collective="none", run_dir=tmp_path),
+        FaultInjector(None, 0, tmp_path, print),
+        lambda phase: None,
+    )
     with pytest.raises(ValueError, match="reserved"):
         ckpt.track(Progress(), {"progress": Progress()})
     with pytest.raises(TypeError, match="state_dict"):

@@ -1,4 +1,5 @@
 """The benchmark scripts still run (on a tiny size); their timings are not checked here."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,22 @@ from helpers import ROOT, env
 
 def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "bench.checkpoint_io", "--mb", "4", "--tensors", "4", "--repeats", "1",
-           "--no-drop-caches", "--dir", str(tmp_path), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.checkpoint_io",
+        "--mb",
+        "4",
+        "--tensors",
+        "4",
+        "--repeats",
+        "1",
+        "--no-drop-caches",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -24,10 +39,23 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
     big, model, small = result["results"]
     assert big["payload_bytes"] == small["payload_bytes"] == 4 << 20
     assert 0 < model["payload_bytes"] < 1 << 20
-    methods = {"project_sync", "project_sync_checked", "async_blocked", "async_copied", "async_total", "torch_save",
-               "raw_fsync_write", "restore_warm", "raw_read_warm"}
-    ratios = {"project_sync/raw_fsync_write throughput", "torch_save/raw_fsync_write throughput",
-              "async_blocked/sync_save time", "restore/raw_read throughput (warm)"}
+    methods = {
+        "project_sync",
+        "project_sync_checked",
+        "async_blocked",
+        "async_copied",
+        "async_total",
+        "torch_save",
+        "raw_fsync_write",
+        "restore_warm",
+        "raw_read_warm",
+    }
+    ratios = {
+        "project_sync/raw_fsync_write throughput",
+        "torch_save/raw_fsync_write throughput",
+        "async_blocked/sync_save time",
+        "restore/raw_read throughput (warm)",
+    }
     for r in (big, model, small):
         assert set(r["methods"]) == methods
         assert all(len(m["samples_s"]) == 1 and m["median_s"] > 0 for m in r["methods"].values())
@@ -114,8 +142,16 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
 def test_report_renders_from_the_smoke_results(tmp_path: Path) -> None:
     from bench.report import write_report
 
-    (tmp_path / "startup.json").write_text(json.dumps({"ratios": {"ours/baseline ttfs": 1.5}, "rounds": 0, "job": {"parameter_MB": 0.03},
-                                                       "ttfs_s": {"baseline": {"median": 4.0, "min": 4.0, "max": 4.0}}}))
+    (tmp_path / "startup.json").write_text(
+        json.dumps(
+            {
+                "ratios": {"ours/baseline ttfs": 1.5},
+                "rounds": 0,
+                "job": {"parameter_MB": 0.03},
+                "ttfs_s": {"baseline": {"median": 4.0, "min": 4.0, "max": 4.0}},
+            }
+        )
+    )
     out = write_report(tmp_path, tmp_path / "BENCHMARKS.md")
     text = out.read_text()
     assert "| 2 | time to first step" in text and "**missed**" in text

@@ -1,5 +1,6 @@
 """The checkpoint file format: safetensors-compatible, and its readers only ever return a value or
 their own error, in bounded memory and time, whatever bytes they are given (property-based)."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,11 @@ from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 MEMORY_CAP = 64 << 20  # tracemalloc peak allowed for parsing one input (the header cap is 8 MiB)
-SETTINGS = settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", "150")), deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", "150")),
+    deadline=2000,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 # ---- compatibility ------------------------------------------------------------------------------
@@ -49,8 +54,13 @@ def test_a_checkpoint_file_opens_with_safetensors(tmp_path: Path) -> None:
 
 
 def test_export_and_files_written_by_safetensors_round_trip(tmp_path: Path) -> None:
-    state = {"b": torch.arange(3, dtype=torch.int64), "a.weight": torch.randn(4, 4), "h": torch.ones(3, dtype=torch.float16),
-             "empty": torch.zeros(0, 5), "flags": torch.tensor([True, False])}
+    state = {
+        "b": torch.arange(3, dtype=torch.int64),
+        "a.weight": torch.randn(4, 4),
+        "h": torch.ones(3, dtype=torch.float16),
+        "empty": torch.zeros(0, 5),
+        "flags": torch.tensor([True, False]),
+    }
     size, checksum = tensorfile.export_safetensors(state, tmp_path / "model.safetensors")
     assert size == (tmp_path / "model.safetensors").stat().st_size and checksum.startswith("xxh3_128:")
     back = load_file(str(tmp_path / "model.safetensors"))
@@ -66,9 +76,15 @@ def test_export_and_files_written_by_safetensors_round_trip(tmp_path: Path) -> N
 # ---- the parser, fed anything -------------------------------------------------------------------
 def _valid_file() -> bytes:
     g = torch.Generator().manual_seed(1)
-    tree = {"w": torch.randn(3, 4, generator=g), "b": torch.arange(5), "h": torch.ones(2, dtype=torch.bfloat16),
-            "flag": torch.tensor([True, False]), "np": np.arange(3, dtype=np.uint32), "i8": torch.tensor([-1, 2], dtype=torch.int8),
-            "nested": {1: (2.5, None, "x", float("inf")), "l": [torch.zeros(0, 2), torch.tensor(7.0)]}}
+    tree = {
+        "w": torch.randn(3, 4, generator=g),
+        "b": torch.arange(5),
+        "h": torch.ones(2, dtype=torch.bfloat16),
+        "flag": torch.tensor([True, False]),
+        "np": np.arange(3, dtype=np.uint32),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "nested": {1: (2.5, None, "x", float("inf")), "l": [torch.zeros(0, 2), torch.tensor(7.0)]},
+    }
     layout = tensorfile.plan(tree)
     return b"".join(bytes(memoryview(b).cast("B")) for b in layout.buffers())
 
@@ -103,7 +119,9 @@ def header_edits(draw: Any) -> bytes:
     elif kind == "shape":
         entry["shape"] = draw(st.lists(shape_items, max_size=6) | json_values)
     elif kind == "offsets":
-        entry["data_offsets"] = draw(st.lists(st.integers(-5, 2**64 + 5) | st.integers(0, len(DATA) + 2), max_size=3) | json_values)
+        entry["data_offsets"] = draw(
+            st.lists(st.integers(-5, 2**64 + 5) | st.integers(0, len(DATA) + 2), max_size=3) | json_values
+        )
     elif kind == "drop":
         del entry[draw(st.sampled_from(sorted(entry)))]
     elif kind == "extra":
@@ -113,7 +131,7 @@ def header_edits(draw: Any) -> bytes:
     elif kind == "tree-text":
         tree = header["__metadata__"][tensorfile.TREE_KEY]
         at = draw(st.integers(0, len(tree)))
-        header["__metadata__"][tensorfile.TREE_KEY] = tree[:at] + draw(st.text(max_size=6)) + tree[at + draw(st.integers(0, 6)):]
+        header["__metadata__"][tensorfile.TREE_KEY] = tree[:at] + draw(st.text(max_size=6)) + tree[at + draw(st.integers(0, 6)) :]
     elif kind == "meta":
         header["__metadata__"] = draw(json_values)
     elif kind == "rename":
@@ -192,8 +210,17 @@ def test_the_valid_file_parses_and_large_headers_are_refused_in_bounded_memory()
 
 # ---- the manifest reader, fed anything ----------------------------------------------------------
 def _manifest() -> Dict[str, Any]:
-    return {"format": mf.FORMAT, "step": 5, "commit": 3, "world_size": 2, "created": 1.5, "epoch": 1,
-            "files": {"model.bin": {"bytes": 10, "checksum": "xxh3_128:" + "0" * 32}}, "config": {}, "full_config": {}}
+    return {
+        "format": mf.FORMAT,
+        "step": 5,
+        "commit": 3,
+        "world_size": 2,
+        "created": 1.5,
+        "epoch": 1,
+        "files": {"model.bin": {"bytes": 10, "checksum": "xxh3_128:" + "0" * 32}},
+        "config": {},
+        "full_config": {},
+    }
 
 
 @st.composite

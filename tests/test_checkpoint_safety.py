@@ -4,6 +4,7 @@ Real files and real CheckpointManagers throughout; the only stand-ins are a writ
 moves fewer bytes per call (what a full disk or a signal does) and a file-size limit set with
 setrlimit in a child process.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from steadfast.checkpoint import fileio
+from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
-from steadfast.checkpoint import tensorfile
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.comm import Comm
 from steadfast.contract.events import Event
@@ -105,8 +105,12 @@ def test_a_file_size_limit_makes_the_save_fail_loudly_and_keeps_the_previous_che
 @pytest.mark.parametrize("per_call", [1, 4093, 1 << 20])
 def test_writes_that_move_fewer_bytes_per_call_still_make_a_correct_file(tmp_path: Path, monkeypatch, per_call: int) -> None:
     g = torch.Generator().manual_seed(0)
-    tree = {"big": torch.randn(600_000, generator=g), "small": [torch.randn(5, generator=g) for _ in range(50)],
-            "half": torch.ones(33, dtype=torch.bfloat16), "n": 3}
+    tree = {
+        "big": torch.randn(600_000, generator=g),
+        "small": [torch.randn(5, generator=g) for _ in range(50)],
+        "half": torch.ones(33, dtype=torch.bfloat16),
+        "n": 3,
+    }
     size = (4 << 10) if per_call == 1 else None  # one byte per call: a small state, to stay fast
     if size:
         tree = {"small": tree["small"][:3], "half": tree["half"], "n": 3}
@@ -226,6 +230,7 @@ def _edit_manifest(edit):  # type: ignore[no-untyped-def]
     def damage(ckpt: Path) -> None:
         data = json.loads((ckpt / mf.MANIFEST).read_text())
         (ckpt / mf.MANIFEST).write_text(json.dumps(edit(data)))
+
     return damage
 
 
@@ -239,6 +244,7 @@ def _file_spec(name: str, spec: Any):  # type: ignore[no-untyped-def]
 
 def _replace_model(payload: bytes):  # type: ignore[no-untyped-def]
     """A crafted model.bin whose size and checksum the manifest is made to match."""
+
     def damage(ckpt: Path) -> None:
         (ckpt / "model.bin").write_bytes(payload)
         data = json.loads((ckpt / mf.MANIFEST).read_text())
@@ -246,6 +252,7 @@ def _replace_model(payload: bytes):  # type: ignore[no-untyped-def]
 
         data["files"]["model.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
         (ckpt / mf.MANIFEST).write_text(json.dumps(data))
+
     return damage
 
 
@@ -293,13 +300,28 @@ DAMAGE = {
     "model symlink out": _symlink_out,
     "crafted shape overflow": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 0]}})),
     "crafted negative shape": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4)),
-    "crafted overlap": _replace_model(_crafted({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-                                                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6)),
-    "crafted unknown dtype": _replace_model(_crafted({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16)),
+    "crafted overlap": _replace_model(
+        _crafted(
+            {
+                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            b"\0" * 6,
+        )
+    ),
+    "crafted unknown dtype": _replace_model(
+        _crafted({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16)
+    ),
     "crafted deep tree": _replace_model(_crafted({"__metadata__": {tensorfile.TREE_KEY: "[" * 50_000 + "]" * 50_000}})),
-    "crafted bad reference": _replace_model(_crafted({"__metadata__": {tensorfile.TREE_KEY: '{"__d": [["w", {"__t": "nope"}]]}'}})),
-    "crafted numpy bf16": _replace_model(_crafted({"__metadata__": {tensorfile.TREE_KEY: '{"__n": "a"}'},
-                                                   "a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0")),
+    "crafted bad reference": _replace_model(
+        _crafted({"__metadata__": {tensorfile.TREE_KEY: '{"__d": [["w", {"__t": "nope"}]]}'}})
+    ),
+    "crafted numpy bf16": _replace_model(
+        _crafted(
+            {"__metadata__": {tensorfile.TREE_KEY: '{"__n": "a"}'}, "a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}},
+            b"\0\0",
+        )
+    ),
     "crafted huge header": _replace_model((9 << 20).to_bytes(8, "little") + b"{" * 64),
 }
 

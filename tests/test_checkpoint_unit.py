@@ -1,4 +1,5 @@
 """The checkpoint file format and the rules for what counts as a committed checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,15 @@ def test_roundtrip_of_real_training_state(tmp_path: Path) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 5)).sum().backward()
     opt.step()
-    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "np": np.random.get_state(), "rng": torch.get_rng_state(),
-            "py": random.getstate(), "empty": torch.empty(0, 3), "bf16": torch.ones(3, dtype=torch.bfloat16)}
+    tree = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "np": np.random.get_state(),
+        "rng": torch.get_rng_state(),
+        "py": random.getstate(),
+        "empty": torch.empty(0, 3),
+        "bf16": torch.ones(3, dtype=torch.bfloat16),
+    }
     size, digest = tensorfile.save(tree, tmp_path / "t.bin")
     back = tensorfile.load(tmp_path / "t.bin", size, digest)
     for key, value in model.state_dict().items():
@@ -94,8 +102,14 @@ def test_committed_lists_by_commit_sequence_and_ignores_partial_folders(tmp_path
 
 
 def test_training_config_changes_separate_safe_keys() -> None:
-    old = mf.training_config({"trainer": {"lr": 0.1, "max_epochs": 5}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 2}}, ["trainer.max_epochs"])
-    new = mf.training_config({"trainer": {"lr": 0.2, "max_epochs": 50}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 9}}, ["trainer.max_epochs"])
+    old = mf.training_config(
+        {"trainer": {"lr": 0.1, "max_epochs": 5}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 2}},
+        ["trainer.max_epochs"],
+    )
+    new = mf.training_config(
+        {"trainer": {"lr": 0.2, "max_epochs": 50}, "model": {"hidden": [4]}, "checkpoint": {"keep_last": 9}},
+        ["trainer.max_epochs"],
+    )
     assert mf.changes(old, new) == [("trainer.lr", 0.1, 0.2)]
 
 
@@ -145,7 +159,9 @@ def test_manifest_lists_sizes_and_checksums(tmp_path: Path) -> None:
     assert man["format"] == mf.FORMAT and man["step"] == 7 and man["batch_in_epoch"] == 3 and man["world_size"] == 1
     assert set(man["files"]) == {"model.bin", "ranks.bin"}
     for name, spec in man["files"].items():
-        assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and spec["checksum"].startswith("xxh3_128:")
+        assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and spec["checksum"].startswith(
+            "xxh3_128:"
+        )
 
 
 def test_views_conjugates_and_negative_views_are_written_as_their_values(tmp_path: Path) -> None:

@@ -1,19 +1,19 @@
 """Config schemas, run names, pre-flight checks and the LaunchConfig mapping (no workers)."""
+
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from steadfast.contract.schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
 from omegaconf import OmegaConf
 
 import pipeline.config as schema
 from steadfast import preflight as library
 from steadfast.contract import naming
+from steadfast.contract.schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
 
 SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "train.yaml").run.safe_to_change)
 
@@ -43,45 +43,58 @@ def test_defaults_compose_and_pass_preflight() -> None:
     assert problems() == []
 
 
-@pytest.mark.parametrize("group,options", [
-    ("backend", ["torchrun", "local"]), ("restart", ["default", "none"]),
-    ("checkpoint", ["every_10_epochs", "every_epoch", "every_n_steps"]),
-    ("model", ["mlp", "cnn"]), ("data", ["digits", "synthetic"]),
-    ("fault", ["none", "kill_rank", "hang_rank", "exception"]),
-])
+@pytest.mark.parametrize(
+    "group,options",
+    [
+        ("backend", ["torchrun", "local"]),
+        ("restart", ["default", "none"]),
+        ("checkpoint", ["every_10_epochs", "every_epoch", "every_n_steps"]),
+        ("model", ["mlp", "cnn"]),
+        ("data", ["digits", "synthetic"]),
+        ("fault", ["none", "kill_rank", "hang_rank", "exception"]),
+    ],
+)
 def test_every_preset_composes(group: str, options: list[str]) -> None:
     for option in options:
         assert problems(f"{group}={option}") == [], option
 
 
-@pytest.mark.parametrize("override,key", [
-    ("trainer.max_epochs=0", "trainer.max_epochs"),
-    ("restart.max_restarts=-1", "restart.max_restarts"),
-    ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
-    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
-    ("backend.nproc_per_node=0", "backend.nproc_per_node"),
-    ("backend.nnodes=2:1", "backend.nnodes"),
-    ("data.val_fraction=1.5", "data.val_fraction"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trainer.max_epochs=0", "trainer.max_epochs"),
+        ("restart.max_restarts=-1", "restart.max_restarts"),
+        ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+        ("backend.nproc_per_node=0", "backend.nproc_per_node"),
+        ("backend.nnodes=2:1", "backend.nnodes"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+    ],
+)
 def test_out_of_range_values_are_named(override: str, key: str) -> None:
-    from steadfast.contract.schemas import backend_from, restart_from
-
     from hydra.core.hydra_config import HydraConfig
+
+    from steadfast.contract.schemas import backend_from, restart_from
 
     cfg = composed(override)
     HydraConfig.instance().set_config(cfg)
-    found = library.check(cfg) + schema.preflight(cfg) + backend_from(cfg.backend).problems() + restart_from(cfg.restart).problems()
+    found = (
+        library.check(cfg) + schema.preflight(cfg) + backend_from(cfg.backend).problems() + restart_from(cfg.restart).problems()
+    )
     assert found and any(key in p for p in found), found
 
 
-@pytest.mark.parametrize("override,key,allowed", [
-    ("trainer.optimizer=rmsprop", "trainer.optimizer", "sgd"),
-    ("trainer.scheduler=linear", "trainer.scheduler", "cosine"),
-    ("trainer.objective=loss", "trainer.objective", "val_accuracy"),
-    ("trainer.on_world_size_change=grow", "trainer.on_world_size_change", "keep_global_batch"),
-    ("logger.progress=fancy", "logger.progress", "lines"),
-    ("fault.kind=meteor", "fault.kind", "corrupt_checkpoint"),
-])
+@pytest.mark.parametrize(
+    "override,key,allowed",
+    [
+        ("trainer.optimizer=rmsprop", "trainer.optimizer", "sgd"),
+        ("trainer.scheduler=linear", "trainer.scheduler", "cosine"),
+        ("trainer.objective=loss", "trainer.objective", "val_accuracy"),
+        ("trainer.on_world_size_change=grow", "trainer.on_world_size_change", "keep_global_batch"),
+        ("logger.progress=fancy", "logger.progress", "lines"),
+        ("fault.kind=meteor", "fault.kind", "corrupt_checkpoint"),
+    ],
+)
 def test_bad_choices_fail_at_composition_naming_the_key_and_the_choices(override: str, key: str, allowed: str) -> None:
     with pytest.raises(Exception) as err:
         composed(override)
@@ -98,7 +111,10 @@ def test_run_name_is_deterministic_and_ignores_safe_keys() -> None:
     assert naming.run_name([]) == "default"
     a = naming.run_name(["trainer.lr=0.1", "model=cnn"])
     assert a == naming.run_name(["model=cnn", "trainer.lr=0.1"]) == "model=cnn,trainer.lr=0.1"
-    assert naming.run_name(["trainer.lr=0.1", "trainer.max_epochs=50", "checkpoint=every_epoch", "resume=never"], SAFE) == "trainer.lr=0.1"
+    assert (
+        naming.run_name(["trainer.lr=0.1", "trainer.max_epochs=50", "checkpoint=every_epoch", "resume=never"], SAFE)
+        == "trainer.lr=0.1"
+    )
     long = naming.run_name([f"model.hidden_sizes=[{','.join(['512'] * 40)}]"])
     assert len(long) <= naming.MAX_NAME and "/" not in long
     assert long != naming.run_name([f"model.hidden_sizes=[{','.join(['512'] * 41)}]"])
@@ -117,17 +133,25 @@ def test_run_name_default_comes_from_the_overrides() -> None:
 def test_launch_config_mapping(tmp_path: Path) -> None:
     from hydra_plugins.steadfast_launcher._backends.torchrun import launch_config
 
-    lc = launch_config(TorchrunBackendConf(nproc_per_node=3, nnodes="1:2", rdzv_endpoint="node0:29400"),
-                       RestartConf(max_restarts=5, monitor_interval=0.25), run_id="my/run", log_dir=tmp_path)
+    lc = launch_config(
+        TorchrunBackendConf(nproc_per_node=3, nnodes="1:2", rdzv_endpoint="node0:29400"),
+        RestartConf(max_restarts=5, monitor_interval=0.25),
+        run_id="my/run",
+        log_dir=tmp_path,
+    )
     assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node) == (1, 2, 3)
     assert (lc.max_restarts, lc.monitor_interval) == (5, 0.25)
     assert lc.rdzv_backend == "c10d" and lc.rdzv_endpoint == "node0:29400"
     assert lc.run_id == "my_run"  # a valid rendezvous id
     standalone = launch_config(TorchrunBackendConf(), RestartConf(), run_id="r", log_dir=tmp_path)
     assert standalone.rdzv_endpoint == "localhost:0"  # like --standalone: a free port
-    static = launch_config(TorchrunBackendConf(rdzv_backend="static", master_port=29999, node_rank=0), RestartConf(), "r", tmp_path)
+    static = launch_config(
+        TorchrunBackendConf(rdzv_backend="static", master_port=29999, node_rank=0), RestartConf(), "r", tmp_path
+    )
     assert static.rdzv_endpoint == "127.0.0.1:29999" and static.rdzv_configs["rank"] == 0
-    quick = launch_config(TorchrunBackendConf(nnodes="1:2", rdzv_endpoint="n:1", rdzv_node_timeout_s=6), RestartConf(), "r", tmp_path)
+    quick = launch_config(
+        TorchrunBackendConf(nnodes="1:2", rdzv_endpoint="n:1", rdzv_node_timeout_s=6), RestartConf(), "r", tmp_path
+    )
     assert (quick.rdzv_configs["keep_alive_interval"], quick.rdzv_configs["keep_alive_max_attempt"]) == (2, 3)
     assert "keep_alive_interval" not in standalone.rdzv_configs  # torch's default
 

@@ -2,6 +2,7 @@
 
 Every recovery must end with the same model_sha256 as the uninterrupted baseline run.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,9 @@ def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: d
     assert_same_weights(folder, baseline)
 
 
-def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
+def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(
+    tmp_path: Path, baseline: dict, backend: list[str]
+) -> None:
     base = [*QUICK, *backend, *STEPS, "run.name=r", "restart=none"]
     assert run_train(tmp_path, *base, "fault=kill_rank", "fault.at_step=25").returncode != 0
     folder = run_dir(tmp_path, "r")
@@ -66,8 +69,9 @@ def test_kill_right_after_a_save_and_again_in_the_first_step_after_resume(tmp_pa
 def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_path: Path, baseline: dict) -> None:
     # torchrun only: a save's outcome is agreed through Comm, and every save of the Horovod tests
     # goes through that agreement on Horovod's side
-    proc = run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0",
-                     "restart.max_restarts=1")
+    proc = run_train(
+        tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0", "restart.max_restarts=1"
+    )
     folder = run_dir(tmp_path, "r")
     assert proc.returncode != 0
     assert "No space left on device" in proc.stderr and "step_000000018" in proc.stderr  # names the intact one
@@ -113,7 +117,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, ba
     if logged:
         invalid = event_of(folder, "checkpoint_invalid")
         assert invalid and logged in invalid["error"]
-    assert sorted(p.name for p in broken.iterdir()) == sorted(["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin", "scores.bin", "world.bin"])
+    assert sorted(p.name for p in broken.iterdir()) == sorted(
+        ["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin", "scores.bin", "world.bin"]
+    )
     assert_same_weights(folder, baseline)
 
 
@@ -182,7 +188,17 @@ def test_second_launch_on_a_busy_folder_refuses_and_a_dead_lock_holder_does_not_
 
 
 def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: dict, backend: list[str]) -> None:
-    run_train(tmp_path, *QUICK, *backend, *STEPS, "checkpoint.async_save=true", "run.name=r", "fault=kill_rank", "fault.at_step=31", check=True)
+    run_train(
+        tmp_path,
+        *QUICK,
+        *backend,
+        *STEPS,
+        "checkpoint.async_save=true",
+        "run.name=r",
+        "fault=kill_rank",
+        "fault.at_step=31",
+        check=True,
+    )
     folder = run_dir(tmp_path, "r")
     assert event_of(folder, "checkpoint_snapshot") is not None
     assert event_of(folder, "resumed")["step"] in (24, 30)  # step 30 may still have been writing
@@ -190,8 +206,16 @@ def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: di
 
 
 def test_async_save_failure_stops_the_run_loudly(tmp_path: Path) -> None:
-    proc = run_train(tmp_path, *QUICK, *STEPS, "checkpoint.async_save=true", "run.name=r", "restart=none",
-                     "fault=save_error", "fault.at_step=20")
+    proc = run_train(
+        tmp_path,
+        *QUICK,
+        *STEPS,
+        "checkpoint.async_save=true",
+        "run.name=r",
+        "restart=none",
+        "fault=save_error",
+        "fault.at_step=20",
+    )
     assert proc.returncode != 0
     assert "No space left on device" in proc.stderr
     assert committed_steps(run_dir(tmp_path, "r"))[-1] == 18

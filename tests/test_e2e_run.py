@@ -1,4 +1,5 @@
 """End to end through the real launcher: 2 workers, real signals, real checkpoint files."""
+
 from __future__ import annotations
 
 import hashlib
@@ -64,7 +65,9 @@ def test_running_a_finished_command_again_trains_nothing(baseline: dict, tmp_pat
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_resume_never_refuses_and_leaves_checkpoints_untouched(baseline: dict, tmp_path: Path) -> None:
@@ -79,16 +82,19 @@ def test_resume_never_refuses_and_leaves_checkpoints_untouched(baseline: dict, t
     assert not [e for e in events(folder)[n_events:] if e["event"] == "attempt_started"]
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("trainer.max_epochs=0", "trainer.max_epochs"),
-    ("restart.max_restarts=-1", "restart.max_restarts"),
-    ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
-    ("trainer.foo=1", "trainer.foo"),
-    ("backend.nproc_per_node=two", "backend.nproc_per_node"),
-    ("backend=nope", "backend"),
-    ("resume=sometimes", "resume"),
-    ("data.batch_size=-4", "data.batch_size"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("trainer.max_epochs=0", "trainer.max_epochs"),
+        ("restart.max_restarts=-1", "restart.max_restarts"),
+        ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
+        ("trainer.foo=1", "trainer.foo"),
+        ("backend.nproc_per_node=two", "backend.nproc_per_node"),
+        ("backend=nope", "backend"),
+        ("resume=sometimes", "resume"),
+        ("data.batch_size=-4", "data.batch_size"),
+    ],
+)
 def test_bad_overrides_fail_before_any_worker_starts(tmp_path: Path, override: str, needle: str) -> None:
     proc = run_train(tmp_path, override, timeout=60)
     assert proc.returncode != 0

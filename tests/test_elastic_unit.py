@@ -1,4 +1,5 @@
 """Elastic resumes: the data position in samples survives a change of world size and batch size."""
+
 from __future__ import annotations
 
 import itertools

@@ -5,6 +5,7 @@ launcher); a run killed at seeded random points (SIGKILL to a worker whose pid i
 names, or the `fault` group's kill) and resumed must end with exactly the weights of the same run
 uninterrupted (summary.json's model_sha256).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,20 +58,30 @@ def kill_at(proc: subprocess.Popen, folder: Path, rank: int, step: int, restart:
             os.kill(beat["pid"], signal.SIGKILL)
             return int(beat["step"])
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before rank {rank} reached step {step} of attempt {restart}")
+            raise AssertionError(
+                f"the run ended (exit {proc.returncode}) before rank {rank} reached step {step} of attempt {restart}"
+            )
         time.sleep(0.01)
     raise AssertionError(f"rank {rank} did not reach step {step} of attempt {restart} within {timeout} s")
 
 
-def killed_and_resumed(cwd: Path, module: str, overrides: List[str], seed: int, kills: int, last_step: int,
-                       first_attempt: int = 0) -> Dict[str, Any]:
+def killed_and_resumed(
+    cwd: Path, module: str, overrides: List[str], seed: int, kills: int, last_step: int, first_attempt: int = 0
+) -> Dict[str, Any]:
     """Run `module`, SIGKILL a random rank at a random step `kills` times (in attempts `first_attempt`,
     `first_attempt + 1`, ..., the launcher restarting the workers each time), let it finish; return
     the run folder's records."""
     rng = random.Random(seed)
     plan = [(rng.randrange(2), rng.randint(last_step // 5, last_step * 3 // 5)) for _ in range(kills)]
-    proc = subprocess.Popen(app_cmd(module, *overrides, "run.name=killed"), cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        app_cmd(module, *overrides, "run.name=killed"),
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     folder = run_dir(cwd, "killed")
     try:
         killed = [kill_at(proc, folder, rank, step, first_attempt + i) for i, (rank, step) in enumerate(plan)]
@@ -107,8 +118,9 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     at_epoch_end = ["fault=kill_rank", "fault.rank=1", "fault.at_step=65"]
     # a snapshot every step (auto's choice for a step of real size; this one is tiny, so auto spaces them out)
     every_step = ["snapshot.every_n_steps=1"]
-    run = killed_and_resumed(tmp_path, "examples.seed.train", [*SEED, *at_epoch_end, *every_step], seed=11, kills=1, last_step=256,
-                             first_attempt=1)
+    run = killed_and_resumed(
+        tmp_path, "examples.seed.train", [*SEED, *at_epoch_end, *every_step], seed=11, kills=1, last_step=256, first_attempt=1
+    )
     assert_same_weights(run, seed_ref, restarts=2)
     folder, s = run["folder"], run["summary"]
     assert s["epochs_completed"] == 4 and len(s["model_sha256"]) == 64
@@ -128,17 +140,38 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
 def test_seed_plain_script_runs_under_torchrun(tmp_path: Path) -> None:
     """The script before conversion is a real, working torchrun script (its own checkpoints every 10 epochs)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--max_restarts=3", "--monitor_interval=1",
-                           str(ROOT / "examples" / "seed" / "train_plain.py")],
-                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc_per_node=2",
+            "--max_restarts=3",
+            "--monitor_interval=1",
+            str(ROOT / "examples" / "seed" / "train_plain.py"),
+        ],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "epoch 30/30 loss" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_0009.pt", "epoch_0019.pt", "epoch_0029.pt"]
 
 
 # ---- examples/charlm: a language model in an own loop ----------------------------------------------------
-CHARLM = ["epochs=2", "data.max_chars=40000", "data.block_size=32", "batch_size=16", "model.n_layer=1",
-          "model.n_embd=32", "model.n_head=2", "model.dropout=0.1", "checkpoint.every_n_steps=15", *FAST]  # 35 steps an epoch
+CHARLM = [
+    "epochs=2",
+    "data.max_chars=40000",
+    "data.block_size=32",
+    "batch_size=16",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.dropout=0.1",
+    "checkpoint.every_n_steps=15",
+    *FAST,
+]  # 35 steps an epoch
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +229,29 @@ def test_horovod_app_is_refused_on_another_backend_before_workers_start(tmp_path
 
 
 # ---- the built-in trainer: regression and language model, killed and resumed ------------------------------
-REGRESSION = ["+experiment=regression_quick", "data.num_samples=512", "data.batch_size=16", "trainer.max_epochs=3",
-              "checkpoint=every_n_steps", "checkpoint.every_n_steps=7", "model.dropout=0.1", *FAST]  # 13 steps an epoch
-LANGUAGE = ["+experiment=charlm_quick", "data.max_chars=30000", "data.block_size=32", "data.batch_size=16",
-            "model.n_embd=32", "model.n_head=2", "model.n_layer=1", "model.dropout=0.1", "trainer.max_epochs=2",
-            "checkpoint.every_n_steps=9", *FAST]  # 26 steps an epoch
+REGRESSION = [
+    "+experiment=regression_quick",
+    "data.num_samples=512",
+    "data.batch_size=16",
+    "trainer.max_epochs=3",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_n_steps=7",
+    "model.dropout=0.1",
+    *FAST,
+]  # 13 steps an epoch
+LANGUAGE = [
+    "+experiment=charlm_quick",
+    "data.max_chars=30000",
+    "data.block_size=32",
+    "data.batch_size=16",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.n_layer=1",
+    "model.dropout=0.1",
+    "trainer.max_epochs=2",
+    "checkpoint.every_n_steps=9",
+    *FAST,
+]  # 26 steps an epoch
 
 
 @pytest.mark.parametrize("job,last_step,seed", [(REGRESSION, 39, 3), (LANGUAGE, 52, 4)], ids=["regression", "language_model"])

@@ -7,6 +7,7 @@ hydra_plugins.steadfast_launcher._forkserver).
 - a worker forked from it runs with the launcher's environment of this launch (not the one the
   server started with) plus what torch elastic set for it, as a spawned worker would.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,8 @@ def _python(script: str, cwd: Path, timeout: float = 240) -> dict:
 
 
 def test_the_preloaded_server_has_one_thread_and_none_of_the_launcher_s_files(tmp_path: Path) -> None:
-    found = _python("""
+    found = _python(
+        """
         import json, multiprocessing, os
         from hydra_plugins.steadfast_launcher import _forkserver
 
@@ -51,14 +53,17 @@ def test_the_preloaded_server_has_one_thread_and_none_of_the_launcher_s_files(tm
             fds = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
             print(json.dumps({"server": server, "worker_parent": parent, "threads": len(os.listdir(f"/proc/{server}/task")),
                               "fds": fds, "held": os.path.realpath(held.name)}))
-        """, tmp_path)
+        """,
+        tmp_path,
+    )
     assert found["worker_parent"] == found["server"]
     assert found["threads"] == 1, found
     assert found["held"] not in found["fds"], found
 
 
 def test_importing_the_preload_list_makes_no_cuda_call(tmp_path: Path) -> None:
-    found = _python(f"""
+    found = _python(
+        f"""
         import json, torch
         calls = []
         def recorder(name, fn):
@@ -75,12 +80,15 @@ def test_importing_the_preload_list_makes_no_cuda_call(tmp_path: Path) -> None:
         for module in {list(_forkserver.PRELOAD)!r}:
             importlib.import_module(module)
         print(json.dumps({{"calls": calls, "initialized": torch.cuda.is_initialized()}}))
-        """, tmp_path)
+        """,
+        tmp_path,
+    )
     assert found == {"calls": [], "initialized": False}
 
 
 def test_a_forked_worker_gets_the_launch_s_environment_and_what_elastic_set(tmp_path: Path) -> None:
-    found = _python("""
+    found = _python(
+        """
         import json, multiprocessing, os
         from pathlib import Path
         from hydra_plugins.steadfast_launcher import _forkserver
@@ -115,7 +123,9 @@ def test_a_forked_worker_gets_the_launch_s_environment_and_what_elastic_set(tmp_
                 p.join()
                 draws.append(draw)
             print(json.dumps({"env": env, "launcher": launcher, "draws": draws}))
-        """, tmp_path)
+        """,
+        tmp_path,
+    )
     assert found["env"] == {**found["launcher"], "RANK": "1", "SHARED": "elastic"}
     assert "AT_SERVER_START" not in found["env"] and "PYTORCH_NVML_BASED_CUDA_CHECK" not in found["env"]
     assert found["draws"][0] != found["draws"][1]  # numpy's random state is not the server's copy

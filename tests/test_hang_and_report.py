@@ -1,6 +1,7 @@
 """The hang watchdog, the fault options that end in a restart, the memory guard, TensorBoard, the
 progress output in a non-terminal, and the report command on a run with restarts and on a sweep
 folder (failures.md scenarios 11-13)."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,18 @@ def test_a_hang_on_every_restart_exhausts_the_budget_and_names_the_first(tmp_pat
 def test_collective_deadline_frees_the_peers_of_a_hung_rank(tmp_path: Path) -> None:
     # no watchdog: rank 1 hangs, rank 0 waits for it in the gradient all-reduce until
     # restart.collective_timeout_s, then fails instead of waiting forever
-    proc = run_train(tmp_path, *QUICK, "fault=hang_rank", "fault.rank=1", "fault.at_step=20", "fault.hang_until_stop=true",
-                     "restart=none", "restart.hang_timeout_s=null", "restart.collective_timeout_s=3", "run.name=r")
+    proc = run_train(
+        tmp_path,
+        *QUICK,
+        "fault=hang_rank",
+        "fault.rank=1",
+        "fault.at_step=20",
+        "fault.hang_until_stop=true",
+        "restart=none",
+        "restart.hang_timeout_s=null",
+        "restart.collective_timeout_s=3",
+        "run.name=r",
+    )
     assert proc.returncode == 1
     folder = run_dir(tmp_path, "r")
     fired = event_of(folder, "fault_fired")
@@ -123,7 +134,9 @@ def test_progress_and_per_rank_memory_in_the_baseline_records(baseline: dict) ->
 
 
 def _report(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.report", str(folder)], env=env(), capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.report", str(folder)], env=env(), capture_output=True, text=True, timeout=180
+    )
 
 
 def _assert_picture(path: Path) -> None:
@@ -149,7 +162,11 @@ def test_report_on_a_run_with_a_restart(hung: dict, tmp_path: Path) -> None:
     assert f"checkpoints: {len(saved)} committed during the run, {len(on_disk)} kept on disk, {len(on_disk)} verified" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     lost = 20 - 13  # reached step 20, resumed from 13
-    assert rows[0][:6] == ["0", "0", "0", rows[0][3], "0", "20"] and rows[0][6] == str(lost) and "hang: rank 1 at step 20" in " ".join(rows[0])
+    assert (
+        rows[0][:6] == ["0", "0", "0", rows[0][3], "0", "20"]
+        and rows[0][6] == str(lost)
+        and "hang: rank 1 at step 20" in " ".join(rows[0])
+    )
     assert rows[1][4:7] == ["13", "52", "0"] and rows[1][-1] == "completed"
     assert "goodput" in out and "hung until detected" in out
     _assert_picture(folder / "report.png")

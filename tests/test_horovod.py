@@ -1,4 +1,5 @@
 """backend=horovod end to end: real Horovod processes started by horovod.run over Gloo."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,16 @@ def test_two_process_run_completes_with_records(hvd_baseline: dict) -> None:
     s, folder = hvd_baseline["summary"], hvd_baseline["dir"]
     assert s["status"] == "completed" and s["epochs_completed"] == 4 and s["world_size"] == 2
     assert s["restarts"] == 0 and len(s["model_sha256"]) == 64
-    for name in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "logs/rank0.log", "logs/rank1.log",
-                 "logs/horovod/attempt_0/rank.0/stderr", "logs/horovod/attempt_0/rank.1/stderr"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "events.jsonl",
+        "summary.json",
+        "logs/rank0.log",
+        "logs/rank1.log",
+        "logs/horovod/attempt_0/rank.0/stderr",
+        "logs/horovod/attempt_0/rank.1/stderr",
+    ):
         assert (folder / name).is_file(), name
     assert committed_steps(folder)[-1] == s["global_step"]
     kinds = [e["event"] for e in events(folder)]
@@ -64,19 +73,24 @@ def test_same_model_as_torchrun(baseline: dict, hvd_baseline: dict) -> None:
 
 
 def _horovod_error(name: str, code: int) -> RuntimeError:
-    return RuntimeError("Horovod detected that one or more processes exited with non-zero status, thus causing the job "
-                        f"to be terminated. The first process to do so was:\nProcess name: {name}\nExit code: {code}\n")
+    return RuntimeError(
+        "Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+        f"to be terminated. The first process to do so was:\nProcess name: {name}\nExit code: {code}\n"
+    )
 
 
 def test_root_cause_names_the_failing_rank_and_its_exception(tmp_path: Path) -> None:
     from hydra_plugins.steadfast_launcher._backends.horovod import root_cause
 
-    for rank, last in ((0, "horovod.common.exceptions.HorovodInternalError: Horovod has been shut down."),
-                       (1, "steadfast.faults.InjectedFault: boom")):
+    for rank, last in (
+        (0, "horovod.common.exceptions.HorovodInternalError: Horovod has been shut down."),
+        (1, "steadfast.faults.InjectedFault: boom"),
+    ):
         (tmp_path / f"rank.{rank}").mkdir()
         (tmp_path / f"rank.{rank}" / "stderr").write_text(
             f"[{rank}]<stderr>:log line\n[{rank}]<stderr>:User function raise error: xTraceback (most recent call last):\n"
-            f'[{rank}]<stderr>:  File "x.py", line 1, in f\n[{rank}]<stderr>:{last}\n')
+            f'[{rank}]<stderr>:  File "x.py", line 1, in f\n[{rank}]<stderr>:{last}\n'
+        )
     # rank 0 exited first, but only because rank 1 failed: the cause is rank 1's exception
     assert root_cause(_horovod_error("0", 1), tmp_path).startswith("rank 1: steadfast.faults.InjectedFault: boom")
     assert root_cause(_horovod_error("1", 1), tmp_path) == "rank 1 (exit code 1): steadfast.faults.InjectedFault: boom"
@@ -152,13 +166,16 @@ def test_missing_horovod_fails_at_start_up_saying_how_to_install(tmp_path: Path)
     assert not [e for f in tmp_path.glob("outputs/*/events.jsonl") for e in events(f.parent) if e["event"] == "attempt_started"]
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["backend.np=0"], "backend.np"),
-    (["backend.hosts=localhost:2", "backend.host_discovery_script=/bin/true"], "backend.host_discovery_script"),
-    (["backend.min_np=3", "backend.max_np=2"], "backend.min_np=3 is greater than backend.max_np=2"),
-    (["backend.min_np=2"], "backend.min_np (elastic mode) needs backend.host_discovery_script"),
-    (["backend.controller=mpi"], "backend.controller"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["backend.np=0"], "backend.np"),
+        (["backend.hosts=localhost:2", "backend.host_discovery_script=/bin/true"], "backend.host_discovery_script"),
+        (["backend.min_np=3", "backend.max_np=2"], "backend.min_np=3 is greater than backend.max_np=2"),
+        (["backend.min_np=2"], "backend.min_np (elastic mode) needs backend.host_discovery_script"),
+        (["backend.controller=mpi"], "backend.controller"),
+    ],
+)
 def test_bad_horovod_options_fail_at_start_up_naming_the_key(tmp_path: Path, overrides: list, needle: str) -> None:
     proc = run_train(tmp_path, "backend=horovod", *overrides, timeout=60)
     assert proc.returncode != 0

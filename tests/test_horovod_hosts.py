@@ -1,4 +1,5 @@
 """backend.hosts passes through to Horovod's runner (which reaches the other hosts over ssh)."""
+
 from __future__ import annotations
 
 from pathlib import Path

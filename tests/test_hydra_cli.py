@@ -2,6 +2,7 @@
 
 None of them starts a worker (or imports torch: see test_plugin.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,14 @@ PRESETS = tuple(sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.ya
 
 
 def cli(cwd: Path, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=cwd, env={**env(), **(extra_env or {})},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.train", *args],
+        cwd=cwd,
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, (args, proc.stdout[-3000:], proc.stderr[-3000:])
     return proc
 
@@ -38,8 +45,14 @@ def test_cfg_job_composes_a_preset(tmp_path: Path) -> None:
 
 def test_cfg_hydra_shows_the_launcher_and_its_sweep_settings(tmp_path: Path) -> None:
     out = cli(tmp_path, "--cfg", "hydra").stdout
-    for needle in ("mode: MULTIRUN", "_target_: hydra_plugins.steadfast_launcher.launcher.SteadfastLauncher",
-                   "max_parallel_jobs: 1", "fail_fast: false", "skip_completed: true", "steadfast_sweep_dir:outputs"):
+    for needle in (
+        "mode: MULTIRUN",
+        "_target_: hydra_plugins.steadfast_launcher.launcher.SteadfastLauncher",
+        "max_parallel_jobs: 1",
+        "fail_fast: false",
+        "skip_completed: true",
+        "steadfast_sweep_dir:outputs",
+    ):
         assert needle in out, (needle, out)
     shown = cli(tmp_path, "--cfg", "hydra", "-p", "hydra.launcher.max_parallel_jobs", "hydra.launcher.max_parallel_jobs=3").stdout
     assert shown.strip().endswith("3"), shown
@@ -86,7 +99,7 @@ def test_shell_completion_works_in_bash_with_the_installed_command(tmp_path: Pat
         f'export PATH="{Path(exe).parent}:$PATH"\n'
         'eval "$(steadfast-train -sc install=bash)"\n'
         f'COMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}; COMP_WORDS=({line}); COMP_CWORD=1\n'
-        'hydra_bash_completion\n'
+        "hydra_bash_completion\n"
         'echo "REPLY: ${COMPREPLY[*]}"\n'
     )
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)

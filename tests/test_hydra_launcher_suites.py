@@ -4,6 +4,7 @@ launcher's process (the default) and jobs in parallel, one launcher process per 
 
 The apps of these suites configure no backend, so every job runs in-process (backend=local).
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -14,6 +15,7 @@ from hydra.core.singleton import Singleton
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 from hydra.version import VersionBase
+
 from hydra_plugins.steadfast_launcher.launcher import SteadfastLauncher
 
 
@@ -38,7 +40,9 @@ class TestSteadfastLauncher(LauncherTestSuite):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher_name, overrides", [("steadfast", ["hydra.launcher.max_parallel_jobs=2", "hydra.launcher.max_procs=2"])])
+@pytest.mark.parametrize(
+    "launcher_name, overrides", [("steadfast", ["hydra.launcher.max_parallel_jobs=2", "hydra.launcher.max_procs=2"])]
+)
 class TestSteadfastLauncherParallel(LauncherTestSuite):
     pass
 

@@ -1,6 +1,7 @@
 """The run lock and a refused launch: one launch per run folder and per folder of
 hydra.launcher.lock_dirs (a shared checkpoint.dir), taken before Hydra writes anything; a
 filesystem that cannot lock is named with the fix; a refused launch leaves nothing behind."""
+
 from __future__ import annotations
 
 import errno
@@ -12,6 +13,7 @@ from typing import Dict, Tuple
 
 import pytest
 from helpers import event_of, run_dir, run_train, start_train, stop, wait_for
+
 from hydra_plugins.steadfast_launcher import _locks
 from hydra_plugins.steadfast_launcher._types import Refused
 
@@ -30,6 +32,7 @@ def tree(folder: Path) -> Dict[str, Tuple[int, bytes]]:
 
 
 # ---- the lock itself, in this process (flock locks of two open files conflict within one process too)
+
 
 def test_a_shared_lock_dir_admits_one_run_and_names_the_holder(tmp_path: Path) -> None:
     ck = tmp_path / "shared_ck"
@@ -58,8 +61,10 @@ def test_the_launchers_of_one_multi_node_job_share_the_lock(tmp_path: Path) -> N
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS])
 def test_a_filesystem_that_cannot_flock_is_named_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"22 27 0:21 / / rw,relatime - ext4 /dev/sda1 rw\n"
-                         f"98 22 0:50 / {tmp_path} rw,relatime shared:1 - nfs4 server:/export rw,vers=4.2,local_lock=none\n")
+    mountinfo.write_text(
+        f"22 27 0:21 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        f"98 22 0:50 / {tmp_path} rw,relatime shared:1 - nfs4 server:/export rw,vers=4.2,local_lock=none\n"
+    )
     monkeypatch.setattr(_locks, "MOUNTINFO", str(mountinfo))
 
     def no_flock(fd: int, how: int) -> None:
@@ -88,6 +93,7 @@ def test_filesystem_type_comes_from_the_mount_table(tmp_path: Path) -> None:
 
 # ---- real launches -------------------------------------------------------------------------
 
+
 def test_a_refused_launch_leaves_nothing_behind(tmp_path: Path) -> None:
     proc = run_train(tmp_path, *TINY, "checkpoint.every_n_epochs=0", timeout=120)
     assert proc.returncode != 0 and "checkpoint.every_n_epochs=0 is not allowed" in proc.stderr, proc.stderr[-2000:]
@@ -97,10 +103,12 @@ def test_a_refused_launch_leaves_nothing_behind(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "outputs") == ["done"]
     assert (run_dir(tmp_path, "done") / "multirun.yaml").is_file()  # Hydra's record of the launch, in the run folder
     before = tree(tmp_path / "outputs")
-    for bad in (["run.name=done", "checkpoint.every_n_epochs=0"],  # an existing run: its files untouched
-                ["run.name=new", "checkpoint.every_n_epochs=0"],
-                ["-m", "trainer.seed=1,2", "checkpoint.every_n_epochs=0"],  # a sweep refused at pre-flight
-                ["-m", "trainer.seed=1,2", "trainer.no_such_key=1,2"]):  # refused by Hydra's own composition
+    for bad in (
+        ["run.name=done", "checkpoint.every_n_epochs=0"],  # an existing run: its files untouched
+        ["run.name=new", "checkpoint.every_n_epochs=0"],
+        ["-m", "trainer.seed=1,2", "checkpoint.every_n_epochs=0"],  # a sweep refused at pre-flight
+        ["-m", "trainer.seed=1,2", "trainer.no_such_key=1,2"],
+    ):  # refused by Hydra's own composition
         proc = run_train(tmp_path, *TINY, *bad, timeout=120)
         assert proc.returncode != 0, (bad, proc.stderr[-2000:])
         assert tree(tmp_path / "outputs") == before, bad
@@ -111,15 +119,25 @@ def test_a_run_in_use_refuses_a_second_launch_before_it_writes_anything(tmp_path
     refused naming that folder and A; C (the same run folder, other overrides) is refused before
     Hydra writes .hydra/ or its log: A's files are unchanged, and nothing new appears under outputs/."""
     ck = tmp_path / "shared_checkpoints"
-    a = start_train(tmp_path, *TINY, "run.name=a", f"checkpoint.dir={ck}", "fault=hang_rank", "fault.rank=0",
-                    "fault.at_step=1", "fault.hang_s=120")
+    a = start_train(
+        tmp_path,
+        *TINY,
+        "run.name=a",
+        f"checkpoint.dir={ck}",
+        "fault=hang_rank",
+        "fault.rank=0",
+        "fault.at_step=1",
+        "fault.hang_s=120",
+    )
     folder = run_dir(tmp_path, "a")
     try:
         fired = wait_for(lambda: event_of(folder, "fault_fired"), 120, "run A to reach its pause", a)
         before = tree(tmp_path / "outputs")
         b = run_train(tmp_path, *TINY, "run.name=b", f"checkpoint.dir={ck}", timeout=120)
         assert b.returncode != 0
-        assert f"Folder {ck} is in use by pid {fired['pid']} on {socket.gethostname()} (run folder {folder})" in b.stderr, b.stderr[-2000:]
+        assert f"Folder {ck} is in use by pid {fired['pid']} on {socket.gethostname()} (run folder {folder})" in b.stderr, (
+            b.stderr[-2000:]
+        )
         c = run_train(tmp_path, *TINY, "run.name=a", "trainer.max_epochs=3", timeout=120)
         assert c.returncode != 0 and f"Run folder {folder} is in use by pid {fired['pid']}" in c.stderr, c.stderr[-2000:]
         after = tree(tmp_path / "outputs")

@@ -1,12 +1,12 @@
 """Beyond one machine, rehearsed on this one: several launchers ("nodes") on localhost join one
 job through a shared rendezvous endpoint (see README, "Beyond one machine")."""
+
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh
@@ -19,8 +19,16 @@ def free_port() -> int:
 
 
 def node_args(port: int, nnodes: str = "2", name: str = "big", *extra: str) -> list:
-    return [*QUICK, "trainer.max_epochs=2", f"backend.nnodes={nnodes}", "backend.nproc_per_node=1",
-            f"backend.rdzv_endpoint=localhost:{port}", f"run.name={name}", "backend.rdzv_timeout_s=60", *extra]
+    return [
+        *QUICK,
+        "trainer.max_epochs=2",
+        f"backend.nnodes={nnodes}",
+        "backend.nproc_per_node=1",
+        f"backend.rdzv_endpoint=localhost:{port}",
+        f"run.name={name}",
+        "backend.rdzv_timeout_s=60",
+        *extra,
+    ]
 
 
 def finish(proc, timeout: float = 150) -> tuple:
@@ -85,16 +93,26 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     the job completes on 2 workers again. Node A hosts the c10d store (started first): with c10d the
     endpoint's node must survive (use etcd when any node may go)."""
     port = free_port()
-    args = [*node_args(port, "1:2", "el"), "trainer.max_epochs=10", "data.num_samples=1024", "restart.preemption_grace_s=5",
-            "backend.rdzv_last_call_s=3", "backend.rdzv_node_timeout_s=6", "restart.max_restarts=5",
-            "restart.collective_timeout_s=60",
-            # node A alone holds at step 200 until it is asked to stop (B rejoining stops it); B is
-            # started again only once A holds, so the hang never reaches a two-worker round (there
-            # its peer would wait out the collective deadline) and the test waits for B however long
-            # B takes to start, and no longer. 200 is past what the two-worker round reaches before
-            # B is killed (just after its first checkpoint), however fast the workers start and
-            # train, and before A alone ends (26 steps an epoch, 260 in all)
-            "fault=hang_rank", "fault.rank=0", "fault.at_step=200", "fault.hang_until_stop=true"]
+    args = [
+        *node_args(port, "1:2", "el"),
+        "trainer.max_epochs=10",
+        "data.num_samples=1024",
+        "restart.preemption_grace_s=5",
+        "backend.rdzv_last_call_s=3",
+        "backend.rdzv_node_timeout_s=6",
+        "restart.max_restarts=5",
+        "restart.collective_timeout_s=60",
+        # node A alone holds at step 200 until it is asked to stop (B rejoining stops it); B is
+        # started again only once A holds, so the hang never reaches a two-worker round (there
+        # its peer would wait out the collective deadline) and the test waits for B however long
+        # B takes to start, and no longer. 200 is past what the two-worker round reaches before
+        # B is killed (just after its first checkpoint), however fast the workers start and
+        # train, and before A alone ends (26 steps an epoch, 260 in all)
+        "fault=hang_rank",
+        "fault.rank=0",
+        "fault.at_step=200",
+        "fault.hang_until_stop=true",
+    ]
     args = [a for a in args if a != "trainer.max_epochs=2"]
     folder = run_dir(tmp_path, "el")
     a = start_train(tmp_path, *args)
@@ -103,18 +121,35 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
         wait_for(lambda: _listening(port), 60, "node A's rendezvous store", a)
         b = start_train(tmp_path, *args)
         # (if A's first round started alone, B's arrival makes A save and re-rendezvous with both: fine)
-        pair = wait_for(lambda: [e for e in events(folder) if e.get("event") == "attempt_started" and e.get("world_size") == 2],
-                        120, "both nodes training in one round", a)[0]
-        wait_for(lambda: [e for e in events(folder) if e.get("event") == "checkpoint_saved" and e["time"] > pair["time"]],
-                 60, "a checkpoint committed by the 2-worker group", a)
+        pair = wait_for(
+            lambda: [e for e in events(folder) if e.get("event") == "attempt_started" and e.get("world_size") == 2],
+            120,
+            "both nodes training in one round",
+            a,
+        )[0]
+        wait_for(
+            lambda: [e for e in events(folder) if e.get("event") == "checkpoint_saved" and e["time"] > pair["time"]],
+            60,
+            "a checkpoint committed by the 2-worker group",
+            a,
+        )
         stop(b)  # SIGKILL to B's launcher, agent and worker (one process group)
-        changed = wait_for(lambda: event_of(folder, "world_size_changed", world_size=1, saved_world_size=2), 120,
-                           "A resuming alone", a)
+        changed = wait_for(
+            lambda: event_of(folder, "world_size_changed", world_size=1, saved_world_size=2), 120, "A resuming alone", a
+        )
         assert changed["saved_world_size"] == 2 and changed["global_batch"] == 32  # keep_global_batch: 16 x 2
         wait_for(lambda: event_of(folder, "fault_fired", step=200), 120, "node A alone holding at step 200", a)
         b2 = start_train(tmp_path, *args)
-        back = wait_for(lambda: [e for e in events(folder) if e.get("event") == "world_size_changed"
-                                 and e.get("world_size") == 2 and e["time"] > changed["time"]], 120, "B rejoining", a)[0]
+        back = wait_for(
+            lambda: [
+                e
+                for e in events(folder)
+                if e.get("event") == "world_size_changed" and e.get("world_size") == 2 and e["time"] > changed["time"]
+            ],
+            120,
+            "B rejoining",
+            a,
+        )[0]
         assert back["saved_world_size"] == 1 and back["batch_per_worker"] == 16
         rc_a, out_a = finish(a, 200)
         rc_b, out_b = finish(b2, 60)

@@ -1,4 +1,5 @@
 """The job payload goes to workers through a private file; they get a small, checked reference."""
+
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
+
 from hydra_plugins.steadfast_launcher import _forkserver, _payload
 from hydra_plugins.steadfast_launcher._payload import PayloadError, PayloadRef
 

@@ -1,4 +1,5 @@
 """Hydra finds the launcher in the installed environment, and start-up never imports torch."""
+
 from __future__ import annotations
 
 import subprocess
@@ -41,16 +42,30 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_help_lists_the_config_groups(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.train", "--help"], cwd=tmp_path, env=CLEAN_ENV,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.train", "--help"],
+        cwd=tmp_path,
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0
     for group in ("backend:", "restart:", "checkpoint:", "model:", "data:"):
         assert group in proc.stdout, proc.stdout
 
 
 def test_local_backend_runs_in_process(tmp_path: Path) -> None:
-    proc = run_train(tmp_path, "backend=local", "data=synthetic", "data.num_samples=256", "trainer.max_epochs=2",
-                     "checkpoint=every_epoch", "run.name=local", check=True)
+    proc = run_train(
+        tmp_path,
+        "backend=local",
+        "data=synthetic",
+        "data.num_samples=256",
+        "trainer.max_epochs=2",
+        "checkpoint=every_epoch",
+        "run.name=local",
+        check=True,
+    )
     assert proc.returncode == 0
     import json
 

@@ -7,6 +7,7 @@ The moment of the signal is placed with faults that hold a rank in a given place
 asked to stop (`fault.hang_until_stop=true`): in the backward pass, at a step boundary, in the
 middle of writing a checkpoint. The tests wait for the fault's event, never for a time.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,7 +73,16 @@ def test_sigterm_to_the_launcher_during_backward(tmp_path: Path, baseline: dict,
     # the flags of step 20 are read at step 21), and both stop at step 21. A loaded machine can
     # leave rank 0 short of its boundary of step 19 when the signal comes (rank 1 only needed its
     # gradients): then the flags of step 19 carry it and both stop at step 20, as promised too.
-    args = [*QUICK, *EVERY_STEP, *backend, "run.name=r", "fault=hang_in_backward", "fault.rank=1", "fault.at_step=20", "fault.hang_until_stop=true"]
+    args = [
+        *QUICK,
+        *EVERY_STEP,
+        *backend,
+        "run.name=r",
+        "fault=hang_in_backward",
+        "fault.rank=1",
+        "fault.at_step=20",
+        "fault.hang_until_stop=true",
+    ]
     code, out = launch_and_signal(tmp_path, args, signal.SIGTERM)
     folder = run_dir(tmp_path, "r")
     assert code == PREEMPTED, out[-3000:]
@@ -93,7 +103,10 @@ def test_sigterm_to_one_worker_at_a_random_step(tmp_path: Path, baseline: dict) 
     folder = run_dir(tmp_path, "r")
     assert code == PREEMPTED, (seed, out[-3000:])
     stopped = event_of(folder, "preempted")
-    assert stopped is not None and step <= stopped["step"] <= -(-(step + 1) // BATCHES_PER_EPOCH) * BATCHES_PER_EPOCH, (seed, stopped)
+    assert stopped is not None and step <= stopped["step"] <= -(-(step + 1) // BATCHES_PER_EPOCH) * BATCHES_PER_EPOCH, (
+        seed,
+        stopped,
+    )
     assert_stopped_and_saved(folder, stopped["step"])
     assert_resumes_exactly(tmp_path, folder, baseline, args, stopped["step"])
 
@@ -114,14 +127,24 @@ def test_sigint_to_the_launcher_during_a_checkpoint_write(tmp_path: Path, baseli
 
 
 @pytest.mark.parametrize("rerun", [True, False], ids=["torchrun+rerun", "horovod"])
-def test_a_save_that_cannot_finish_in_the_grace_leaves_the_previous_checkpoint(tmp_path: Path, baseline: dict, rerun: bool) -> None:
+def test_a_save_that_cannot_finish_in_the_grace_leaves_the_previous_checkpoint(
+    tmp_path: Path, baseline: dict, rerun: bool
+) -> None:
     # rank 0 hangs in the middle of writing step 24 and does not react to the request: after
     # restart.preemption_grace_s the workers are stopped; step 18 stays the newest committed one
     if not rerun:
         pytest.importorskip("horovod.torch")
     backend = [] if rerun else ["backend=horovod"]
-    args = [*QUICK, *STEPS, *backend, "run.name=r", "fault=hang_in_save", "fault.at_step=20", "fault.hang_s=120",
-            "restart.preemption_grace_s=2"]
+    args = [
+        *QUICK,
+        *STEPS,
+        *backend,
+        "run.name=r",
+        "fault=hang_in_save",
+        "fault.at_step=20",
+        "fault.hang_s=120",
+        "restart.preemption_grace_s=2",
+    ]
     code, out = launch_and_signal(tmp_path, args, signal.SIGTERM)
     folder = run_dir(tmp_path, "r")
     assert code == PREEMPTED, out[-3000:]
@@ -163,8 +186,14 @@ def test_fault_sigterm_through_verify_recovery(tmp_path: Path) -> None:
 
     from helpers import env
 
-    proc = subprocess.run([sys.executable, "-m", "pipeline.verify_recovery", *QUICK, *EVERY_STEP, "fault=sigterm", "fault.at_step=20"],
-                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.verify_recovery", *QUICK, *EVERY_STEP, "fault=sigterm", "fault.at_step=20"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "faulted: launch 1 stopped on request (exit code 75)" in proc.stdout
     assert "fault fired: sigterm on rank 0 at step 20" in proc.stdout and "resumed from step(s) 21" in proc.stdout

@@ -1,5 +1,6 @@
 """The committed presets (conf/experiment/): each composes and passes the pre-flight checks, and
 its quick variant (the preset with 1 epoch) trains end to end."""
+
 from __future__ import annotations
 
 from importlib.util import find_spec
@@ -16,10 +17,19 @@ from steadfast import preflight as library
 
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 EXPECTED = {  # what each preset is for
-    "digits_quick": {"backend.name": "torchrun", "trainer.max_epochs": 3, "restart.max_restarts": 0, "checkpoint.every_n_epochs": 1},
+    "digits_quick": {
+        "backend.name": "torchrun",
+        "trainer.max_epochs": 3,
+        "restart.max_restarts": 0,
+        "checkpoint.every_n_epochs": 1,
+    },
     "digits": {"model.name": "cnn", "trainer.optimizer": "adamw", "trainer.scheduler": "cosine", "restart.max_restarts": 3},
-    "classic": {"backend.name": "torchrun", "backend.rdzv_backend": "c10d", "restart.max_restarts": 3,
-                "checkpoint.every_n_epochs": 10},
+    "classic": {
+        "backend.name": "torchrun",
+        "backend.rdzv_backend": "c10d",
+        "restart.max_restarts": 3,
+        "checkpoint.every_n_epochs": 10,
+    },
     "horovod": {"backend.name": "horovod", "backend.np": 2, "restart.max_restarts": 3},
 }
 
@@ -56,13 +66,28 @@ def test_every_preset_runs_its_quick_variant(tmp_path: Path) -> None:
     launch of its own): every job a real distributed run."""
     presets = [p for p in PRESETS if p != "horovod" or find_spec("horovod") is not None]
     swept = [p for p in presets if p not in CUT_DATA]
-    run_train(tmp_path, "-m", f"+experiment={','.join(swept)}", "trainer.max_epochs=1", "restart.monitor_interval=0.1",
-              timeout=400, check=True)
+    run_train(
+        tmp_path,
+        "-m",
+        f"+experiment={','.join(swept)}",
+        "trainer.max_epochs=1",
+        "restart.monitor_interval=0.1",
+        timeout=400,
+        check=True,
+    )
     (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
     folders = {p: sweep / f"experiment={p}" for p in swept}
     for preset in sorted(set(presets) & set(CUT_DATA)):
-        run_train(tmp_path, f"+experiment={preset}", "trainer.max_epochs=1", "restart.monitor_interval=0.1", *CUT_DATA[preset],
-                  f"run.name={preset}", timeout=400, check=True)
+        run_train(
+            tmp_path,
+            f"+experiment={preset}",
+            "trainer.max_epochs=1",
+            "restart.monitor_interval=0.1",
+            *CUT_DATA[preset],
+            f"run.name={preset}",
+            timeout=400,
+            check=True,
+        )
         folders[preset] = tmp_path / "outputs" / preset
     assert set(folders) == set(presets)
     for preset, folder in folders.items():

@@ -1,6 +1,7 @@
 """The report's analysis on records built by hand (no processes): attempts, where each resumed from,
 the steps each lost, the time breakdown and goodput; and the reading of a run folder whose files are
 missing, damaged or hostile (a report that says what is wrong, never a traceback)."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ class Records:
     def train(self, t0: float, first: int, last: int, restart: int) -> "Records":
         """Logged steps first..last (every 10) starting at t0, and the attempt's first_step record."""
         self.ev(t0, Event.FIRST_STEP, restart=restart, step=first)
-        self.rows += [dict(time=t0 + STEP_S * (s - first), step=s, loss=2.0 - s / 1000, restart=restart)
-                      for s in range(first, last + 1, 10)]
+        self.rows += [
+            dict(time=t0 + STEP_S * (s - first), step=s, loss=2.0 - s / 1000, restart=restart) for s in range(first, last + 1, 10)
+        ]
         return self
 
     def records(self, folder: Path = Path("run"), summary: Optional[Summary] = None) -> RunRecords:
@@ -49,11 +51,15 @@ class Records:
 def crash_and_restart() -> Records:
     """Rank 1 SIGKILLed at step 250; torch elastic restarts the group from the checkpoint of step 200."""
     r = Records().ev(0, Event.LAUNCH).ev(5, Event.ATTEMPT_STARTED, restart=0).train(6, 10, 250, restart=0)
-    r.ev(16, Event.CHECKPOINT_SAVED, restart=0, step=100, seconds=0.5).ev(26, Event.CHECKPOINT_SAVED, restart=0, step=200, seconds=0.5)
+    r.ev(16, Event.CHECKPOINT_SAVED, restart=0, step=100, seconds=0.5).ev(
+        26, Event.CHECKPOINT_SAVED, restart=0, step=200, seconds=0.5
+    )
     r.ev(31, Event.FAULT_FIRED, restart=0, fault="kill", rank=1, step=250)
     r.ev(32, Event.ATTEMPT_ENDED, restart=0, last_step=250)
     r.ev(40, Event.ATTEMPT_STARTED, restart=1).ev(41, Event.RESUMED, restart=1, step=200).train(42, 210, 400, restart=1)
-    r.ev(52, Event.CHECKPOINT_SAVED, restart=1, step=300, seconds=0.5).ev(62, Event.CHECKPOINT_SAVED, restart=1, step=400, seconds=0.5)
+    r.ev(52, Event.CHECKPOINT_SAVED, restart=1, step=300, seconds=0.5).ev(
+        62, Event.CHECKPOINT_SAVED, restart=1, step=400, seconds=0.5
+    )
     r.ev(62, Event.TRAINING_COMPLETED, restart=1, step=400).ev(63, Event.ATTEMPT_ENDED, restart=1, last_step=400)
     return r.ev(64, Event.JOB_COMPLETED, relaunches=0)
 
@@ -63,7 +69,13 @@ def test_a_crash_and_restart_loses_the_steps_since_the_checkpoint() -> None:
     assert r.status == "completed" and len(r.launches) == 1 and r.restarts == 1 and r.preemptions == 0
     a0, a1 = r.attempts
     assert (a0.outcome, a0.cause, a0.resumed_from, a0.source, a0.last_step, a0.lost_steps) == (
-        Outcome.FAILED, "fault=kill on rank 1 at step 250", 0, None, 250, 50)
+        Outcome.FAILED,
+        "fault=kill on rank 1 at step 250",
+        0,
+        None,
+        250,
+        50,
+    )
     assert (a1.outcome, a1.resumed_from, a1.source, a1.last_step, a1.lost_steps) == (Outcome.COMPLETED, 200, "disk", 400, 0)
     assert (a0.start, a0.end, a1.start, a1.end) == (0, 32, 32, 63)  # attempt 1 starts when attempt 0 ended
     assert a0.step_time == pytest.approx(STEP_S) and a1.step_time == pytest.approx(STEP_S)
@@ -85,7 +97,10 @@ def test_a_preemption_saves_and_the_next_launch_loses_nothing() -> None:
     r.ev(1034, Event.ATTEMPT_ENDED, restart=0, last_step=800).ev(1035, Event.JOB_COMPLETED, relaunches=0)
     rep = r.report()
     assert rep.status == "completed"  # no summary.json: from the last launch's end record
-    assert [(x.start, x.end, x.ended_by) for x in rep.launches] == [(0, 58, Event.JOB_INTERRUPTED), (1000, 1035, Event.JOB_COMPLETED)]
+    assert [(x.start, x.end, x.ended_by) for x in rep.launches] == [
+        (0, 58, Event.JOB_INTERRUPTED),
+        (1000, 1035, Event.JOB_COMPLETED),
+    ]
     assert rep.restarts == 0 and rep.preemptions == 1 and rep.breakdown.wall == 58 + 35
     a0, a1 = rep.attempts
     assert (a0.outcome, a0.cause, a0.lost_steps) == (Outcome.PREEMPTED, "preempted by SIGTERM at step 510 (saved)", 0)
@@ -103,8 +118,15 @@ def test_a_preemption_that_did_not_save_in_time_says_so() -> None:
 def test_a_hang_is_failed_at_its_step_and_its_time_until_detection_counted() -> None:
     r = Records().ev(0, Event.LAUNCH).ev(4, Event.ATTEMPT_STARTED, restart=0).train(5, 10, 650, restart=0)
     r.ev(60, Event.CHECKPOINT_SAVED, restart=0, step=600, seconds=0.5)
-    r.ev(74.8, Event.HANG_DETECTED, restart=0, rank=1, step=650, seconds_without_progress=4.8,
-         where="/work/app/pipeline/faults.py:104 in _fire")
+    r.ev(
+        74.8,
+        Event.HANG_DETECTED,
+        restart=0,
+        rank=1,
+        step=650,
+        seconds_without_progress=4.8,
+        where="/work/app/pipeline/faults.py:104 in _fire",
+    )
     r.ev(75, Event.ATTEMPT_ENDED, restart=0, last_step=650)
     r.ev(80, Event.ATTEMPT_STARTED, restart=1).ev(81, Event.RESUMED, restart=1, step=600).train(82, 610, 800, restart=1)
     r.ev(101, Event.TRAINING_COMPLETED, restart=1, step=800).ev(102, Event.JOB_COMPLETED)
@@ -142,7 +164,12 @@ def test_a_stop_that_must_not_be_restarted() -> None:
     r.ev(8, Event.ATTEMPT_ENDED, restart=0, last_step=10).ev(9, Event.JOB_STOPPED, reason="memory_limit", step=10, message="m")
     rep = r.report()
     (a,) = rep.attempts
-    assert (rep.status, a.outcome, a.cause, rep.preemptions) == ("memory_limit", Outcome.STOPPED, "memory limit at step 10 (saved)", 0)
+    assert (rep.status, a.outcome, a.cause, rep.preemptions) == (
+        "memory_limit",
+        Outcome.STOPPED,
+        "memory limit at step 10 (saved)",
+        0,
+    )
 
 
 def test_a_worker_that_died_without_a_record_and_the_launch_interrupted_after() -> None:
@@ -151,7 +178,11 @@ def test_a_worker_that_died_without_a_record_and_the_launch_interrupted_after() 
     r.ev(11, Event.ATTEMPT_ENDED, restart=0, last_step=50)
     r.ev(12, Event.ATTEMPT_STARTED, restart=1).train(13, 10, 40, restart=1).ev(20, Event.JOB_INTERRUPTED, signal="SIGTERM")
     a0, a1 = r.report().attempts
-    assert (a0.outcome, a0.cause, a0.end) == (Outcome.FAILED, "a worker died without recording an error (killed by a signal?)", 11)
+    assert (a0.outcome, a0.cause, a0.end) == (
+        Outcome.FAILED,
+        "a worker died without recording an error (killed by a signal?)",
+        11,
+    )
     assert (a1.outcome, a1.cause, a1.lost_steps, a0.lost_steps) == (Outcome.PREEMPTED, "stopped by SIGTERM", 0, 50)
 
 
@@ -182,12 +213,20 @@ def test_restores_from_memory_and_from_disk_are_told_apart() -> None:
     r.ev(45, Event.ATTEMPT_STARTED, restart=2).ev(46, Event.RESUMED, restart=2, step=200, source="disk")
     r.train(47, 210, 400, restart=2).ev(66, Event.TRAINING_COMPLETED, restart=2, step=400).ev(67, Event.JOB_COMPLETED)
     rep = r.report()
-    assert [(a.resumed_from, a.source, a.lost_steps) for a in rep.attempts] == [(0, None, 5), (225, "memory", 100), (200, "disk", 0)]
+    assert [(a.resumed_from, a.source, a.lost_steps) for a in rep.attempts] == [
+        (0, None, 5),
+        (225, "memory", 100),
+        (200, "disk", 0),
+    ]
     assert rep.resumed_from_memory
     out = text.format_run(rep)
     table = out.split("  attempts:\n")[1].splitlines()
     assert table[0].split() == ["#", "launch", "restart", "start", "resumed", "from", "reached", "lost", "how", "it", "ended"]
-    assert [row.split()[4:8] for row in table[1:4]] == [["0", "-", "230", "5"], ["225", "memory", "300", "100"], ["200", "disk", "400", "0"]]
+    assert [row.split()[4:8] for row in table[1:4]] == [
+        ["0", "-", "230", "5"],
+        ["225", "memory", "300", "100"],
+        ["200", "disk", "400", "0"],
+    ]
     assert "  restores: 1 from memory (5 step(s) lost before them), 1 from disk (100 step(s) lost before them)" in out
 
 
@@ -257,7 +296,9 @@ def commit_checkpoints(folder: Path, steps: List[int]) -> None:
 
 def test_the_checkpoints_are_verified_where_the_runs_config_put_them(tmp_path: Path) -> None:
     custom = tmp_path / "elsewhere" / "ckpts"
-    folder = write_run(tmp_path / "run", crash_and_restart(), config=f"run:\n  name: run\ncheckpoint:\n  dir: {custom}\n  keep_last: 3\n")
+    folder = write_run(
+        tmp_path / "run", crash_and_restart(), config=f"run:\n  name: run\ncheckpoint:\n  dir: {custom}\n  keep_last: 3\n"
+    )
     commit_checkpoints(custom, [200, 300, 400])
     commit_checkpoints(folder / "checkpoints", [7])  # not this run's folder any more: never looked at
     damaged = next(custom.glob("step_*300/model.bin"))
@@ -266,7 +307,10 @@ def test_the_checkpoints_are_verified_where_the_runs_config_put_them(tmp_path: P
     assert records.checkpoint_dir == custom and records.problems == []
     assert [(c.step, c.verified) for c in records.checkpoints] == [(400, True), (300, False), (200, True)]
     out = text.format_run(analysis.analyse(records))
-    assert f"checkpoints: 4 committed during the run, 3 kept on disk in {custom}, 2 verified against their manifests, newest step 400" in out
+    assert (
+        f"checkpoints: 4 committed during the run, 3 kept on disk in {custom}, 2 verified against their manifests, newest step 400"
+        in out
+    )
     assert "    step 300: DAMAGED: " in out and "checksum mismatch" in out
     # no checkpoint.dir: <run folder>/checkpoints, and the line of today (no folder named)
     (folder / "config.yaml").write_text("checkpoint:\n  dir: null\n")
@@ -275,7 +319,10 @@ def test_the_checkpoints_are_verified_where_the_runs_config_put_them(tmp_path: P
 
 
 HOSTILE = {
-    "events.jsonl": [b"\x00\xff garbage\n{\"time\": 1, \"event\": \"launch\"}\n[1, 2]\n", "2 line(s) that are not an event of this version"],
+    "events.jsonl": [
+        b'\x00\xff garbage\n{"time": 1, "event": "launch"}\n[1, 2]\n',
+        "2 line(s) that are not an event of this version",
+    ],
     "metrics.jsonl": [b'{"time": 1, "step": 1, "loss": 1.0}\n{"cut by a cra', "1 line(s) that are not a JSON object"],
     "summary.json": [b"[1, 2, 3]", "summary.json: empty, or not a JSON object"],
     "config.yaml": [b"checkpoint: {dir: [unclosed\n", "config.yaml: not valid YAML"],
@@ -283,7 +330,9 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_a_damaged_file_is_named_in_the_report_never_a_traceback(tmp_path: Path, name: str, capsys: pytest.CaptureFixture) -> None:
+def test_a_damaged_file_is_named_in_the_report_never_a_traceback(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture
+) -> None:
     from steadfast.report import main
 
     folder = write_run(tmp_path / "run", crash_and_restart(), config="checkpoint:\n  dir: null\n")
@@ -298,7 +347,9 @@ def test_a_damaged_file_is_named_in_the_report_never_a_traceback(tmp_path: Path,
 def test_missing_unreadable_and_wrongly_typed_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from steadfast.report import main
 
-    folder = write_run(tmp_path / "run", crash_and_restart(), summary={"status": "completed", "global_step": [400], "val_loss": "low"})
+    folder = write_run(
+        tmp_path / "run", crash_and_restart(), summary={"status": "completed", "global_step": [400], "val_loss": "low"}
+    )
     (folder / "metrics.jsonl").unlink()
     os.mkfifo(folder / "config.yaml")  # a FIFO would block a plain open(): never opened for reading
     (folder / "events.jsonl").unlink()
@@ -326,13 +377,18 @@ def test_a_sweep_folder_lists_its_runs_and_compares_them(tmp_path: Path) -> None
     sweep = tmp_path / "sweep"
     write_run(sweep / "lr=0.1", crash_and_restart())
     quiet = Records().ev(0, Event.LAUNCH).ev(3, Event.ATTEMPT_STARTED, restart=0).train(4, 10, 400, restart=0)
-    write_run(sweep / "lr=0.01", quiet.ev(44, Event.TRAINING_COMPLETED, restart=0, step=400).ev(45, Event.JOB_COMPLETED),
-              summary={"status": "completed", "global_step": 400, "val_loss": 0.5})
+    write_run(
+        sweep / "lr=0.01",
+        quiet.ev(44, Event.TRAINING_COMPLETED, restart=0, step=400).ev(45, Event.JOB_COMPLETED),
+        summary={"status": "completed", "global_step": 400, "val_loss": 0.5},
+    )
     (sweep / "lr=0.01" / ".hydra").mkdir()
     (sweep / "lr=0.01" / ".hydra" / "summary.json").write_text("{}")  # hidden folders are not runs
     (sweep / "multirun.yaml").write_text("{}")
     assert not loader.is_run(sweep) and loader.find_runs(sweep) == [sweep / "lr=0.01", sweep / "lr=0.1"]
-    proc = subprocess.run([sys.executable, "-m", "pipeline.report", str(sweep)], env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.report", str(sweep)], env=env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout.split("\n\n")[0].splitlines()
     assert table[0] == f"Sweep {sweep}: 2 job(s)"
@@ -342,11 +398,15 @@ def test_a_sweep_folder_lists_its_runs_and_compares_them(tmp_path: Path) -> None
 
 
 def test_not_a_run_folder(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "steadfast.report", str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "steadfast.report", str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "neither a run folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_relative_checkpoint_dir_is_looked_up_from_where_the_run_was_launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_relative_checkpoint_dir_is_looked_up_from_where_the_run_was_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = write_run(tmp_path / "launched_here" / "outputs" / "run", crash_and_restart(), config="checkpoint:\n  dir: ck/run\n")
     commit_checkpoints(tmp_path / "launched_here" / "ck" / "run", [400])
     monkeypatch.chdir(tmp_path / "launched_here")
@@ -356,14 +416,17 @@ def test_a_relative_checkpoint_dir_is_looked_up_from_where_the_run_was_launched(
     records = loader.load_run(folder)
     assert records.checkpoints == [] and records.problems == [
         "checkpoint folder ck/run: not found from here (a relative checkpoint.dir is relative to the folder the run was "
-        "launched from: run the report there)"]
+        "launched from: run the report there)"
+    ]
 
 
 def test_the_steps_reached_are_the_furthest_any_record_shows() -> None:
     # the watchdog's view of a hung rank can lag (heartbeats are not every step); the fault and the
     # logged steps say how far the attempt really got
     r = Records().ev(0, Event.LAUNCH).ev(4, Event.ATTEMPT_STARTED, restart=0).train(5, 10, 30, restart=0)
-    r.ev(6, Event.CHECKPOINT_SAVED, restart=0, step=13, seconds=0.1).ev(8, Event.FAULT_FIRED, restart=0, fault="hang", rank=1, step=40)
+    r.ev(6, Event.CHECKPOINT_SAVED, restart=0, step=13, seconds=0.1).ev(
+        8, Event.FAULT_FIRED, restart=0, fault="hang", rank=1, step=40
+    )
     r.ev(12, Event.HANG_DETECTED, restart=0, rank=1, step=14, seconds_without_progress=4.0, where="f.py:1")
     r.ev(12.5, Event.ATTEMPT_ENDED, restart=0, last_step=14)
     r.ev(20, Event.ATTEMPT_STARTED, restart=1).ev(21, Event.RESUMED, restart=1, step=13).train(22, 20, 52, restart=1)

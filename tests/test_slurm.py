@@ -5,6 +5,7 @@ single-node one with scripts/local_slurm.sh) `sbatch --test-only` checks the scr
 runs the training; the sweep path is exercised with a stand-in `sbatch` on PATH that records what it
 was given.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import event_of, run_dir, run_train
 
 
@@ -22,23 +22,43 @@ def _fake_sbatch(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     log = tmp_path / "sbatch.calls"
     fake = bin_dir / "sbatch"
-    fake.write_text(f"#!/bin/bash\necho \"$@\" >> {log}\necho \"$((4000 + $(wc -l < {log})))\"\n")
+    fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\necho "$((4000 + $(wc -l < {log})))"\n')
     fake.chmod(0o755)
     return bin_dir
 
 
 def test_script_has_one_agent_per_node_the_head_node_endpoint_requeue_and_signal(tmp_path: Path) -> None:
-    proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=3", "cluster.min_nodes=2", "cluster.time_min=45",
-                     "cluster.partition=gpu", "cluster.gpus_per_node=4", "cluster.signal_grace_s=90",
-                     "cluster.submit=false", 'cluster.extra_sbatch_args=["--account=proj"]', "run.name=big",
-                     "backend.nproc_per_node=4", timeout=60)
+    proc = run_train(
+        tmp_path,
+        "cluster=slurm",
+        "cluster.nodes=3",
+        "cluster.min_nodes=2",
+        "cluster.time_min=45",
+        "cluster.partition=gpu",
+        "cluster.gpus_per_node=4",
+        "cluster.signal_grace_s=90",
+        "cluster.submit=false",
+        'cluster.extra_sbatch_args=["--account=proj"]',
+        "run.name=big",
+        "backend.nproc_per_node=4",
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     script = (run_dir(tmp_path, "big") / "slurm" / "job.sbatch").read_text()
-    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=45", "#SBATCH --partition=gpu",
-                 "#SBATCH --gpus-per-node=4", "#SBATCH --signal=TERM@90", "#SBATCH --requeue", "#SBATCH --account=proj",
-                 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)', 'scontrol requeue "$SLURM_JOB_ID"'):
+    for line in (
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --time=45",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --signal=TERM@90",
+        "#SBATCH --requeue",
+        "#SBATCH --account=proj",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        'scontrol requeue "$SLURM_JOB_ID"',
+    ):
         assert line in script, (line, script)
-    srun = next(l for l in script.splitlines() if l.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "-m pipeline.train" in srun
     assert 'backend.rdzv_endpoint="$HEAD_NODE":29400' in srun and "backend.nnodes=2:3" in srun
     assert "cluster=none" in srun and "cluster.nodes" not in srun and "backend.nproc_per_node=4" in srun
@@ -50,11 +70,13 @@ def test_script_has_one_agent_per_node_the_head_node_endpoint_requeue_and_signal
 def test_slurm_accepts_the_script_with_test_only(tmp_path: Path) -> None:
     if not _controller():
         pytest.skip("no Slurm controller answers `scontrol ping` here, so `sbatch --test-only` cannot run")
-    proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "cluster.submit=false",
-                     "run.name=t", timeout=60)
+    proc = run_train(
+        tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "cluster.submit=false", "run.name=t", timeout=60
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    test = subprocess.run(["sbatch", "--test-only", str(run_dir(tmp_path, "t") / "slurm" / "job.sbatch")],
-                          capture_output=True, text=True)
+    test = subprocess.run(
+        ["sbatch", "--test-only", str(run_dir(tmp_path, "t") / "slurm" / "job.sbatch")], capture_output=True, text=True
+    )
     assert test.returncode == 0 and "to start at" in test.stderr + test.stdout, test.stderr
 
 
@@ -85,8 +107,11 @@ def test_bad_cluster_values_are_refused_before_anything_is_written(tmp_path: Pat
 
 
 def _controller() -> bool:
-    return bool(shutil.which("sbatch") and shutil.which("scontrol")
-                and subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP"))
+    return bool(
+        shutil.which("sbatch")
+        and shutil.which("scontrol")
+        and subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP")
+    )
 
 
 @pytest.mark.slow
@@ -97,14 +122,25 @@ def test_a_real_slurm_job_runs_the_training_to_completion(tmp_path: Path) -> Non
         pytest.skip("no Slurm controller answers `scontrol ping` here (a single-node slurmctld + slurmd + munge can provide one)")
     from helpers import QUICK, summary, wait_for
 
-    proc = run_train(tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "run.name=sl", *QUICK,
-                     "trainer.max_epochs=2", timeout=60)
+    proc = run_train(
+        tmp_path,
+        "cluster=slurm",
+        "cluster.nodes=1",
+        "cluster.time_min=5",
+        "run.name=sl",
+        *QUICK,
+        "trainer.max_epochs=2",
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = run_dir(tmp_path, "sl")
     job_id = event_of(folder, "slurm_submitted")["slurm_job_id"]
     try:
-        wait_for(lambda: (folder / "summary.json").is_file() and summary(folder).get("status") == "completed", 180,
-                 f"Slurm job {job_id} to complete the training")
+        wait_for(
+            lambda: (folder / "summary.json").is_file() and summary(folder).get("status") == "completed",
+            180,
+            f"Slurm job {job_id} to complete the training",
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     assert summary(folder)["world_size"] == 2

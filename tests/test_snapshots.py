@@ -1,6 +1,7 @@
 """Snapshots in shared memory (steadfast/snapshots.py): the double buffer, torn copies, the agreed
 restore, the launcher's clean-up, and end to end: a worker killed at random steps loses at most the
 steps since the last snapshot, and the run ends with the uninterrupted run's weights."""
+
 from __future__ import annotations
 
 import os
@@ -121,8 +122,14 @@ ON = "snapshot.every_n_steps=auto"  # QUICK turns the memory tier off; the defau
 # 390 steps: far past the last kill (steps 10-70), so a fast restarted group cannot finish before it
 # lands. A snapshot every step: what auto chooses where a step is of real size (these steps are so
 # short that auto spaces the snapshots out, and the interval it picks moves with the machine's load)
-LONG = [*QUICK, "snapshot.every_n_steps=1", "trainer.max_epochs=30", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40",
-        "restart.max_restarts=6"]
+LONG = [
+    *QUICK,
+    "snapshot.every_n_steps=1",
+    "trainer.max_epochs=30",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_n_steps=40",
+    "restart.max_restarts=6",
+]
 
 
 def _every_n(folder: Path) -> int:
@@ -140,9 +147,13 @@ def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp
         for restart, target in enumerate(sorted(rng.sample(range(10, 70), 3))):
             rank = rng.randrange(2)
 
-            def reached() -> Any:
+            def reached(rank: int = rank, restart: int = restart, target: int = target) -> Any:
                 beat = read_heartbeats(folder).get(rank)
-                return beat if beat and beat.get("restart") == restart and beat.get("phase") == "train" and beat["step"] >= target else None
+                return (
+                    beat
+                    if beat and beat.get("restart") == restart and beat.get("phase") == "train" and beat["step"] >= target
+                    else None
+                )
 
             beat = wait_for(reached, 120, f"rank {rank} past step {target} in attempt {restart} (seed {seed})", proc)
             os.kill(beat["pid"], signal.SIGKILL)
@@ -160,7 +171,9 @@ def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp
 
 @pytest.mark.slow
 def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(tmp_path: Path, baseline: dict) -> None:
-    run_train(tmp_path, *QUICK, "run.name=r", "snapshot.every_n_steps=1", "fault=crash_in_snapshot", "fault.at_step=20", check=True)
+    run_train(
+        tmp_path, *QUICK, "run.name=r", "snapshot.every_n_steps=1", "fault=crash_in_snapshot", "fault.at_step=20", check=True
+    )
     folder = run_dir(tmp_path, "r")
     resumed = event_of(folder, "resumed")
     assert resumed["source"] == "memory" and resumed["step"] == 19  # the copy of 20 was torn: 19, the other buffer
@@ -168,7 +181,9 @@ def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(t
 
 
 @pytest.mark.slow
-def test_without_shared_memory_the_run_says_so_and_resumes_from_disk(tmp_path: Path, baseline: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_shared_memory_the_run_says_so_and_resumes_from_disk(
+    tmp_path: Path, baseline: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("STEADFAST_SHM_DIR", str(tmp_path / "no-such-folder"))
     proc = run_train(tmp_path, *QUICK, ON, "run.name=r", "fault=kill_rank", "fault.at_step=20", check=True)
     folder = run_dir(tmp_path, "r")
@@ -215,7 +230,9 @@ def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_
     assert not list(shm.SHM_DIR.glob(f"{segment.rsplit('-', 1)[0]}-*"))
 
 
-def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_percent_of_the_time(shm_dir: Path, tmp_path: Path) -> None:
+def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_percent_of_the_time(
+    shm_dir: Path, tmp_path: Path
+) -> None:
     from types import SimpleNamespace
 
     from steadfast.comm import Comm
@@ -226,7 +243,12 @@ def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_perc
     memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
     cadence = MemoryCadence(run, memory, "auto")
     step = 0.010  # seconds per step
-    for cost, every in ((0.1 * MEMORY_SHARE * step, 1), (0.99 * MEMORY_SHARE * step, 1), (5 * MEMORY_SHARE * step, 5), (4.5 * MEMORY_SHARE * step, 5)):
+    for cost, every in (
+        (0.1 * MEMORY_SHARE * step, 1),
+        (0.99 * MEMORY_SHARE * step, 1),
+        (5 * MEMORY_SHARE * step, 5),
+        (4.5 * MEMORY_SHARE * step, 5),
+    ):
         memory.seconds = cost
         cadence.retune(step)
         assert cadence.every == every and cost / every <= MEMORY_SHARE * step * 1.0001, (cost, cadence.every)

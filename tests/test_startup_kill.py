@@ -12,6 +12,7 @@ of the uninterrupted run.
 Before the payload went through a file, the spawn pipe carried ~75 KB (over the 64 KiB pipe
 buffer) and a worker killed before it had read it left the agent blocked in that write forever.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,7 @@ def spawned_workers(launcher: int) -> List[int]:
     started, or the children of its forkserver (the default start method)."""
     procs = _processes()
     servers = {pid for pid, parent, cmd in procs if parent == launcher and b"multiprocessing.forkserver" in cmd}
-    return sorted(pid for pid, parent, cmd in procs
-                  if (parent == launcher and b"spawn_main" in cmd) or parent in servers)
+    return sorted(pid for pid, parent, cmd in procs if (parent == launcher and b"spawn_main" in cmd) or parent in servers)
 
 
 def new_pair(launcher: int, seen: set) -> Optional[List[int]]:
@@ -102,22 +102,39 @@ def test_workers_killed_during_start_up_are_restarted_and_the_run_ends_exactly(t
                 time.sleep(rng.uniform(0.0, 0.01))  # reading the payload, importing what the server did not
                 phase = phase_of(folder, victim)
             elif when == "registered":
-                phase = poll(lambda: phase_of(folder, victim), 60, f"worker {victim} to register (seed {seed})", proc)
+                phase = poll(
+                    lambda victim=victim: phase_of(folder, victim), 60, f"worker {victim} to register (seed {seed})", proc
+                )
             else:
-                phase = poll(lambda: _one_of(phase_of(folder, victim), ("init", "restore")), 60,
-                             f"worker {victim} to set up its run (seed {seed})", proc)
+                phase = poll(
+                    lambda victim=victim: _one_of(phase_of(folder, victim), ("init", "restore")),
+                    60,
+                    f"worker {victim} to set up its run (seed {seed})",
+                    proc,
+                )
             assert phase is None or phase in STARTUP_PHASES, f"worker {victim} already past its start-up ({phase}); seed {seed}"
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             kills.append((restart, victim, when, phase))
             # the agent stops the group and starts the next one within seconds (its own fallback for a
             # worker that ignores its SIGTERM is 30 s; before the payload file, it never came back)
-            workers = poll(lambda: new_pair(proc.pid, seen), RESTART_WITHIN_S, f"restart {restart + 1}'s workers after "
-                           f"killing {victim} ({when}, phase {phase}); seed {seed}", proc)
+            workers = poll(
+                lambda: new_pair(proc.pid, seen),
+                RESTART_WITHIN_S,
+                f"restart {restart + 1}'s workers after killing {victim} ({when}, phase {phase}); seed {seed}",
+                proc,
+            )
             respawned = time.monotonic() - killed
-            wait_for(lambda: rendezvous(folder, restart + 1), 60, f"restart {restart + 1}'s rendezvous; seed {seed}", proc)
-            print(f"round {restart}: killed worker {victim} ({when}, phase {phase}); next workers spawned "
-                  f"{respawned:.1f} s later, their rendezvous recorded {time.monotonic() - killed:.1f} s later")
+            wait_for(
+                lambda restart=restart: rendezvous(folder, restart + 1),
+                60,
+                f"restart {restart + 1}'s rendezvous; seed {seed}",
+                proc,
+            )
+            print(
+                f"round {restart}: killed worker {victim} ({when}, phase {phase}); next workers spawned "
+                f"{respawned:.1f} s later, their rendezvous recorded {time.monotonic() - killed:.1f} s later"
+            )
         code = proc.wait(timeout=180)
     finally:
         out = stop(proc)

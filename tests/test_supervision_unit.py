@@ -2,6 +2,7 @@
 
 The supervisor tests use real processes and real signals, but small ones (no torch, no launcher).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -19,10 +20,10 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, env, events, wait_for
 
+from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
 from steadfast.contract import env as launch_env
 from steadfast.contract import files, heartbeat, stop
 from steadfast.contract.schemas import RestartConf
-from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
 
 
 # ---- the stop flag -----------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def test_main_thread_is_found_in_a_faulthandler_dump(tmp_path: Path) -> None:
 
 
 # ---- the supervisor, with small real processes ----------------------------------------------------
-WORKER = r'''
+WORKER = r"""
 import os, sys, time
 from pathlib import Path
 from steadfast.contract import heartbeat as hb, stop
@@ -93,7 +94,7 @@ while True:
     step += 1
     hb.heartbeat().beat(step)
     time.sleep(0.01)
-'''
+"""
 
 
 def _start_worker(run_dir: Path, mode: str, launch_id: str) -> subprocess.Popen:
@@ -140,11 +141,21 @@ def test_stop_request_is_forwarded_and_the_grace_is_enforced(tmp_path: Path) -> 
     stubborn = _start_worker(tmp_path / "b", "hangs", "L4")  # takes the stop request but never acts on it
     stop.clear_stop()
     try:
-        wait_for(lambda: heartbeat.read_heartbeats(tmp_path / "a") and heartbeat.read_heartbeats(tmp_path / "b"), 30, "workers to register")
+        wait_for(
+            lambda: heartbeat.read_heartbeats(tmp_path / "a") and heartbeat.read_heartbeats(tmp_path / "b"),
+            30,
+            "workers to register",
+        )
         called = []
-        with Supervisor(tmp_path / "a", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L3"), \
-                Supervisor(tmp_path / "b", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L4",
-                           on_grace_expired=lambda: called.append(1) or False):
+        with (
+            Supervisor(tmp_path / "a", RestartConf(preemption_grace_s=1.0, hang_timeout_s=None), "L3"),
+            Supervisor(
+                tmp_path / "b",
+                RestartConf(preemption_grace_s=1.0, hang_timeout_s=None),
+                "L4",
+                on_grace_expired=lambda: called.append(1) or False,
+            ),
+        ):
             stop.request_stop(signal.SIGTERM)
             wait_for(lambda: polite.poll() is not None and stubborn.poll() is not None, 30, "both workers to end")
         assert polite.returncode == 0 and (tmp_path / "a" / "stopped").read_text() == str(int(signal.SIGTERM))
@@ -160,14 +171,18 @@ def test_stop_request_is_forwarded_and_the_grace_is_enforced(tmp_path: Path) -> 
 
 def test_new_restart_settings_are_checked() -> None:
     problems = RestartConf(preemption_grace_s=0, hang_timeout_s=0.5, startup_timeout_s=0, collective_timeout_s=0).problems()
-    assert [p.split("=")[0] for p in problems] == ["restart.preemption_grace_s", "restart.hang_timeout_s",
-                                                   "restart.startup_timeout_s", "restart.collective_timeout_s"]
+    assert [p.split("=")[0] for p in problems] == [
+        "restart.preemption_grace_s",
+        "restart.hang_timeout_s",
+        "restart.startup_timeout_s",
+        "restart.collective_timeout_s",
+    ]
     assert RestartConf(hang_timeout_s=None).problems() == []
 
 
 def test_agent_leaves_stop_signals_to_the_launcher_and_waits_the_grace(tmp_path: Path) -> None:
-    from steadfast.contract.schemas import TorchrunBackendConf
     from hydra_plugins.steadfast_launcher._backends.torchrun import launch_config
+    from steadfast.contract.schemas import TorchrunBackendConf
 
     config = launch_config(TorchrunBackendConf(), RestartConf(preemption_grace_s=12.5), "r", tmp_path)
     assert config.shutdown_timeout == 13
@@ -232,18 +247,21 @@ def _write_run(folder: Path) -> None:
     t = 1000.0
     ev = [
         dict(time=t, event="launch"),
-        dict(time=t + 5, event="attempt_started", restart=0), dict(time=t + 6, event="first_step", restart=0, step=1),
+        dict(time=t + 5, event="attempt_started", restart=0),
+        dict(time=t + 6, event="first_step", restart=0, step=1),
         dict(time=t + 7, event="checkpoint_saved", restart=0, step=10, seconds=0.5, pid=1),
         dict(time=t + 8, event="fault_fired", restart=0, fault="kill", rank=1, step=15),
         dict(time=t + 9, event="attempt_ended", restart=0, last_step=15),
-        dict(time=t + 14, event="attempt_started", restart=1), dict(time=t + 14.5, event="resumed", restart=1, step=10),
+        dict(time=t + 14, event="attempt_started", restart=1),
+        dict(time=t + 14.5, event="resumed", restart=1, step=10),
         dict(time=t + 15, event="first_step", restart=1, step=11),
         dict(time=t + 16, event="preempted", restart=1, step=18, signal="SIGTERM", saved=True),
         dict(time=t + 16, event="checkpoint_saved", restart=1, step=18, seconds=0.5, pid=2),
         dict(time=t + 17, event="attempt_ended", restart=1, last_step=18),
         dict(time=t + 17.5, event="job_interrupted", signal="SIGTERM"),
         dict(time=t + 100, event="launch"),
-        dict(time=t + 104, event="attempt_started", restart=0), dict(time=t + 104.5, event="resumed", restart=0, step=18),
+        dict(time=t + 104, event="attempt_started", restart=0),
+        dict(time=t + 104.5, event="resumed", restart=0, step=18),
         dict(time=t + 105, event="first_step", restart=0, step=19),
         dict(time=t + 108, event="checkpoint_saved", restart=0, step=30, seconds=0.5, pid=3),
         dict(time=t + 108, event="training_completed", restart=0, step=30),
@@ -293,7 +311,7 @@ def test_verify_recovery_splits_the_fault_schedule_from_the_job() -> None:
     assert job == ["trainer.lr=0.1", "data=synthetic"] and fault == ["fault=kill_rank", "fault.at_step=3", "+fault.x=1"]
 
 
-AGENT_LOGS_A_FAILURE = '''
+AGENT_LOGS_A_FAILURE = """
 import logging, sys
 import torch.distributed.elastic.multiprocessing.api  # what the launcher imports to run the agent
 from hydra_plugins.steadfast_launcher._backends.torchrun import render_tracebacks_first
@@ -305,7 +323,7 @@ try:
 except RuntimeError:
     log.exception("failed (exitcode: 1) local_rank: 1")
 print("dynamo imported" if "torch._dynamo" in sys.modules else "dynamo not imported")
-'''
+"""
 
 
 def test_a_worker_failure_logged_by_the_agent_reads_the_same_without_importing_dynamo() -> None:
@@ -313,8 +331,9 @@ def test_a_worker_failure_logged_by_the_agent_reads_the_same_without_importing_d
     the torch elastic agent logs every worker failure so, and the first restart of a launch waited."""
     outputs = {}
     for mode in ("rendered", "plain"):
-        proc = subprocess.run([sys.executable, "-c", AGENT_LOGS_A_FAILURE, mode], cwd=ROOT, env=env(), capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", AGENT_LOGS_A_FAILURE, mode], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr
         outputs[mode] = proc
     assert outputs["rendered"].stdout.strip() == "dynamo not imported"

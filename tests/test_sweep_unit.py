@@ -1,4 +1,5 @@
 """Sweep machinery without workers: naming, sweep detection, packing, the ledger, the table."""
+
 from __future__ import annotations
 
 import base64
@@ -9,30 +10,32 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import run_train
-from hydra_plugins.steadfast_launcher import _ledger, _packing, _sweep
+from helpers import ROOT, run_train
 
+from hydra_plugins.steadfast_launcher import _ledger, _packing, _sweep
 from steadfast.contract.exits import exit_code
 from steadfast.contract.naming import is_sweep, run_name, sweep_dir, sweep_name
-from helpers import ROOT
 
 # the built-in trainer's own neutral keys (conf/train.yaml, run.safe_to_change)
 SAFE = list(__import__("omegaconf").OmegaConf.load(ROOT / "conf" / "train.yaml").run.safe_to_change)
 
 
-@pytest.mark.parametrize("overrides,sweeper,params,expected", [
-    (["trainer.lr=0.1"], "basic", None, False),
-    ([], None, None, False),
-    (["trainer.lr=0.1,0.01"], "basic", None, True),
-    (["model=mlp,cnn"], "basic", None, True),
-    (["+experiment=a,b"], "basic", None, True),
-    (["trainer.seed=range(3)"], "basic", None, True),
-    (["trainer.lr=interval(0.01,0.1)"], "optuna", None, True),
-    (["backend.hosts='a:1,b:1'"], "basic", None, False),  # a quoted string with a comma is one value
-    (["model.hidden_sizes=[32,32]"], "basic", None, False),  # a list value, not a sweep
-    ([], "optuna", None, True),
-    ([], "basic", {"trainer.lr": "0.1,0.01"}, True),
-])
+@pytest.mark.parametrize(
+    "overrides,sweeper,params,expected",
+    [
+        (["trainer.lr=0.1"], "basic", None, False),
+        ([], None, None, False),
+        (["trainer.lr=0.1,0.01"], "basic", None, True),
+        (["model=mlp,cnn"], "basic", None, True),
+        (["+experiment=a,b"], "basic", None, True),
+        (["trainer.seed=range(3)"], "basic", None, True),
+        (["trainer.lr=interval(0.01,0.1)"], "optuna", None, True),
+        (["backend.hosts='a:1,b:1'"], "basic", None, False),  # a quoted string with a comma is one value
+        (["model.hidden_sizes=[32,32]"], "basic", None, False),  # a list value, not a sweep
+        ([], "optuna", None, True),
+        ([], "basic", {"trainer.lr": "0.1,0.01"}, True),
+    ],
+)
 def test_is_sweep(overrides: list, sweeper: str, params: dict, expected: bool) -> None:
     assert is_sweep(overrides, sweeper, params) is expected
 
@@ -48,8 +51,12 @@ def test_a_single_run_keeps_its_folder_and_a_sweep_gets_its_own() -> None:
 
 def test_sweep_name_leaves_out_keys_that_do_not_change_training_unless_swept() -> None:
     base = sweep_name(["trainer.lr=0.1,0.01"], safe_to_change=SAFE)
-    assert sweep_name(["trainer.lr=0.1,0.01", "trainer.max_epochs=40", "restart=none"], safe_to_change=SAFE) == base  # continues the sweep
-    assert "trainer.max_epochs=5-10" in sweep_name(["trainer.lr=0.1", "trainer.max_epochs=5,10"], safe_to_change=SAFE)  # swept: kept
+    assert (
+        sweep_name(["trainer.lr=0.1,0.01", "trainer.max_epochs=40", "restart=none"], safe_to_change=SAFE) == base
+    )  # continues the sweep
+    assert "trainer.max_epochs=5-10" in sweep_name(
+        ["trainer.lr=0.1", "trainer.max_epochs=5,10"], safe_to_change=SAFE
+    )  # swept: kept
     assert sweep_name([], "optuna", {"trainer.lr": "interval(0.01, 0.1)"}).startswith("optuna,trainer.lr=interval")
     long = sweep_name([f"key{i}=a,b" for i in range(30)])
     assert len(long) <= 80 and long != sweep_name([f"key{i}=a,b" for i in range(31)])
@@ -115,12 +122,30 @@ def test_ledger_results_are_only_ever_json(tmp_path: Path) -> None:
 
 
 def test_malformed_ledger_records_are_ignored_never_raised(tmp_path: Path) -> None:
-    good = {"overrides": ["a=1"], "run_dir": "a=1", "job_num": 0, "config_sha256": "x", "status": "completed",
-            "attempts": 1, "restarts": 0, "result": 0.5, "error": None}
+    good = {
+        "overrides": ["a=1"],
+        "run_dir": "a=1",
+        "job_num": 0,
+        "config_sha256": "x",
+        "status": "completed",
+        "attempts": 1,
+        "restarts": 0,
+        "result": 0.5,
+        "error": None,
+    }
     bad = [
-        {**good, "attempts": "1"}, {**good, "status": "done"}, {**good, "overrides": "a=1"}, {**good, "run_dir": 3},
-        {**good, "started_at": "yesterday"}, {**good, "restarts": -1}, {**good, "result_unavailable": "no"},
-        {**good, "unknown_field": 1}, {**good, "job_num": True}, "not an object", None, [],
+        {**good, "attempts": "1"},
+        {**good, "status": "done"},
+        {**good, "overrides": "a=1"},
+        {**good, "run_dir": 3},
+        {**good, "started_at": "yesterday"},
+        {**good, "restarts": -1},
+        {**good, "result_unavailable": "no"},
+        {**good, "unknown_field": 1},
+        {**good, "job_num": True},
+        "not an object",
+        None,
+        [],
     ]
     jobs = {"good": good, **{f"bad{i}": r for i, r in enumerate(bad)}}
     (tmp_path / _ledger.LEDGER_FILE).write_text(json.dumps({"version": 1, "created": "then", "jobs": jobs}))
@@ -159,10 +184,19 @@ def test_job_key_ignores_order() -> None:
 
 
 def test_table_lines_up() -> None:
-    text = _sweep.format_table([
-        dict(job=0, overrides="trainer.lr=0.1", status="completed", restarts=0, result=_sweep.describe_result(0.123456789), folder="x"),
-        dict(job=11, overrides="trainer.lr=0.01", status="failed", restarts=3, result="", folder="y"),
-    ])
+    text = _sweep.format_table(
+        [
+            dict(
+                job=0,
+                overrides="trainer.lr=0.1",
+                status="completed",
+                restarts=0,
+                result=_sweep.describe_result(0.123456789),
+                folder="x",
+            ),
+            dict(job=11, overrides="trainer.lr=0.01", status="failed", restarts=3, result="", folder="y"),
+        ]
+    )
     lines = text.splitlines()
     assert lines[0].split() == ["job", "overrides", "status", "restarts", "result", "run", "folder"]
     assert "0.123457" in lines[2] and lines[3].lstrip().startswith("11")
@@ -188,8 +222,15 @@ def test_jobs_that_would_share_a_run_folder_are_refused(tmp_path: Path) -> None:
 
 
 def test_ledger_record_of_a_sweep_names_the_command_and_a_crafted_pickle_is_never_run(tmp_path: Path) -> None:
-    args = ["-m", "backend=local", "data=synthetic", "data.num_samples=128", "trainer.max_epochs=1",
-            "checkpoint=every_epoch", "trainer.seed=0,1"]
+    args = [
+        "-m",
+        "backend=local",
+        "data=synthetic",
+        "data.num_samples=128",
+        "trainer.max_epochs=1",
+        "checkpoint=every_epoch",
+        "trainer.seed=0,1",
+    ]
     run_train(tmp_path, *args, check=True)
     (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
     path = sweep / "sweep_ledger.json"

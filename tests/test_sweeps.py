@@ -2,6 +2,7 @@
 
 Small on purpose (synthetic data, a few epochs): each job takes a few seconds on 2 cores.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ def table_rows(output: str) -> List[str]:
     lines = output.splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("job  overrides"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.strip() or not line.strip()[0].isdigit():
             break
         rows.append(line)
@@ -77,8 +78,9 @@ def test_2x2_sweep_gives_every_job_its_own_folder_rendezvous_and_result(tmp_path
 
 
 def test_two_jobs_run_at_once(tmp_path: Path) -> None:
-    proc = run_train(tmp_path, "-m", *SHORT, "backend.nproc_per_node=1", "trainer.seed=0,1",
-                     "hydra.launcher.max_parallel_jobs=2", check=True)
+    proc = run_train(
+        tmp_path, "-m", *SHORT, "backend.nproc_per_node=1", "trainer.seed=0,1", "hydra.launcher.max_parallel_jobs=2", check=True
+    )
     out = proc.stdout + proc.stderr
     sweep = sweep_folder(tmp_path)
     spans = []
@@ -90,7 +92,9 @@ def test_two_jobs_run_at_once(tmp_path: Path) -> None:
     (a0, a1), (b0, b1) = spans
     assert max(a0, b0) < min(a1, b1), f"the jobs did not overlap: {spans}"
     assert "[job #0]" in out and "[job #1]" in out  # each job's output, prefixed
-    cpus = [line.rsplit(" on CPU ", 1)[1].strip() for line in out.splitlines() if "Launching job #" in line and " on CPU " in line]
+    cpus = [
+        line.rsplit(" on CPU ", 1)[1].strip() for line in out.splitlines() if "Launching job #" in line and " on CPU " in line
+    ]
     assert len(cpus) == 2 and cpus[0] != cpus[1], cpus  # packed onto different cores
 
 
@@ -173,13 +177,26 @@ def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, ba
 def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> None:
     """Two jobs at once, each paused at step 40: SIGTERM to the launcher reaches both (each runs in
     its own launcher process), both are recorded interrupted, exit code 75."""
-    args = ["-m", *QUICK, "backend.nproc_per_node=1", "trainer.seed=0,1", "fault=hang_rank", "fault.rank=0",
-            "fault.at_step=40", "fault.hang_s=3", "hydra.launcher.max_parallel_jobs=2"]
+    args = [
+        "-m",
+        *QUICK,
+        "backend.nproc_per_node=1",
+        "trainer.seed=0,1",
+        "fault=hang_rank",
+        "fault.rank=0",
+        "fault.at_step=40",
+        "fault.hang_s=3",
+        "hydra.launcher.max_parallel_jobs=2",
+    ]
     proc = start_train(tmp_path, *args)
     try:
+
         def both_paused() -> Any:
-            found = [p for p in (tmp_path / "outputs" / "sweeps").glob("*/*")
-                     if p.is_dir() and any(e["event"] == "fault_fired" for e in events(p))]
+            found = [
+                p
+                for p in (tmp_path / "outputs" / "sweeps").glob("*/*")
+                if p.is_dir() and any(e["event"] == "fault_fired" for e in events(p))
+            ]
             return found if len(found) == 2 else None
 
         wait_for(both_paused, 180, "both jobs to reach step 40", proc)
@@ -196,9 +213,18 @@ def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> 
 
 def test_optuna_sweeper_optimises_the_returned_objective(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e .[optuna]")
-    args = ["-m", *SHORT, "backend.nproc_per_node=1", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
-            "hydra.sweeper.n_jobs=3", "hydra.sweeper.sampler.seed=1", "trainer.lr=interval(0.01,0.3)",
-            "hydra.launcher.max_parallel_jobs=2", "trainer.objective=val_loss"]
+    args = [
+        "-m",
+        *SHORT,
+        "backend.nproc_per_node=1",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=3",
+        "hydra.sweeper.sampler.seed=1",
+        "trainer.lr=interval(0.01,0.3)",
+        "hydra.launcher.max_parallel_jobs=2",
+        "trainer.objective=val_loss",
+    ]
     run_train(tmp_path, *args, check=True)
     sweep = sweep_folder(tmp_path)
     assert sweep.name.startswith("optuna,")

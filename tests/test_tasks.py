@@ -1,5 +1,6 @@
 """Tasks, the text corpus, the character transformer and the checks that keep model, data and task
 compatible (no workers)."""
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,9 @@ def test_language_model_loss_is_per_position_cross_entropy_and_bits_are_nats_ove
     torch.manual_seed(0)
     logits, target = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     task = LanguageModel()
-    by_hand = torch.stack([F.cross_entropy(logits[b, t : t + 1], target[b, t : t + 1]) for b in range(2) for t in range(5)]).mean()
+    by_hand = torch.stack(
+        [F.cross_entropy(logits[b, t : t + 1], target[b, t : t + 1]) for b in range(2) for t in range(5)]
+    ).mean()
     assert task.loss(logits, target).item() == pytest.approx(by_hand.item(), rel=1e-6)
     sums = task.sums(logits, target)
     assert sums["count"] == 10.0
@@ -90,8 +93,15 @@ def test_too_short_sources_are_a_clear_error(tmp_path) -> None:  # type: ignore[
 
 
 def test_walk_skips_installed_packages_and_caches(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    for rel, text in (("b.py", "B"), ("a/x.py", "AX"), ("site-packages/p.py", "P"), ("__pycache__/c.py", "C"),
-                      ("_sysconfigdata_x.py", "S"), ("a.py", "A"), ("a/z.txt", "Z")):
+    for rel, text in (
+        ("b.py", "B"),
+        ("a/x.py", "AX"),
+        ("site-packages/p.py", "P"),
+        ("__pycache__/c.py", "C"),
+        ("_sysconfigdata_x.py", "S"),
+        ("a.py", "A"),
+        ("a/z.txt", "Z"),
+    ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert stdlib_text(4, root=tmp_path) == "AXAB"  # 'a' (folder) < 'a.py' < 'b.py'
@@ -191,10 +201,18 @@ LM = ["task=language_model", "data=text", "model=transformer"]
 REG = ["task=regression", "data=synthetic_regression"]
 
 
-@pytest.mark.parametrize("overrides", [
-    LM, REG, [*LM, "trainer.objective=val_bits_per_char"], [*REG, "trainer.objective=val_mae"],
-    ["+experiment=charlm_quick"], ["+experiment=charlm"], ["+experiment=regression_quick"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        LM,
+        REG,
+        [*LM, "trainer.objective=val_bits_per_char"],
+        [*REG, "trainer.objective=val_mae"],
+        ["+experiment=charlm_quick"],
+        ["+experiment=charlm"],
+        ["+experiment=regression_quick"],
+    ],
+)
 def test_new_tasks_compose_and_pass_preflight(overrides: list[str]) -> None:
     assert problems(*overrides) == []
 
@@ -210,14 +228,29 @@ def test_bits_per_char_is_refused_for_classification() -> None:
     assert any("trainer.objective='val_bits_per_char'" in p for p in problems("trainer.objective=val_bits_per_char"))
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["task=regression"], "task=regression needs data with real-valued targets, but data=digits gives class labels: choose data=synthetic_regression"),
-    (["data=text", "task=language_model"], "model=mlp takes real-valued features, but data=text gives sequences of token indices: choose model=transformer"),
-    (["model=transformer", "data=synthetic"], "model=transformer takes sequences of token indices, but data=synthetic gives real-valued features"),
-    ([*LM, "task=classification"], "task=classification needs data with class labels, but data=text gives next-token targets"),
-    ([*LM, "model.n_embd=30"], "model.n_embd=30 is not allowed: a multiple of model.n_head=4"),
-    ([*LM, "data.block_size=0"], "data.block_size=0 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["task=regression"],
+            "task=regression needs data with real-valued targets, but data=digits gives class labels: choose data=synthetic_regression",
+        ),
+        (
+            ["data=text", "task=language_model"],
+            "model=mlp takes real-valued features, but data=text gives sequences of token indices: choose model=transformer",
+        ),
+        (
+            ["model=transformer", "data=synthetic"],
+            "model=transformer takes sequences of token indices, but data=synthetic gives real-valued features",
+        ),
+        (
+            [*LM, "task=classification"],
+            "task=classification needs data with class labels, but data=text gives next-token targets",
+        ),
+        ([*LM, "model.n_embd=30"], "model.n_embd=30 is not allowed: a multiple of model.n_head=4"),
+        ([*LM, "data.block_size=0"], "data.block_size=0 is not allowed"),
+    ],
+)
 def test_a_model_data_and_task_that_do_not_fit_are_refused(overrides: list[str], expected: str) -> None:
     found = problems(*overrides)
     assert any(p.startswith(expected) for p in found), found

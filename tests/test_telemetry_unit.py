@@ -1,5 +1,6 @@
 """The metrics all-reduce is pipelined: the row of step s is written at the next log step, with
 step s's numbers and time; an epoch's end, a stop and the end of the run read what is in flight."""
+
 from __future__ import annotations
 
 import json

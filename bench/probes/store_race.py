@@ -7,13 +7,23 @@ or 50 ms after rank 1, or the other way round; prints each rank's start and init
 connects before rank 0 listens is refused and retried after torch's backoff (0.5-0.7 s here);
 steadfast.comm.await_store is the fix.
 """
+
+import multiprocessing as mp
 import os
 import socket
 import time
+
 import torch.distributed as dist
-import multiprocessing as mp
+
+
 def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
 def worker(rank, port, delay, q):
     time.sleep(delay)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
@@ -23,11 +33,19 @@ def worker(rank, port, delay, q):
     dist.barrier()
     q.put((rank, t, t1, time.time()))
     dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     ctx = mp.get_context("fork")
     for d0, d1 in [(0, 0), (0, 0), (0.05, 0), (0, 0.05)]:
-        port = free_port(); q = ctx.Queue()
+        port = free_port()
+        q = ctx.Queue()
         ps = [ctx.Process(target=worker, args=(r, port, d, q)) for r, d in ((0, d0), (1, d1))]
-        [p.start() for p in ps]; res = sorted(q.get() for _ in ps); [p.join() for p in ps]
+        [p.start() for p in ps]
+        res = sorted(q.get() for _ in ps)
+        [p.join() for p in ps]
         t0 = min(r[1] for r in res)
-        print(f"delays {d0},{d1}: " + "  ".join(f"rank{r}: start {s-t0:.3f} init {e-s:.3f} barrier {b-e:.3f}" for r, s, e, b in res))
+        print(
+            f"delays {d0},{d1}: "
+            + "  ".join(f"rank{r}: start {s - t0:.3f} init {e - s:.3f} barrier {b - e:.3f}" for r, s, e, b in res)
+        )

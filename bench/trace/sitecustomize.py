@@ -10,6 +10,7 @@ end. Workers forked from the launcher's forkserver inherit the server's tracer (
 Python process of its own): their records carry their own pid. bench/startup.py and
 bench/recovery.py turn the records into breakdowns. Without the variable this does nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,19 +24,36 @@ _PATH = os.environ.get("STEADFAST_BENCH_TRACE")
 
 # Modules whose import is timed (first import in each process).
 WATCH_IMPORTS = {
-    "hydra", "omegaconf", "torch", "torch._dynamo", "numpy", "cloudpickle", "horovod.torch", "horovod.runner",
-    "pipeline.train", "pipeline.trainer", "pipeline.data", "steadfast.run", "steadfast.checkpoint.manager",
-    "hydra_plugins.steadfast_launcher", "hydra_plugins.steadfast_launcher._core",
-    "hydra_plugins.steadfast_launcher._worker", "torch.distributed.elastic.agent.server.local_elastic_agent",
+    "hydra",
+    "omegaconf",
+    "torch",
+    "torch._dynamo",
+    "numpy",
+    "cloudpickle",
+    "horovod.torch",
+    "horovod.runner",
+    "pipeline.train",
+    "pipeline.trainer",
+    "pipeline.data",
+    "steadfast.run",
+    "steadfast.checkpoint.manager",
+    "hydra_plugins.steadfast_launcher",
+    "hydra_plugins.steadfast_launcher._core",
+    "hydra_plugins.steadfast_launcher._worker",
+    "torch.distributed.elastic.agent.server.local_elastic_agent",
 }
 
 _L = "hydra_plugins.steadfast_launcher"
 # module -> [(attribute path, label)]: functions wrapped when the module has been imported.
 WRAP = {
-    "hydra.core.plugins": [("Plugins._scan_all_plugins", "hydra_plugin_scan"),
-                           ("Plugins.instantiate_launcher", "hydra_instantiate_launcher")],
-    "hydra._internal.config_loader_impl": [("ConfigLoaderImpl.load_configuration", "hydra_compose"),
-                                           ("ConfigLoaderImpl.load_sweep_config", "hydra_sweep_config")],
+    "hydra.core.plugins": [
+        ("Plugins._scan_all_plugins", "hydra_plugin_scan"),
+        ("Plugins.instantiate_launcher", "hydra_instantiate_launcher"),
+    ],
+    "hydra._internal.config_loader_impl": [
+        ("ConfigLoaderImpl.load_configuration", "hydra_compose"),
+        ("ConfigLoaderImpl.load_sweep_config", "hydra_sweep_config"),
+    ],
     f"{_L}._core": [("launch", "launcher_launch")],
     f"{_L}._compose": [("prepare", "launcher_prepare"), ("preflight", "launcher_preflight")],
     f"{_L}._job": [("_run", "launcher_run_job")],
@@ -45,11 +63,15 @@ WRAP = {
     f"{_L}._worker": [("run_rank", "worker_run_rank")],
     "torch.distributed": [("init_process_group", "init_process_group")],
     "torch.distributed.elastic.agent.server.api": [
-        ("SimpleElasticAgent._rendezvous", "agent_rendezvous"), ("SimpleElasticAgent._restart_workers", "agent_restart_workers"),
-        ("SimpleElasticAgent._initialize_workers", "agent_initialize_workers")],
+        ("SimpleElasticAgent._rendezvous", "agent_rendezvous"),
+        ("SimpleElasticAgent._restart_workers", "agent_restart_workers"),
+        ("SimpleElasticAgent._initialize_workers", "agent_initialize_workers"),
+    ],
     "torch.distributed.elastic.agent.server.local_elastic_agent": [
-        ("LocalElasticAgent._start_workers", "agent_start_workers"), ("LocalElasticAgent._stop_workers", "agent_stop_workers"),
-        ("LocalElasticAgent._monitor_workers", "agent_monitor")],
+        ("LocalElasticAgent._start_workers", "agent_start_workers"),
+        ("LocalElasticAgent._stop_workers", "agent_stop_workers"),
+        ("LocalElasticAgent._monitor_workers", "agent_monitor"),
+    ],
     "torch.nn.parallel.distributed": [("DistributedDataParallel.__init__", "ddp_init")],
     "steadfast.run": [("Run.__init__", "run_init"), ("Run.setup", "run_setup"), ("Run.resume", "trainer_resume")],
     "pipeline.trainer": [("build_data", "build_data"), ("build_model", "build_model")],
@@ -157,7 +179,9 @@ class _Finder:
 def _at_exit() -> None:
     for label, durations in _quiet_stats.items():
         ordered = sorted(durations)
-        record(label + ":stats", calls=len(ordered), seconds=sum(ordered), median_s=ordered[len(ordered) // 2] if ordered else None)
+        record(
+            label + ":stats", calls=len(ordered), seconds=sum(ordered), median_s=ordered[len(ordered) // 2] if ordered else None
+        )
 
 
 STACK_SIGNAL = None

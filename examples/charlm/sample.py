@@ -7,6 +7,7 @@ The model is rebuilt from the run's frozen config (config.yaml, plain YAML) and 
 vocabulary are read from the newest committed checkpoint that verifies (sizes and checksums
 against its manifest; an older one if the newest is damaged). Nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def newest_state(folder: Path, names: Tuple[str, ...]) -> Tuple[int, Dict[str, A
     for step, path in manifest.committed(folder):
         try:
             files = manifest.read(path)["files"]
-            return step, {n: tensorfile.load(path / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"])
-                          for n in names}
+            return step, {
+                n: tensorfile.load(path / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"]) for n in names
+            }
         except (OSError, ValueError, KeyError, TypeError) as exc:
             problems.append(f"{path.name}: {exc}")
     raise SystemExit(f"no usable checkpoint in {folder}" + (f" ({'; '.join(problems)})" if problems else ""))

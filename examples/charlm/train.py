@@ -10,6 +10,7 @@ own); the loop, the optimizer and the validation are this file's. The vocabulary
 with the weights, so a resume on a machine whose Python gives another text is refused, and
 sample.py decodes with exactly the characters the model was trained on.
 """
+
 import math
 
 import hydra
@@ -62,8 +63,10 @@ def main(cfg):
             val_loss = evaluate(run, net, val)
             run.log(train_loss=train_loss, val_loss=val_loss, val_bits_per_char=val_loss / math.log(2))
             if run.is_main:
-                print(f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss or float('nan'):.3f}, val loss {val_loss:.3f} "
-                      f"({val_loss / math.log(2):.2f} bits per character)")
+                print(
+                    f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss or float('nan'):.3f}, val loss {val_loss:.3f} "
+                    f"({val_loss / math.log(2):.2f} bits per character)"
+                )
 
 
 if __name__ == "__main__":

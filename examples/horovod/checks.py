@@ -1,4 +1,5 @@
 """The app's own pre-flight check, run by the launcher before any worker starts (no torch, no Horovod)."""
+
 from typing import List
 
 from omegaconf import DictConfig, OmegaConf
@@ -10,6 +11,12 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     """hvd.* calls need workers started by Horovod's runner: any other backend is refused."""
     name = OmegaConf.select(job_cfg, "backend.name")
     if name != "horovod":
-        return [bad("backend", name, "horovod only: examples/horovod is written with Horovod's own calls (hvd.*), "
-                                     "which need workers started by Horovod's runner")]
+        return [
+            bad(
+                "backend",
+                name,
+                "horovod only: examples/horovod is written with Horovod's own calls (hvd.*), "
+                "which need workers started by Horovod's runner",
+            )
+        ]
     return []

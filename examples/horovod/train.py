@@ -14,8 +14,9 @@ hang watchdog, metrics) and the run's records. A killed run ends with the uninte
 model to that device and registers it for the final weights' sha256 (Horovod wraps no model): the
 optimizer is wrapped here, by the app, so it is not given to `run.setup` (which would wrap it again).
 """
-import hydra
+
 import horovod.torch as hvd
+import hydra
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,7 +1,8 @@
 """A user's training script, run by steadfast (examples/seed: train_plain.py is the script before).
 
-    python -m examples.seed.train
+python -m examples.seed.train
 """
+
 import hydra
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,8 @@
 """A user's training script, run by torchrun (examples/seed: train.py is the same script on steadfast).
 
-    torchrun --nproc_per_node=2 --max_restarts=3 --monitor_interval=30 examples/seed/train_plain.py
+torchrun --nproc_per_node=2 --max_restarts=3 --monitor_interval=30 examples/seed/train_plain.py
 """
+
 import glob
 import os
 

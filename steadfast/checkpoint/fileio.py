@@ -12,6 +12,7 @@ Reading: regular files only, opened with O_NOFOLLOW | O_NONBLOCK (a symlink is r
 blocks) relative to the checkpoint folder's own descriptor (opened with O_NOFOLLOW too), checked
 with fstat on the open descriptor, size and checksum compared with the manifest's.
 """
+
 from __future__ import annotations
 
 import errno
@@ -195,8 +196,9 @@ def _check_checksum_name(where: Path, checksum: Optional[str]) -> None:
         raise FileCheckError(f"{where}: unknown checksum {str(checksum)[:40]!r} (expected {CHECKSUM}:<hex>)", "checksum")
 
 
-def read_verified(path: Path, size: Optional[int] = None, checksum: Optional[str] = None,
-                  dir_fd: Optional[int] = None) -> bytearray:
+def read_verified(
+    path: Path, size: Optional[int] = None, checksum: Optional[str] = None, dir_fd: Optional[int] = None
+) -> bytearray:
     """The bytes of the regular file `path` (relative to `dir_fd` when given), checked against the
     manifest's size and checksum when given. Raises FileCheckError or OSError, nothing else."""
     _check_checksum_name(path, checksum)

@@ -12,6 +12,7 @@ Step 4 runs in the background thread (for a synchronous save too): the next save
 raises its failure. Resume takes the newest committed checkpoint (by commit sequence) that verifies;
 the unusable ones newer than it are moved aside (`.unusable-step_N-<reason>-<id>`), never deleted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
-from . import fileio, restore as rs
-from . import manifest as mf
-from . import tensorfile
-from .snapshot import HostBuffers, Snapshot, optimizer_owned
 from ..comm import Comm
 from ..contract.events import Event
+from . import fileio, tensorfile
+from . import manifest as mf
+from . import restore as rs
+from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,16 @@ class CheckpointManager:
         layouts = {}
         for name, tree in [*((n, o.state_dict()) for n, o in objects.items()), ("ranks", {"ranks": gathered})]:
             if not mf.FILE_NAME.fullmatch(f"{name}.bin") or f"{name}.bin" in layouts:
-                raise CheckpointError(f"cannot save an object named {name!r}: names are letters, digits, '_', '.', '-', "
-                                      "unique, and not 'ranks' (the per-rank states)")
+                raise CheckpointError(
+                    f"cannot save an object named {name!r}: names are letters, digits, '_', '.', '-', "
+                    "unique, and not 'ranks' (the per-rank states)"
+                )
             try:
                 layouts[f"{name}.bin"] = tensorfile.plan(tree)
             except (TypeError, ValueError) as exc:
                 raise CheckpointError(f"cannot save {name} at step {step}: {exc}") from exc
         if not self.async_save:
-            final, files = self._write_and_commit(step, {n: l.buffers() for n, l in layouts.items()}, meta, started)
+            final, files = self._write_and_commit(step, {n: layout.buffers() for n, layout in layouts.items()}, meta, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)
             return
         optimizers, owned = optimizer_owned(objects.values()) if self.defer_optimizer_copy else ([], set())
@@ -143,8 +146,9 @@ class CheckpointManager:
         final, files = self._write_and_commit(step, {name: snap.pieces(name) for name in snap.layouts}, meta, started)
         return self._check_then_retain(step, final, files)
 
-    def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any],
-                          started: float) -> Tuple[Path, Dict[str, Dict[str, Any]]]:
+    def _write_and_commit(
+        self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float
+    ) -> Tuple[Path, Dict[str, Dict[str, Any]]]:
         final = self.folder / mf.step_dir_name(step)
         tmp = self.folder / f"{mf.TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         files: Dict[str, Dict[str, Any]] = {}
@@ -156,9 +160,15 @@ class CheckpointManager:
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
             manifest = {
-                "format": mf.FORMAT, "step": step, "commit": mf.next_commit(self.folder), **meta,
-                "world_size": self.comm.world_size, "created": time.time(), "files": files,
-                "config": self.training_config, "full_config": self.full_config,
+                "format": mf.FORMAT,
+                "step": step,
+                "commit": mf.next_commit(self.folder),
+                **meta,
+                "world_size": self.comm.world_size,
+                "created": time.time(),
+                "files": files,
+                "config": self.training_config,
+                "full_config": self.full_config,
             }
             text = rs.to_json(manifest)
             mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
@@ -171,11 +181,19 @@ class CheckpointManager:
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             previous = mf.committed(self.folder)
-            kept = f"the newest committed checkpoint ({previous[0][1].name}) is intact" if previous else "no earlier checkpoint exists"
-            raise CheckpointError(f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}") from exc
+            kept = (
+                f"the newest committed checkpoint ({previous[0][1].name}) is intact"
+                if previous
+                else "no earlier checkpoint exists"
+            )
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}"
+            ) from exc
         total = sum(f["bytes"] for f in files.values())
         seconds = time.perf_counter() - started
-        self.on_event(Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4))
+        self.on_event(
+            Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4)
+        )
         log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
         return final, files
 
@@ -189,9 +207,11 @@ class CheckpointManager:
                 raise fileio.FileCheckError(problem)
         except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
             moved = self._set_aside(step, final, "readback", str(exc))
-            raise CheckpointError(f"checkpoint step {step} was written but does not read back the same ({exc}); "
-                                  f"{'it was moved to ' + moved.name if moved else 'it is left in place'}; "
-                                  "older checkpoints are kept") from exc
+            raise CheckpointError(
+                f"checkpoint step {step} was written but does not read back the same ({exc}); "
+                f"{'it was moved to ' + moved.name if moved else 'it is left in place'}; "
+                "older checkpoints are kept"
+            ) from exc
         self._apply_retention(final)
         if self.hooks is not None:
             self.hooks.after_commit(step, final)
@@ -246,9 +266,14 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint folder {self.folder} is not writable: {exc}") from exc
 
     # ---- restoring ----------------------------------------------------------------------
-    def restore(self, objects: Dict[str, Stateful], per_rank: Dict[str, Stateful], allow_config_change: bool,
-                fresh_start_if_unusable: bool = False,
-                new_rank: Optional[Callable[[int], None]] = None) -> Optional[Restored]:
+    def restore(
+        self,
+        objects: Dict[str, Stateful],
+        per_rank: Dict[str, Stateful],
+        allow_config_change: bool,
+        fresh_start_if_unusable: bool = False,
+        new_rank: Optional[Callable[[int], None]] = None,
+    ) -> Optional[Restored]:
         """Collective: load the newest checkpoint that verifies into `objects`; None if there is none.
 
         A checkpoint saved by another number of workers is refused unless `new_rank` is given (an
@@ -268,7 +293,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"none of the {len(decision['unusable'])} committed checkpoints in {self.folder} is usable ({detail}). "
                     "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway "
-                    "(they are then moved aside, not deleted)")
+                    "(they are then moved aside, not deleted)"
+                )
             log.warning("No usable checkpoint (%s); starting from scratch as run.fresh_start_if_unusable allows", detail)
             return None
         if not decision.get("path"):
@@ -282,8 +308,10 @@ class CheckpointManager:
                 raise CheckpointError(f"rank {self.comm.rank} cannot read checkpoint {path} that rank 0 verified: {exc}") from exc
         ranks = states["ranks"]["ranks"]
         if len(ranks) != self.comm.world_size and new_rank is None:
-            raise CheckpointError(f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size} "
-                                  "(trainer.on_world_size_change=refuse)")
+            raise CheckpointError(
+                f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size} "
+                "(trainer.on_world_size_change=refuse)"
+            )
         for name, obj in objects.items():
             try:
                 obj.load_state_dict(states[name])
@@ -305,4 +333,3 @@ class CheckpointManager:
 def verify_checkpoint(path: Path) -> Optional[str]:
     """None when the committed checkpoint at `path` verifies (manifest, sizes, checksums); else why not."""
     return rs.verify(path)
-

@@ -13,6 +13,7 @@ older checkpoints at step 5000 still has the newest one. Unusable checkpoints ar
 Every manifest read back is validated (types, bounds, names, the folder's step); any failure is a
 ManifestError (a ValueError), never another exception.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,6 +72,7 @@ def _int(value: Any, low: int, high: int) -> bool:
 
 def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, Any]:
     """`data` if it is a valid manifest (of the folder for `step`, when given); else ManifestError."""
+
     def bad(what: str) -> ManifestError:
         return ManifestError(f"{where}: {what}")
 
@@ -89,7 +91,11 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
     for key in META_COUNTS:
         if key in data and not _int(data[key], 0, 2**62):
             raise bad(f"'{key}' must be a non-negative integer")
-    if not isinstance(data.get("created"), (int, float)) or isinstance(data.get("created"), bool) or not math.isfinite(data["created"]):
+    if (
+        not isinstance(data.get("created"), (int, float))
+        or isinstance(data.get("created"), bool)
+        or not math.isfinite(data["created"])
+    ):
         raise bad("'created' must be a number")
     for key in ("config", "full_config"):
         if not isinstance(data.get(key), dict):
@@ -195,7 +201,11 @@ def training_config(config: Dict[str, Any], safe_to_change: Iterable[str] = ()) 
 def changes(old: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
     """(key, checkpoint's value, current value) for every key that differs; '<absent>' when missing."""
     absent = "<absent>"
-    return [(k, old.get(k, absent), new.get(k, absent)) for k in sorted(set(old) | set(new)) if old.get(k, absent) != new.get(k, absent)]
+    return [
+        (k, old.get(k, absent), new.get(k, absent))
+        for k in sorted(set(old) | set(new))
+        if old.get(k, absent) != new.get(k, absent)
+    ]
 
 
 def describe_changes(diff: List[Tuple[str, Any, Any]]) -> str:

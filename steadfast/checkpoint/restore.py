@@ -7,6 +7,7 @@ never an exception that escapes: it is named in the log and in events.jsonl (che
 and once a usable one is found (or a fresh start is allowed), the unusable ones tried are moved
 aside, not deleted. Resource errors (out of memory, an I/O error) skip a checkpoint without moving it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import fileio
-from . import manifest as mf
-from . import tensorfile
 from ..contract.events import Event
+from . import fileio, tensorfile
+from . import manifest as mf
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,22 @@ def load_checked(path: Path, manifest: Dict[str, Any], objects: List[str], per_r
         raise fileio.FileCheckError(f"{path}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
     dir_fd = fileio.open_folder(path)
     try:
-        states = {name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"], dir_fd)
-                  for name, spec in manifest["files"].items()}
+        states = {
+            name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"], dir_fd)
+            for name, spec in manifest["files"].items()
+        }
     finally:
         os.close(dir_fd)
     ranks = states["ranks"].get("ranks") if isinstance(states["ranks"], dict) else None
-    if (not isinstance(ranks, list) or len(ranks) != manifest["world_size"]
-            or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)):
-        raise fileio.FileCheckError(f"{path / 'ranks.bin'}: does not hold {per_rank} for each of the "
-                                    f"{manifest['world_size']} ranks the manifest names", "contents")
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != manifest["world_size"]
+        or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)
+    ):
+        raise fileio.FileCheckError(
+            f"{path / 'ranks.bin'}: does not hold {per_rank} for each of the {manifest['world_size']} ranks the manifest names",
+            "contents",
+        )
     return states
 
 
@@ -74,8 +81,14 @@ def verify(path: Path) -> Optional[str]:
 class Chooser:
     """Rank 0's choice of the checkpoint to resume from (see the module's docstring)."""
 
-    def __init__(self, folder: Path, training_config: Dict[str, Any], full_config: Dict[str, Any],
-                 on_event: Callable[..., None], set_aside: Callable[[Optional[int], Path, str, str], Any]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        training_config: Dict[str, Any],
+        full_config: Dict[str, Any],
+        on_event: Callable[..., None],
+        set_aside: Callable[[Optional[int], Path, str, str], Any],
+    ) -> None:
         self.folder, self.training_config, self.full_config = folder, training_config, full_config
         self.on_event, self.set_aside = on_event, set_aside
 
@@ -84,8 +97,9 @@ class Chooser:
         self.on_event(Event.CHECKPOINT_INVALID, step=c.step, path=str(c.path), error=error)
         return f"{c.path.name}: {error}"
 
-    def choose(self, objects: List[str], per_rank: List[str], allow_config_change: bool,
-               fresh_start_if_unusable: bool) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    def choose(
+        self, objects: List[str], per_rank: List[str], allow_config_change: bool, fresh_start_if_unusable: bool
+    ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
         problems: List[str] = []
         movable: List[Tuple[mf.Listed, str, str]] = []  # (checkpoint, reason, error): bad for good, not just now
         chosen: Optional[Tuple[mf.Listed, Dict[str, Any]]] = None
@@ -116,14 +130,19 @@ class Chooser:
         assert manifest is not None
         diff = mf.changes(manifest["config"], self.training_config)
         if diff and not allow_config_change:
-            return {"error": (
-                f"checkpoint {c.path} was made with a different training config; refusing to resume. Changed: "
-                f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
-                "run.allow_config_change=true to resume anyway")}, None
+            return {
+                "error": (
+                    f"checkpoint {c.path} was made with a different training config; refusing to resume. Changed: "
+                    f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
+                    "run.allow_config_change=true to resume anyway"
+                )
+            }, None
         for bad, reason, error in movable:
             self.set_aside(bad.step, bad.path, reason, error)
         if diff:
-            self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=c.step, accepted="run.allow_config_change", changes=[list(d) for d in diff])
+            self.on_event(
+                Event.CONFIG_CHANGED_ON_RESUME, step=c.step, accepted="run.allow_config_change", changes=[list(d) for d in diff]
+            )
         safe = [d for d in mf.changes(manifest["full_config"], self.full_config) if d not in diff]
         if safe:
             self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=c.step, accepted="safe to change", changes=[list(d) for d in safe])

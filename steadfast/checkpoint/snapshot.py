@@ -13,6 +13,7 @@ is copied before save() returns. This assumes parameters change only in optimize
 two saves, which is what a training loop does; code that changes them elsewhere calls
 CheckpointManager.wait_snapshot() first.
 """
+
 from __future__ import annotations
 
 import ctypes

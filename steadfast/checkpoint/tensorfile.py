@@ -7,6 +7,7 @@ count times dtype size equal to each span; and, for the skeleton, a depth of at 
 only the node kinds the writer makes. The format is described in tensorformat; writing is in
 tensorwrite (re-exported here: save, plan, export_safetensors).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,38 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import fileio
-from .tensorformat import (CHECKSUM, DTYPES, ITEMSIZE, MAX_DEPTH, MAX_DIMS, MAX_HEADER_BYTES, MAX_HEADER_VALUES,
-                           TREE_KEY, TensorFileError, gc_paused, json_values)
+from .tensorformat import (
+    CHECKSUM,
+    DTYPES,
+    ITEMSIZE,
+    MAX_DEPTH,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    MAX_HEADER_VALUES,
+    TREE_KEY,
+    TensorFileError,
+    gc_paused,
+    json_values,
+)
 from .tensorformat import format_error as _error
 from .tensorwrite import Layout, export_safetensors, plan, save
 
-__all__ = ["CHECKSUM", "DTYPES", "MAX_HEADER_BYTES", "MAX_HEADER_VALUES", "TREE_KEY", "Layout", "TensorFileError",
-           "export_safetensors", "json_values", "load", "parse", "plan", "read_verified", "save"]
+__all__ = [
+    "CHECKSUM",
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "MAX_HEADER_VALUES",
+    "TREE_KEY",
+    "Layout",
+    "TensorFileError",
+    "export_safetensors",
+    "json_values",
+    "load",
+    "parse",
+    "plan",
+    "read_verified",
+    "save",
+]
 
 
 def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -57,14 +83,19 @@ def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tupl
     expected = 0
     for tname, code, shape, begin, end in table:
         if begin != expected:
-            raise _error(name, f"tensor {tname[:80]!r}: data_offsets overlap or leave a gap (begins at {begin}, expected {expected})")
+            raise _error(
+                name, f"tensor {tname[:80]!r}: data_offsets overlap or leave a gap (begins at {begin}, expected {expected})"
+            )
         count = 1
         for d in shape:  # checked: stop as soon as the count cannot fit the data
             count *= d
             if count * ITEMSIZE[code] > data_len:
                 raise _error(name, f"tensor {tname[:80]!r}: shape {shape[:8]} needs more bytes than the file holds", "size")
         if count * ITEMSIZE[code] != end - begin:
-            raise _error(name, f"tensor {tname[:80]!r}: shape and dtype need {count * ITEMSIZE[code]} bytes, data_offsets span {end - begin}")
+            raise _error(
+                name,
+                f"tensor {tname[:80]!r}: shape and dtype need {count * ITEMSIZE[code]} bytes, data_offsets span {end - begin}",
+            )
         expected = end
     if expected != data_len:
         raise _error(name, f"the tensors cover {expected} bytes of data, the file holds {data_len} (truncated?)", "size")
@@ -108,8 +139,13 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) 
         if kind == "__d" and isinstance(value, list):
             out: Dict[Any, Any] = {}
             for item in value:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
-                        and not isinstance(item[0], bool) and item[0] not in out):
+                if not (
+                    isinstance(item, list)
+                    and len(item) == 2
+                    and isinstance(item[0], (str, int))
+                    and not isinstance(item[0], bool)
+                    and item[0] not in out
+                ):
                     raise _error(name, "a dict entry of the state is not a [unique str or int key, value] pair")
                 out[item[0]] = _decode(item[1], tensors, depth + 1, name)
             return out
@@ -143,8 +179,7 @@ def _parse(buf: Any, name: str) -> Any:
     if json_values(raw) > MAX_HEADER_VALUES:
         raise _error(name, f"header has more than the {MAX_HEADER_VALUES} JSON values allowed")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                            parse_constant=_no_constants)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise _error(name, f"header is not UTF-8 JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict):
@@ -163,8 +198,9 @@ def _parse(buf: Any, name: str) -> Any:
     return _decode(skeleton, tensors, 0, name)
 
 
-def read_verified(path: Path, size: Optional[int] = None, checksum: Optional[str] = None,
-                  dir_fd: Optional[int] = None) -> bytearray:
+def read_verified(
+    path: Path, size: Optional[int] = None, checksum: Optional[str] = None, dir_fd: Optional[int] = None
+) -> bytearray:
     """The file's bytes; checks its size and checksum against the manifest's when given."""
     try:
         return fileio.read_verified(path, size, checksum, dir_fd)

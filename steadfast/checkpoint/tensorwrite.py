@@ -1,5 +1,6 @@
 """Writing checkpoint files (the format: tensorformat): a Layout says where every tensor goes before
 anything is written; the bytes go straight from the tensors' memory to the file (fileio)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,18 @@ import numpy as np
 import torch
 
 from . import fileio
-from .tensorformat import (ALIGN, CODES, FORMAT_META, ITEMSIZE, MAX_DEPTH, MAX_HEADER_BYTES, MAX_HEADER_VALUES,
-                           TREE_KEY, gc_paused, json_values)
+from .tensorformat import (
+    ALIGN,
+    CODES,
+    FORMAT_META,
+    ITEMSIZE,
+    MAX_DEPTH,
+    MAX_HEADER_BYTES,
+    MAX_HEADER_VALUES,
+    TREE_KEY,
+    gc_paused,
+    json_values,
+)
 
 
 class Entry:
@@ -62,9 +73,11 @@ class Layout:
         padded = len(text) + (-(8 + len(text)) % ALIGN)
         values = json_values(text)
         if padded > MAX_HEADER_BYTES or values > MAX_HEADER_VALUES:
-            raise ValueError(f"this state's header ({len(self.entries)} tensors) is {padded} bytes and {values} JSON "
-                             f"values; the loader accepts at most {MAX_HEADER_BYTES} bytes and {MAX_HEADER_VALUES} "
-                             "values: split the state into more objects")
+            raise ValueError(
+                f"this state's header ({len(self.entries)} tensors) is {padded} bytes and {values} JSON "
+                f"values; the loader accepts at most {MAX_HEADER_BYTES} bytes and {MAX_HEADER_VALUES} "
+                "values: split the state into more objects"
+            )
         return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
 
     @property
@@ -89,7 +102,6 @@ class Layout:
         return out
 
 
-
 _STRIDED = torch.strided
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.#/ -]*")  # needs no escaping in JSON
 
@@ -105,8 +117,10 @@ class _Planner:
     def tensor(self, t: torch.Tensor, path: str) -> str:
         code = CODES.get(t.dtype)  # quantized dtypes are not there
         if code is None or t.layout is not _STRIDED:
-            raise TypeError(f"cannot store a tensor of dtype {t.dtype} and layout {t.layout} at {path or 'the top'} "
-                            f"(safetensors stores strided tensors of {', '.join(str(d).removeprefix('torch.') for d in CODES)})")
+            raise TypeError(
+                f"cannot store a tensor of dtype {t.dtype} and layout {t.layout} at {path or 'the top'} "
+                f"(safetensors stores strided tensors of {', '.join(str(d).removeprefix('torch.') for d in CODES)})"
+            )
         name = path or "tensor"
         if name in self.names:
             k = 1

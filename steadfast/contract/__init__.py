@@ -20,6 +20,7 @@ A worker reports back through its return value (rank 0's becomes the job's), an 
 job failed; it is restarted within `restart.max_restarts`), `StopRun` after it saved (every rank,
 at the same step), and events.
 """
+
 from .env import LaunchEnv, NotLaunched, current_rank, restart_count, run_dir
 from .events import Event
 from .exits import EXIT_PREEMPTED, exit_code
@@ -27,6 +28,19 @@ from .stop import PREEMPTED, STOP_SIGNALS, Stopped, StopRun, signal_name, stop_r
 from .summary import Status
 
 __all__ = [
-    "EXIT_PREEMPTED", "Event", "LaunchEnv", "NotLaunched", "PREEMPTED", "STOP_SIGNALS", "Status", "StopRun", "Stopped",
-    "current_rank", "exit_code", "restart_count", "run_dir", "signal_name", "stop_requested",
+    "EXIT_PREEMPTED",
+    "Event",
+    "LaunchEnv",
+    "NotLaunched",
+    "PREEMPTED",
+    "STOP_SIGNALS",
+    "Status",
+    "StopRun",
+    "Stopped",
+    "current_rank",
+    "exit_code",
+    "restart_count",
+    "run_dir",
+    "signal_name",
+    "stop_requested",
 ]

@@ -6,6 +6,7 @@ elastic's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT;
 HOROVOD_RANK, HOROVOD_SIZE, ...); `rank`, `world_size`, `local_rank` and `local_world_size` read
 whichever the backend set, so a worker never needs to know which backend started it.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,10 @@ class LaunchEnv:
         env = os.environ if env is None else env
         run_dir = env.get(ENV_RUN_DIR)
         if not run_dir:
-            raise NotLaunched(f"{ENV_RUN_DIR} is not set: run this task through the steadfast launcher "
-                              "(an app whose config selects hydra/launcher=steadfast)")
+            raise NotLaunched(
+                f"{ENV_RUN_DIR} is not set: run this task through the steadfast launcher "
+                "(an app whose config selects hydra/launcher=steadfast)"
+            )
         collective = env.get(ENV_COLLECTIVE) or NONE
         try:
             launch_time = float(env.get(ENV_LAUNCH_TIME) or 0.0)

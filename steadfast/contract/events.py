@@ -4,6 +4,7 @@ The launcher, the workers, the report and the benchmarks all use these; no event
 as a string literal anywhere else. Every record has `time`, `event`, `host` and `pid`, plus the
 kind's own fields (listed beside each kind).
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,13 @@ def append(folder: PathLike, kind: Event, **fields: Any) -> None:
     One `write` of one line on a file opened with O_APPEND, so lines written by the launcher
     and by the workers at the same time never interleave.
     """
-    record = {"time": round(time.time(), 3), "event": Event(kind).value, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+    record = {
+        "time": round(time.time(), 3),
+        "event": Event(kind).value,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **fields,
+    }
     line = (json.dumps(record, default=str) + "\n").encode()
     fd = os.open(Path(folder) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

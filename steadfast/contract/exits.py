@@ -1,4 +1,5 @@
 """Exit codes of a launch, as a scheduler or a shell script sees them."""
+
 from __future__ import annotations
 
 import signal

@@ -3,6 +3,7 @@
 Nothing read back from a run folder is ever unpickled or evaluated: JSON only, size-capped,
 regular files only, and any failure means "unusable" (None or an empty list), never an exception.
 """
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ compared between hosts. The watchdog declares a rank hung when its counter has n
 `restart.hang_timeout_s` by the launcher's own clock, has every stuck worker write its Python
 stacks (STACK_SIGNAL, `faulthandler`) to STACKS_DIR/rank<r>.txt, and kills it.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -23,7 +24,9 @@ STACK_SIGNAL = signal.SIGUSR1  # makes a worker dump its stacks (faulthandler) w
 DONE_PHASE = "done"  # a worker's last heartbeat phase: its task is over (shutting down, or waiting to be collected)
 STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: restart.startup_timeout_s applies
 _RECORD_BYTES = 320
-STOP_MARKER = "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
+STOP_MARKER = (
+    "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
+)
 
 _state: Dict[str, Any] = {"heartbeat": None, "stacks_file": None}
 
@@ -36,8 +39,13 @@ class Heartbeat:
         folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.fd = os.open(folder / f"rank{rank}", os.O_WRONLY | os.O_CREAT, 0o644)
-        fixed = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-                 "restart": restart_count(), "launch": os.environ.get(ENV_LAUNCH_ID, "")}
+        fixed = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "restart": restart_count(),
+            "launch": os.environ.get(ENV_LAUNCH_ID, ""),
+        }
         self._head = json.dumps(fixed)[:-1]  # '{"rank": ..., "launch": "..."' without the closing brace
         self.beats, self.step, self.phase = 0, -1, "start"
         self.beat(-1, "start")

@@ -9,6 +9,7 @@ but a resume with another world size is the world-size policy's business, not co
 
 An app adds its own neutral keys with `run.safe_to_change` (a list of keys or `prefix.`es).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

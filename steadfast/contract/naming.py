@@ -7,6 +7,7 @@ are in `<root>/sweeps/<sweep name>/<run name>`. The launcher registers these as 
 (`steadfast_run_name`, `steadfast_sweep_dir`, `steadfast_sweep_subdir`) for the library's
 `steadfast` config.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,9 @@ def is_sweep(task_overrides: Iterable[Any], sweeper: Optional[str] = None, param
     return any(o.is_sweep_override() for o in parsed)
 
 
-def sweep_name(overrides: Sequence[str], sweeper: Optional[str] = None, params: Any = None,
-               safe_to_change: Iterable[str] = ()) -> str:
+def sweep_name(
+    overrides: Sequence[str], sweeper: Optional[str] = None, params: Any = None, safe_to_change: Iterable[str] = ()
+) -> str:
     """A sweep's folder name, from its command line as typed (sweep syntax included) and its sweeper.
 
     As for run_name, keys that do not change what is trained are left out unless the sweep varies
@@ -71,8 +73,14 @@ def sweep_name(overrides: Sequence[str], sweeper: Optional[str] = None, params: 
     return folder_name(prefix + swept + searched + fixed)
 
 
-def sweep_dir(root: str, overrides: Sequence[Any], sweeper: Optional[str] = None, params: Any = None,
-              safe_to_change: Iterable[str] = (), run: Optional[str] = None) -> str:
+def sweep_dir(
+    root: str,
+    overrides: Sequence[Any],
+    sweeper: Optional[str] = None,
+    params: Any = None,
+    safe_to_change: Iterable[str] = (),
+    run: Optional[str] = None,
+) -> str:
     """`<root>/sweeps/<sweep name>` for a sweep. For one job: its run folder `<root>/<run>` when its
     run name is given (see sweep_subdir), else `root`."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -108,8 +116,9 @@ def register_resolvers() -> None:
     """`steadfast_run_name`, `steadfast_sweep_dir` and `steadfast_sweep_subdir`, used by the library's `steadfast` config."""
     from omegaconf import OmegaConf
 
-    OmegaConf.register_new_resolver("steadfast_run_name", lambda overrides, safe=(): run_name(list(overrides), list(safe or ())),
-                                    replace=True)
+    OmegaConf.register_new_resolver(
+        "steadfast_run_name", lambda overrides, safe=(): run_name(list(overrides), list(safe or ())), replace=True
+    )
     OmegaConf.register_new_resolver("steadfast_sweep_dir", sweep_dir, replace=True)
     OmegaConf.register_new_resolver("steadfast_sweep_subdir", sweep_subdir, replace=True)
 

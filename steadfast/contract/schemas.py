@@ -6,11 +6,11 @@ and the launcher reads the app's `backend`, `restart` and `cluster` nodes (`hydr
 ${backend}`, wired by the library's `steadfast` config), so a sweep can vary them per job. Without
 them, a job runs in-process (`local`) with no restarts.
 """
+
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Type
 
 from hydra.errors import CompactHydraException
@@ -148,7 +148,9 @@ class HorovodBackendConf(BackendConf):
         if self.controller not in CONTROLLERS:
             out.append(bad(f"{prefix}.controller", self.controller, f"one of {', '.join(CONTROLLERS)}"))
         elif self.controller == "mpi":
-            out.append(bad(f"{prefix}.controller", "mpi", "only 'gloo' is built here (the MPI controller needs an MPI build of Horovod)"))
+            out.append(
+                bad(f"{prefix}.controller", "mpi", "only 'gloo' is built here (the MPI controller needs an MPI build of Horovod)")
+            )
         if self.start_timeout < 1:
             out.append(bad(f"{prefix}.start_timeout", self.start_timeout, "seconds >= 1"))
         if self.hosts and self.host_discovery_script:
@@ -163,11 +165,20 @@ class HorovodBackendConf(BackendConf):
             out.append(f"{prefix}.min_np={self.min_np} is greater than {prefix}.max_np={self.max_np}")
         if self.min_np is not None and not self.host_discovery_script and len((self.hosts or "localhost").split(",")) < 2:
             # horovod.run refuses elastic mode on fixed hosts with fewer than 2 hosts
-            out.append(f"{prefix}.min_np (elastic mode) needs {prefix}.host_discovery_script, or {prefix}.hosts with at least 2 hosts")
+            out.append(
+                f"{prefix}.min_np (elastic mode) needs {prefix}.host_discovery_script, or {prefix}.hosts with at least 2 hosts"
+            )
         if self.blacklist_cooldown_range is not None and (
-            len(self.blacklist_cooldown_range) != 2 or not 0 <= self.blacklist_cooldown_range[0] <= self.blacklist_cooldown_range[1]
+            len(self.blacklist_cooldown_range) != 2
+            or not 0 <= self.blacklist_cooldown_range[0] <= self.blacklist_cooldown_range[1]
         ):
-            out.append(bad(f"{prefix}.blacklist_cooldown_range", list(self.blacklist_cooldown_range), "[MIN_S, MAX_S] with 0 <= MIN_S <= MAX_S"))
+            out.append(
+                bad(
+                    f"{prefix}.blacklist_cooldown_range",
+                    list(self.blacklist_cooldown_range),
+                    "[MIN_S, MAX_S] with 0 <= MIN_S <= MAX_S",
+                )
+            )
         return out
 
 
@@ -279,13 +290,18 @@ class SteadfastLauncherConf:
         if self.max_parallel_jobs < 1:
             out.append(bad("hydra.launcher.max_parallel_jobs", self.max_parallel_jobs, "an integer >= 1"))
         if self.max_procs is not None and self.max_procs < 1:
-            out.append(bad("hydra.launcher.max_procs", self.max_procs, "an integer >= 1, or null (this machine's GPUs or CPU cores)"))
+            out.append(
+                bad("hydra.launcher.max_procs", self.max_procs, "an integer >= 1, or null (this machine's GPUs or CPU cores)")
+            )
         return out
 
 
 # The one map from a backend's name to its schema (the launcher's registry maps schemas to backends).
-BACKEND_SCHEMAS: Dict[str, Type[BackendConf]] = {"torchrun": TorchrunBackendConf, "horovod": HorovodBackendConf,
-                                                 "local": LocalBackendConf}
+BACKEND_SCHEMAS: Dict[str, Type[BackendConf]] = {
+    "torchrun": TorchrunBackendConf,
+    "horovod": HorovodBackendConf,
+    "local": LocalBackendConf,
+}
 
 
 def backend_from(node: Any) -> BackendConf:

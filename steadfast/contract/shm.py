@@ -4,6 +4,7 @@ A job's segments are files in SHM_DIR named `steadfast-<run folder hash>-<launch
 workers create them (steadfast/snapshots.py), the launcher removes them when the job ends, and a
 launch of the same run folder removes those of launchers that are gone (killed with SIGKILL).
 """
+
 from __future__ import annotations
 
 import hashlib

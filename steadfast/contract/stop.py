@@ -5,6 +5,7 @@ returns a `Stopped` marker instead of its result, so no backend sees a failure o
 anything, and the launcher ends the job (exit code EXIT_PREEMPTED after SIGTERM). In the launcher,
 the same flag tells its supervisor to forward the signal to the workers.
 """
+
 from __future__ import annotations
 
 import signal
@@ -80,8 +81,15 @@ class Stopped:
     the stop request's signal number.
     """
 
-    def __init__(self, reason: str, step: Optional[int], saved: bool, message: str, exit_code: int = EXIT_PREEMPTED,
-                 signal: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        step: Optional[int],
+        saved: bool,
+        message: str,
+        exit_code: int = EXIT_PREEMPTED,
+        signal: Optional[int] = None,
+    ) -> None:
         self.reason, self.step, self.saved, self.message = reason, step, saved, message
         self.exit_code, self.signal = exit_code, signal
 
@@ -92,7 +100,14 @@ class Stopped:
 class StopRun(Exception):
     """Raised by a task on every rank after it saved and agreed to stop (see `Stopped`)."""
 
-    def __init__(self, reason: str, step: Optional[int], saved: bool, message: str, exit_code: int = EXIT_PREEMPTED,
-                 signum: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        step: Optional[int],
+        saved: bool,
+        message: str,
+        exit_code: int = EXIT_PREEMPTED,
+        signum: Optional[int] = None,
+    ) -> None:
         super().__init__(message)
         self.marker = Stopped(reason=reason, step=step, saved=saved, message=message, exit_code=exit_code, signal=signum)

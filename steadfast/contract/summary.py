@@ -7,6 +7,7 @@ event (`preempted`, `memory_limit`); a failure is the launcher's own knowledge. 
 is derived from the event log, and the launchers of a multi-node job agree on it: only the
 launcher that hosted global rank 0 writes a completed run's summary.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,17 @@ def read(run_dir: Optional[PathLike]) -> Dict[str, Any]:
     return read_json_object(Path(run_dir) / SUMMARY_FILE) or {}
 
 
-def write(run_dir: PathLike, status: Status, *, since: float, restarts: int, wall_seconds: float,
-          error: Optional[str] = None, hosts_rank0: bool = True, **extra: Any) -> Dict[str, Any]:
+def write(
+    run_dir: PathLike,
+    status: Status,
+    *,
+    since: float,
+    restarts: int,
+    wall_seconds: float,
+    error: Optional[str] = None,
+    hosts_rank0: bool = True,
+    **extra: Any,
+) -> Dict[str, Any]:
     """Write the summary of the launch that started at `since`; returns what the file now says.
 
     The task's own record of this launch's outcome (`training_completed`, or the stop event named
@@ -55,8 +65,11 @@ def write(run_dir: PathLike, status: Status, *, since: float, restarts: int, wal
     recorded = events.read(run_dir, since=since, kinds=(Event.TRAINING_COMPLETED, *events.STOP_EVENTS))
     if not hosts_rank0 and (status == Status.COMPLETED or events.last(recorded, Event.TRAINING_COMPLETED) is not None):
         return read(run_dir)
-    own = {Status.COMPLETED: Event.TRAINING_COMPLETED, Status.PREEMPTED: Event.PREEMPTED,
-           Status.MEMORY_LIMIT: Event.MEMORY_LIMIT}.get(status)
+    own = {
+        Status.COMPLETED: Event.TRAINING_COMPLETED,
+        Status.PREEMPTED: Event.PREEMPTED,
+        Status.MEMORY_LIMIT: Event.MEMORY_LIMIT,
+    }.get(status)
     record = events.last(recorded, own) if own is not None else None
     summary: Dict[str, Any] = {}
     if record is not None and isinstance(record.get("result"), dict):

@@ -16,12 +16,27 @@ themselves, verified against their manifests. Times are wall-clock times of one 
   text, plot   the words and the picture (matplotlib only in plot, imported when drawing)
   cli          the command (`main`)
 """
+
 from .analysis import analyse
-from .model import Attempt, Launch, Outcome, RunReport, TimeBreakdown
 from .cli import main, report
 from .loader import find_runs, is_run, load_run
+from .model import Attempt, Launch, Outcome, RunReport, TimeBreakdown
 from .records import RunRecords
 from .text import format_run, format_sweep
 
-__all__ = ["Attempt", "Launch", "Outcome", "RunRecords", "RunReport", "TimeBreakdown", "analyse", "find_runs",
-           "format_run", "format_sweep", "is_run", "load_run", "main", "report"]
+__all__ = [
+    "Attempt",
+    "Launch",
+    "Outcome",
+    "RunRecords",
+    "RunReport",
+    "TimeBreakdown",
+    "analyse",
+    "find_runs",
+    "format_run",
+    "format_sweep",
+    "is_run",
+    "load_run",
+    "main",
+    "report",
+]

@@ -8,6 +8,7 @@ The events of a launch carry the worker-side restart count (`restart`), which te
 of one launch apart (torch elastic's restarts and the launcher's relaunches alike). What each
 part of the time breakdown holds: see `model`.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -50,8 +51,9 @@ def timeline(events: Iterable[Mapping[str, Any]], relative_to: Optional[str] = N
     launches: List[Launch] = []
     attempts: List[Attempt] = []
     current: Dict[int, Attempt] = {}  # restart -> attempt, in the current launch
-    records = sorted(((k, e) for e in events if (k := _kind(e)) is not None and number(e.get("time")) is not None),
-                     key=lambda ke: _time(ke[1]))
+    records = sorted(
+        ((k, e) for e in events if (k := _kind(e)) is not None and number(e.get("time")) is not None), key=lambda ke: _time(ke[1])
+    )
     for kind, e in records:
         t = _time(e)
         if kind is Event.LAUNCH:
@@ -162,7 +164,9 @@ def _close(launches: List[Launch], attempts: List[Attempt]) -> None:
         if a is not newest_of[a.launch] or launch.ended_by is Event.JOB_FAILED:
             a.ends(Outcome.FAILED, "a worker died without recording an error (killed by a signal?)")
         elif launch.ended_by is None:
-            a.cause = NO_END_RECORDED if launch is launches[-1] else "the launch ended without a record (its launcher was killed?)"
+            a.cause = (
+                NO_END_RECORDED if launch is launches[-1] else "the launch ended without a record (its launcher was killed?)"
+            )
 
 
 def lost_steps(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> None:
@@ -181,8 +185,9 @@ def lost_steps(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> Non
 def attempt_rows(a: Attempt, metrics: Sequence[MetricRow]) -> List[MetricRow]:
     """The logged training steps of one attempt, in time order."""
     end = a.end if a.end is not None else float("inf")
-    return sorted((r for r in metrics if r.loss is not None and a.start <= r.time <= end and r.restart == a.restart),
-                  key=lambda r: r.time)
+    return sorted(
+        (r for r in metrics if r.loss is not None and a.start <= r.time <= end and r.restart == a.restart), key=lambda r: r.time
+    )
 
 
 def step_times(attempts: Sequence[Attempt], metrics: Sequence[MetricRow]) -> None:
@@ -256,11 +261,26 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
         elif kind is Event.CHECKPOINT_INVALID:
             invalid.append(Unusable(step=integer(e.get("step")), error=text(e.get("error"), 500) or "?"))
         elif kind is Event.FAULT_FIRED:
-            faults.append(Fault(fault=text(e.get("fault"), 60) or "?", rank=integer(e.get("rank")),
-                                step=integer(e.get("step")), restart=integer(e.get("restart"))))
+            faults.append(
+                Fault(
+                    fault=text(e.get("fault"), 60) or "?",
+                    rank=integer(e.get("rank")),
+                    step=integer(e.get("step")),
+                    restart=integer(e.get("restart")),
+                )
+            )
     return RunReport(
-        folder=records.folder, status=status(records.summary, launches), summary=records.summary,
-        metrics=records.metrics, launches=launches, attempts=attempts, breakdown=breakdown(attempts, launches, events),
-        checkpoints_saved=saved, checkpoint_dir=records.checkpoint_dir, checkpoints_on_disk=records.checkpoints,
-        invalid_on_resume=invalid, faults=faults, problems=list(records.problems),
+        folder=records.folder,
+        status=status(records.summary, launches),
+        summary=records.summary,
+        metrics=records.metrics,
+        launches=launches,
+        attempts=attempts,
+        breakdown=breakdown(attempts, launches, events),
+        checkpoints_saved=saved,
+        checkpoint_dir=records.checkpoint_dir,
+        checkpoints_on_disk=records.checkpoints,
+        invalid_on_resume=invalid,
+        faults=faults,
+        problems=list(records.problems),
     )

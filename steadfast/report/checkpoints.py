@@ -3,6 +3,7 @@
 What "committed" means, the manifest and the tensor files' checks all come from
 steadfast.checkpoint, so a change of the checkpoint format changes nothing here but this call.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,7 +35,9 @@ def verify(folder: Path) -> List[CheckpointCheck]:
                     raise ValueError(f"{file}: not a regular file in the checkpoint")
                 read_verified(file, spec["bytes"], spec["checksum"])
         except Exception as exc:  # whatever the files hold, the answer is "damaged", never a traceback
-            out.append(CheckpointCheck(step, str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"))
+            out.append(
+                CheckpointCheck(step, str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}")
+            )
         else:
             out.append(CheckpointCheck(step))
     return out

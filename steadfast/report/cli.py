@@ -1,4 +1,5 @@
 """`python -m steadfast.report FOLDER` (also `python -m pipeline.report FOLDER`): print the report, draw report.png."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,8 @@ from typing import List, Optional, Sequence
 
 from ..contract.files import EVENTS_FILE, SUMMARY_FILE
 from .analysis import analyse
-from .model import RunReport
 from .loader import find_runs, is_run, load_run
+from .model import RunReport
 from .text import format_run, format_sweep
 
 PNG = "report.png"
@@ -36,7 +37,8 @@ def _picture(reports: Sequence[RunReport], path: Path, sweep: bool) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.report",
-        description="What happened in a run, in words and in a picture (report.png in the folder).")
+        description="What happened in a run, in words and in a picture (report.png in the folder).",
+    )
     parser.add_argument("folder", type=Path, help="a run folder (outputs/<run.name>) or a sweep folder")
     parser.add_argument("--no-plot", action="store_true", help="only print the summary")
     args = parser.parse_args(argv)

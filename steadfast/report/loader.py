@@ -6,6 +6,7 @@ config.yaml (the run's frozen config: where its checkpoints are) with `yaml.safe
 evaluated or unpickled; a file that is missing or damaged becomes a line in `RunRecords.problems`,
 never an exception.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,16 @@ from typing import Any, List, Optional
 import yaml
 
 from ..contract import events, summary
-from ..contract.files import (CONFIG_FILE, EVENTS_FILE, MAX_JSON_BYTES, MAX_JSONL_BYTES, METRICS_FILE, SUMMARY_FILE,
-                              read_jsonl, read_regular)
+from ..contract.files import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    MAX_JSON_BYTES,
+    MAX_JSONL_BYTES,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    read_jsonl,
+    read_regular,
+)
 from . import checkpoints
 from .records import DEFAULT_CHECKPOINT_DIR, RunRecords, metric_rows, summary_from
 
@@ -56,8 +65,10 @@ def _events(folder: Path, problems: List[str]) -> List[Any]:
     if not records:
         problems.append(f"{EVENTS_FILE}: no usable event in it: no launches or attempts to show")
     elif skipped > 0:
-        problems.append(f"{EVENTS_FILE}: {skipped} line(s) that are not an event of this version skipped "
-                        "(cut by a crash, damaged, or written by a newer version)")
+        problems.append(
+            f"{EVENTS_FILE}: {skipped} line(s) that are not an event of this version skipped "
+            "(cut by a crash, damaged, or written by a newer version)"
+        )
     return records
 
 
@@ -72,7 +83,9 @@ def _metrics(folder: Path, records: RunRecords) -> None:
     records.metrics, unusable = metric_rows(raw)
     damaged = lines - len(raw)
     if damaged > 0:
-        records.problems.append(f"{METRICS_FILE}: {damaged} line(s) that are not a JSON object skipped (cut by a crash, or damaged)")
+        records.problems.append(
+            f"{METRICS_FILE}: {damaged} line(s) that are not a JSON object skipped (cut by a crash, or damaged)"
+        )
     if unusable:
         records.problems.append(f"{METRICS_FILE}: {unusable} row(s) without a numeric time and step skipped")
 
@@ -80,8 +93,10 @@ def _metrics(folder: Path, records: RunRecords) -> None:
 def _summary(folder: Path, records: RunRecords) -> None:
     state = _state(folder / SUMMARY_FILE, MAX_JSON_BYTES)
     if state is not None:
-        records.problems.append(f"{SUMMARY_FILE}: {state}" + (": the launch is still running, or its launcher was killed"
-                                                               if state == "missing" else ""))
+        records.problems.append(
+            f"{SUMMARY_FILE}: {state}"
+            + (": the launch is still running, or its launcher was killed" if state == "missing" else "")
+        )
         return
     raw = summary.read(folder)
     if not raw:
@@ -125,12 +140,15 @@ def _checkpoints(folder: Path, records: RunRecords) -> None:
         config_text, state = None, "not UTF-8 text"
     records.checkpoint_dir, problem = checkpoint_dir(folder, config_text)
     if problem is not None:
-        records.problems.append(f"{CONFIG_FILE}: {state or problem}: verified the default checkpoint folder "
-                                f"{records.checkpoint_dir}")
+        records.problems.append(
+            f"{CONFIG_FILE}: {state or problem}: verified the default checkpoint folder {records.checkpoint_dir}"
+        )
     custom = records.checkpoint_dir != folder / DEFAULT_CHECKPOINT_DIR
     if custom and not records.checkpoint_dir.is_absolute() and not records.checkpoint_dir.is_dir():
-        records.problems.append(f"checkpoint folder {records.checkpoint_dir}: not found from here (a relative checkpoint.dir "
-                                "is relative to the folder the run was launched from: run the report there)")
+        records.problems.append(
+            f"checkpoint folder {records.checkpoint_dir}: not found from here (a relative checkpoint.dir "
+            "is relative to the folder the run was launched from: run the report there)"
+        )
     try:
         records.checkpoints = checkpoints.verify(records.checkpoint_dir)
     except OSError as exc:

@@ -15,6 +15,7 @@ The time breakdown of a run (all launches of the same run folder together):
   other        the rest: validation, shutdown, waiting
 goodput = useful / wall time.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields

@@ -1,4 +1,5 @@
 """The report as a picture (report.png). matplotlib is imported here only, when a picture is drawn."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +9,22 @@ from .analysis import attempt_rows
 from .model import MEMORY, Outcome, RunReport, TimeBreakdown
 from .text import seconds
 
-PART_COLORS = {"useful": "#2ca02c", "redone": "#d62728", "checkpoint": "#1f77b4", "startup": "#c7c7c7",
-               "hung": "#f4b6b6", "other": "#ffdd88"}
+PART_COLORS = {
+    "useful": "#2ca02c",
+    "redone": "#d62728",
+    "checkpoint": "#1f77b4",
+    "startup": "#c7c7c7",
+    "hung": "#f4b6b6",
+    "other": "#ffdd88",
+}
 COLORS = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#2ca02c"]
-OUTCOME = {Outcome.COMPLETED: ("#2ca02c", "completed"), Outcome.PREEMPTED: ("#ff7f0e", "preempted"),
-           Outcome.FAILED: ("#d62728", "failed"), Outcome.STOPPED: ("#ff7f0e", "stopped"), Outcome.UNKNOWN: ("#7f7f7f", "?")}
+OUTCOME = {
+    Outcome.COMPLETED: ("#2ca02c", "completed"),
+    Outcome.PREEMPTED: ("#ff7f0e", "preempted"),
+    Outcome.FAILED: ("#d62728", "failed"),
+    Outcome.STOPPED: ("#ff7f0e", "stopped"),
+    Outcome.UNKNOWN: ("#7f7f7f", "?"),
+}
 
 
 def _pyplot() -> Any:
@@ -50,8 +62,14 @@ def _loss(ax: Any, r: RunReport) -> None:
     for a in r.attempts:
         mine = attempt_rows(a, r.metrics)
         if mine:
-            ax.plot([m.step for m in mine], [m.loss for m in mine], "-", lw=1.4, color=COLORS[a.index % len(COLORS)],
-                    label=f"attempt {a.index} (train loss)")
+            ax.plot(
+                [m.step for m in mine],
+                [m.loss for m in mine],
+                "-",
+                lw=1.4,
+                color=COLORS[a.index % len(COLORS)],
+                label=f"attempt {a.index} (train loss)",
+            )
     val = sorted((m.step, m.val_loss) for m in r.metrics if m.val_loss is not None)
     if val:
         ax.plot(*zip(*val), "o--", ms=3.5, lw=1, color="black", alpha=0.7, label="val loss (per epoch)")
@@ -66,14 +84,30 @@ def _loss(ax: Any, r: RunReport) -> None:
             ax.axvline(a.last_step, color=color, ls="--", lw=1.3)
             short = a.cause.split(" (")[0] if a.outcome is Outcome.FAILED else a.cause.split(" at step")[0]
             label = f"{short}" + (f"\n{a.lost_steps} step(s) redone" if a.lost_steps else "\nno step lost")
-            ax.annotate(label, (a.last_step, 0.97 - 0.14 * (marked % 3)), xycoords=("data", "axes fraction"), xytext=(4, 0),
-                        textcoords="offset points", va="top", fontsize=8, color=color,
-                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
+            ax.annotate(
+                label,
+                (a.last_step, 0.97 - 0.14 * (marked % 3)),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="top",
+                fontsize=8,
+                color=color,
+                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8),
+            )
             marked += 1
     ckpts = sorted({step for a in r.attempts for _, step in a.checkpoints})
     if ckpts:
-        ax.plot(ckpts, [0.0] * len(ckpts), "^", color="#2ca02c", ms=7, clip_on=False, transform=ax.get_xaxis_transform(),
-                label="checkpoint committed")
+        ax.plot(
+            ckpts,
+            [0.0] * len(ckpts),
+            "^",
+            color="#2ca02c",
+            ms=7,
+            clip_on=False,
+            transform=ax.get_xaxis_transform(),
+            label="checkpoint committed",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
     if log_scale:
@@ -108,11 +142,16 @@ def _timeline(tl: Any, r: RunReport) -> None:
         tl.text((start + end) / 2, 0.42, f"#{a.index} {what}{where}", ha="center", va="bottom", fontsize=8)
     for (a0, b0, x0), (a1, _, x1) in zip(offsets, offsets[1:]):
         tl.axvspan(x0 + (b0 - a0), x1, color="white", hatch="//", ec="#999999", lw=0)
-        tl.text((x0 + (b0 - a0) + x1) / 2, -0.45, f"re-run\n+{seconds(a1 - b0)}", ha="center", va="top", fontsize=7, color="#555555")
+        tl.text(
+            (x0 + (b0 - a0) + x1) / 2, -0.45, f"re-run\n+{seconds(a1 - b0)}", ha="center", va="top", fontsize=7, color="#555555"
+        )
     tl.set_yticks([])
     tl.set_ylim(-0.9, 0.9)
-    tl.set_xlabel("seconds since the first launch  (grey: start-up and restore; hatched red: hung until the watchdog "
-                  "acted; green ticks: checkpoints; idle time between launches compressed)", fontsize=8)
+    tl.set_xlabel(
+        "seconds since the first launch  (grey: start-up and restore; hatched red: hung until the watchdog "
+        "acted; green ticks: checkpoints; idle time between launches compressed)",
+        fontsize=8,
+    )
     tl.grid(axis="x", alpha=0.3)
 
 
@@ -135,8 +174,13 @@ def plot_run(r: RunReport, path: Path) -> Path:
     fig, (ax, tl, bar) = plt.subplots(3, 1, figsize=(11, 7.6), dpi=100, gridspec_kw={"height_ratios": [3.2, 1.3, 0.45]})
     gp = r.goodput
     steps = r.summary.global_step if r.summary.global_step is not None else "?"
-    fig.suptitle(f"{r.name}: {r.status}, {steps} steps, {r.restarts} restart(s), goodput {100 * gp:.0f}%"
-                 if gp is not None else f"{r.name}: {r.status}", fontsize=12, fontweight="bold")
+    fig.suptitle(
+        f"{r.name}: {r.status}, {steps} steps, {r.restarts} restart(s), goodput {100 * gp:.0f}%"
+        if gp is not None
+        else f"{r.name}: {r.status}",
+        fontsize=12,
+        fontweight="bold",
+    )
     _loss(ax, r)
     _timeline(tl, r)
     _where_the_time_went(bar, r.breakdown)

@@ -4,6 +4,7 @@ No file I/O here: `loader` reads the files and hands their contents to these fun
 unit tests build the same values by hand. Anything of the wrong type is dropped (and said so),
 never passed on to fail later.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,8 +52,16 @@ class Summary:
     error: Optional[str] = None
 
 
-_SUMMARY_FIELDS: Dict[str, Callable[[Any], Any]] = {"status": text, "epochs_completed": integer, "global_step": integer, "final_loss": number,
-                   "val_loss": number, "val_accuracy": number, "model_sha256": text, "error": text}
+_SUMMARY_FIELDS: Dict[str, Callable[[Any], Any]] = {
+    "status": text,
+    "epochs_completed": integer,
+    "global_step": integer,
+    "final_loss": number,
+    "val_loss": number,
+    "val_accuracy": number,
+    "model_sha256": text,
+    "error": text,
+}
 
 
 def summary_from(raw: Mapping[str, Any]) -> Tuple[Summary, List[str]]:
@@ -87,8 +96,15 @@ def metric_rows(raw: Sequence[Mapping[str, Any]]) -> Tuple[List[MetricRow], int]
         t, step = number(r.get("time")), integer(r.get("step"))
         if t is None or step is None:
             continue
-        rows.append(MetricRow(time=t, step=step, restart=integer(r.get("restart")), loss=number(r.get("loss")),
-                              val_loss=number(r.get("val_loss"))))
+        rows.append(
+            MetricRow(
+                time=t,
+                step=step,
+                restart=integer(r.get("restart")),
+                loss=number(r.get("loss")),
+                val_loss=number(r.get("val_loss")),
+            )
+        )
     return rows, len(raw) - len(rows)
 
 

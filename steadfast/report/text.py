@@ -1,4 +1,5 @@
 """The report in words: one run, or the table of a sweep folder's runs."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,8 +32,10 @@ def _attempt_rows(r: RunReport) -> List[str]:
     head += f"{'from':>6}  " if with_source else ""
     lines = ["  attempts:", head + f"{'reached':>7}  {'lost':>4}  how it ended"]
     for a in r.attempts:
-        row = (f"    {a.index:>2}  {a.launch:>6}  {a.restart:>7}  {'+' + seconds(a.start - t0).replace(' ', ''):>8}  "
-               f"{a.resumed_from:>7}  ")
+        row = (
+            f"    {a.index:>2}  {a.launch:>6}  {a.restart:>7}  {'+' + seconds(a.start - t0).replace(' ', ''):>8}  "
+            f"{a.resumed_from:>7}  "
+        )
         row += f"{a.source or '-':>6}  " if with_source else ""
         lines.append(row + f"{_dash(a.last_step):>7}  {a.lost_steps:>4}  {a.how_it_ended}")
     return lines
@@ -55,25 +58,33 @@ def format_run(r: RunReport) -> str:
         lines.append(f"  problem: {problem}")
     if s.error:
         lines.append(f"  error: {s.error}")
-    lines.append(f"  epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, final train loss {_fmt(s.final_loss)}, "
-                 f"val loss {_fmt(s.val_loss)}, val accuracy {_fmt(s.val_accuracy, '.3f')}")
+    lines.append(
+        f"  epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, final train loss {_fmt(s.final_loss)}, "
+        f"val loss {_fmt(s.val_loss)}, val accuracy {_fmt(s.val_accuracy, '.3f')}"
+    )
     if s.model_sha256:
         lines.append(f"  model_sha256 {s.model_sha256}")
-    lines.append(f"  launches {len(r.launches)}, attempts {len(r.attempts)}, restarts {r.restarts}, "
-                 f"preemptions {r.preemptions}, faults injected {len(r.faults)}")
+    lines.append(
+        f"  launches {len(r.launches)}, attempts {len(r.attempts)}, restarts {r.restarts}, "
+        f"preemptions {r.preemptions}, faults injected {len(r.faults)}"
+    )
     if r.wall > 0:
-        lines.append(f"  wall {seconds(r.wall)}: useful steps {seconds(b.useful)} (goodput {100 * (r.goodput or 0.0):.1f}%), "
-                     f"redone steps {seconds(b.redone)}, checkpointing {seconds(b.checkpoint)}, start-up and restarts "
-                     f"{seconds(b.startup)}, hung until detected {seconds(b.hung)}, other (validation, shutdown) {seconds(b.other)}")
+        lines.append(
+            f"  wall {seconds(r.wall)}: useful steps {seconds(b.useful)} (goodput {100 * (r.goodput or 0.0):.1f}%), "
+            f"redone steps {seconds(b.redone)}, checkpointing {seconds(b.checkpoint)}, start-up and restarts "
+            f"{seconds(b.startup)}, hung until detected {seconds(b.hung)}, other (validation, shutdown) {seconds(b.other)}"
+        )
     if r.attempts:
         lines += _attempt_rows(r)
     if r.resumed_from_memory:
         lines.append(_restores(r.attempts))
     verified = sum(1 for c in r.checkpoints_on_disk if c.verified)
     where = "" if r.checkpoint_dir in (None, r.folder / DEFAULT_CHECKPOINT_DIR) else f" in {r.checkpoint_dir}"
-    lines.append(f"  checkpoints: {r.checkpoints_saved} committed during the run, {len(r.checkpoints_on_disk)} kept on disk"
-                 f"{where}, {verified} verified against their manifests"
-                 + (f", newest step {r.checkpoints_on_disk[0].step}" if r.checkpoints_on_disk else ""))
+    lines.append(
+        f"  checkpoints: {r.checkpoints_saved} committed during the run, {len(r.checkpoints_on_disk)} kept on disk"
+        f"{where}, {verified} verified against their manifests"
+        + (f", newest step {r.checkpoints_on_disk[0].step}" if r.checkpoints_on_disk else "")
+    )
     for c in r.checkpoints_on_disk:
         if not c.verified:
             lines.append(f"    step {c.step}: DAMAGED: {c.problem}")
@@ -85,10 +96,14 @@ def format_run(r: RunReport) -> str:
 
 
 def format_sweep(folder: Path, reports: Sequence[RunReport]) -> str:
-    lines = [f"Sweep {folder}: {len(reports)} job(s)",
-             f"  {'job':<40}  {'status':<11}  {'steps':>6}  {'val loss':>8}  {'restarts':>8}  {'goodput':>7}  {'wall':>8}"]
+    lines = [
+        f"Sweep {folder}: {len(reports)} job(s)",
+        f"  {'job':<40}  {'status':<11}  {'steps':>6}  {'val loss':>8}  {'restarts':>8}  {'goodput':>7}  {'wall':>8}",
+    ]
     for r in reports:
         gp = f"{100 * r.goodput:.0f}%" if r.goodput is not None else "-"
-        lines.append(f"  {r.name[:40]:<40}  {r.status:<11}  {_dash(r.summary.global_step):>6}  "
-                     f"{_fmt(r.summary.val_loss):>8}  {r.restarts:>8}  {gp:>7}  {seconds(r.wall):>8}")
+        lines.append(
+            f"  {r.name[:40]:<40}  {r.status:<11}  {_dash(r.summary.global_step):>6}  "
+            f"{_fmt(r.summary.val_loss):>8}  {r.restarts:>8}  {gp:>7}  {seconds(r.wall):>8}"
+        )
     return "\n".join(lines)

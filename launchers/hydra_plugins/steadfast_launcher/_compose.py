@@ -2,6 +2,7 @@
 composes it for a sweep job), its typed backend and restart settings, its run folder and the
 other folders it locks; then every check (schemas, backends, cluster, the app's pre-flight
 hooks), so a bad value fails the whole launch with one message before any worker starts."""
+
 from __future__ import annotations
 
 import importlib
@@ -63,9 +64,11 @@ def check_folders(jobs: List[Job]) -> None:
         assert job.run_dir is not None
         other = seen.setdefault(job.run_dir, job)
         if other is not job and other.key != job.key:
-            problems.append(f"{other.label} and {job.label} would share the run folder {job.run_dir}; give each job "
-                            "its own, e.g. a hydra.sweep.subdir that includes the keys this sweep varies "
-                            "(${hydra.job.override_dirname} has all of them)")
+            problems.append(
+                f"{other.label} and {job.label} would share the run folder {job.run_dir}; give each job "
+                "its own, e.g. a hydra.sweep.subdir that includes the keys this sweep varies "
+                "(${hydra.job.override_dirname} has all of them)"
+            )
     if problems:
         raise ConfigError(problems)
 
@@ -80,10 +83,15 @@ def preflight(jobs: List[Job]) -> None:
     problems: List[str] = []
     for job in jobs:
         HydraConfig.instance().set_config(job.config)
-        found = (_backends.of(job.backend).problems() + job.restart.problems()
-                 + cluster_from(OmegaConf.select(job.config, "hydra.launcher.cluster")).problems())
-        hooks = [h for key in ("preflight", "app_preflight") for h in _listed(OmegaConf.select(job.config, f"hydra.launcher.{key}"))]
-        for hook in ([] if found else hooks):
+        found = (
+            _backends.of(job.backend).problems()
+            + job.restart.problems()
+            + cluster_from(OmegaConf.select(job.config, "hydra.launcher.cluster")).problems()
+        )
+        hooks = [
+            h for key in ("preflight", "app_preflight") for h in _listed(OmegaConf.select(job.config, f"hydra.launcher.{key}"))
+        ]
+        for hook in [] if found else hooks:
             module, _, name = str(hook).partition(":")
             found += list(getattr(importlib.import_module(module), name)(job.config))
         prefix = f"{job.label}: " if len(jobs) > 1 else ""

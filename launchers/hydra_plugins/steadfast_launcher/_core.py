@@ -4,6 +4,7 @@ or to the sweep runner, and return Hydra's JobReturns (the shape of Hydra's own 
 Where the work is: `_compose` (jobs and their checks), `_sweep` (running them, the ledger, the
 table), `_job` (one job: lock, relaunch loop, summary), `_backends` (how workers start), `_locks`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ from steadfast.contract.naming import master_is_sweep
 from steadfast.contract.schemas import ConfigError
 
 from . import _compose, _slurm
-from ._leftovers import SweepFolderSnapshot
 from ._ledger import Ledger
+from ._leftovers import SweepFolderSnapshot
 from ._locks import lock_sweep, unlock_sweep
 from ._sweep import Sweep
 from ._types import Refused
@@ -47,12 +48,17 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         if sweeping:
             holder = lock_sweep(Path(sweep_dir))
             if holder:
-                raise Refused(f"Sweep folder {sweep_dir} is in use by {holder}. Wait for that launch to end, "
-                              "or choose another hydra.sweep.dir.")
-            ledger = Ledger(Path(sweep_dir), {
-                "sweep_dir": os.path.abspath(sweep_dir),
-                "command": {"task": list(master.hydra.overrides.task), "hydra": list(master.hydra.overrides.hydra)},
-            })
+                raise Refused(
+                    f"Sweep folder {sweep_dir} is in use by {holder}. Wait for that launch to end, "
+                    "or choose another hydra.sweep.dir."
+                )
+            ledger = Ledger(
+                Path(sweep_dir),
+                {
+                    "sweep_dir": os.path.abspath(sweep_dir),
+                    "command": {"task": list(master.hydra.overrides.task), "hydra": list(master.hydra.overrides.hydra)},
+                },
+            )
         sweep = Sweep(launcher, jobs, settings, ledger, sweep_dir)
         _compose.preflight([j for j in jobs if sweep.completed_result(j) is None])
     except (ConfigError, Refused):

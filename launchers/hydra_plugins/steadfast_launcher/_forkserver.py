@@ -23,6 +23,7 @@ only while torch is imported (TORCH_CPP_LOG_LEVEL, say) come from the environmen
 started with: the launcher's, before any job's `hydra.job.env_set`; with
 backend.start_method=spawn every worker imports torch itself.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,8 +42,15 @@ from ._payload import PayloadRef
 # Imported once in the server, in this order: this module first (it records the server's
 # environment), then what every worker imports before its first step: torch, its distributed
 # package, DDP (which imports torch._dynamo), the launcher's worker module and the library.
-PRELOAD: Tuple[str, ...] = (__name__, "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                            "hydra_plugins.steadfast_launcher._worker", "steadfast.run")
+PRELOAD: Tuple[str, ...] = (
+    __name__,
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "hydra_plugins.steadfast_launcher._worker",
+    "steadfast.run",
+)
 SERVER_ONLY_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 # The environment of this process when it last forked. In a worker forked from the server: the
@@ -127,8 +135,9 @@ def adopt_environment(ref: PayloadRef) -> None:
     spawned worker would have; and numpy's global random state drawn afresh, as in a new process
     (Python's `random` reseeds itself after a fork; numpy's does not)."""
     if not _forked_with:  # multiprocessing ignores a preload that fails to import
-        raise RuntimeError(f"this worker was not forked from a server that imported {__name__}; "
-                           "backend.start_method=spawn avoids the forkserver")
+        raise RuntimeError(
+            f"this worker was not forked from a server that imported {__name__}; backend.start_method=spawn avoids the forkserver"
+        )
     launcher: Dict[str, str] = _payload.load(ref)
     set_for_worker = {k: v for k, v in os.environ.items() if _forked_with.get(k) != v}
     wanted = {**launcher, **set_for_worker}

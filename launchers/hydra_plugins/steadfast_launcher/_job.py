@@ -4,6 +4,7 @@ their payload, launch and relaunch within restart.max_restarts, and write its su
 Both ways of running a sweep's jobs (in the launcher's process, or one launcher process per job)
 call `run_one`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,11 +89,17 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
     multi_node = backend.multi_node_identity(run_dir)
     frozen = OmegaConf.create(OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True))
     atomic_write(run_dir / CONFIG_FILE, OmegaConf.to_yaml(frozen))
-    launch = LaunchEnv(backend=backend.name, collective=backend.collective, run_dir=run_dir,
-                       launch_time=started, launch_id=f"{os.getpid()}-{started!r}",
-                       reference_world_size=backend.reference_world_size(),
-                       collective_timeout_s=job.restart.collective_timeout_s, launcher_pid=os.getpid(),
-                       snapshot=shm.prefix(run_dir, os.getpid()))
+    launch = LaunchEnv(
+        backend=backend.name,
+        collective=backend.collective,
+        run_dir=run_dir,
+        launch_time=started,
+        launch_id=f"{os.getpid()}-{started!r}",
+        reference_world_size=backend.reference_world_size(),
+        collective_timeout_s=job.restart.collective_timeout_s,
+        launcher_pid=os.getpid(),
+        snapshot=shm.prefix(run_dir, os.getpid()),
+    )
     for leaked in shm.remove_orphans(run_dir):
         log.info("Removed %s, a snapshot segment left by a launcher of this run that is gone", leaked)
     try:
@@ -101,8 +108,16 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
         shm.remove(launch.snapshot)  # the job's snapshots in memory end with it
 
 
-def _attempts(job: Job, task_function: TaskFunction, run_dir: Path, backend: Any, launch: LaunchEnv, frozen: DictConfig,
-              started: float, multi_node: Optional[str]) -> Any:
+def _attempts(
+    job: Job,
+    task_function: TaskFunction,
+    run_dir: Path,
+    backend: Any,
+    launch: LaunchEnv,
+    frozen: DictConfig,
+    started: float,
+    multi_node: Optional[str],
+) -> Any:
     """The relaunch loop: one attempt after another, up to the restart budget."""
     events.append(run_dir, Event.LAUNCH, backend=backend.name, overrides=filter_overrides(job.overrides))
     log.info("Run folder: %s", run_dir)
@@ -130,8 +145,14 @@ def _attempts(job: Job, task_function: TaskFunction, run_dir: Path, backend: Any
                 log.info("%s: global rank 0 ran on another node; its result is in %s", job.label, run_dir / SUMMARY_FILE)
             events.append(run_dir, Event.JOB_COMPLETED, relaunches=attempt)
             job.restarts = attempt
-            summary.write(run_dir, Status.COMPLETED, since=started, restarts=attempt, wall_seconds=time.time() - started,
-                          hosts_rank0=hosted_rank0)
+            summary.write(
+                run_dir,
+                Status.COMPLETED,
+                since=started,
+                restarts=attempt,
+                wall_seconds=time.time() - started,
+                hosts_rank0=hosted_rank0,
+            )
             return result
     restarts = last.restarts if backend.restarts_itself else attempts - 1
     job.restarts = restarts
@@ -140,10 +161,22 @@ def _attempts(job: Job, task_function: TaskFunction, run_dir: Path, backend: Any
         message += f"First failure: {first_failure}. Last failure: {last.args[0]}"
     else:
         message += f"Cause: {last.args[0]}"
-    events.append(run_dir, Event.JOB_FAILED, restarts=restarts, error=message,
-                  **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}))
-    summary.write(run_dir, Status.FAILED, since=started, restarts=restarts, wall_seconds=time.time() - started,
-                  error=message, hosts_rank0=multi_node is None)
+    events.append(
+        run_dir,
+        Event.JOB_FAILED,
+        restarts=restarts,
+        error=message,
+        **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}),
+    )
+    summary.write(
+        run_dir,
+        Status.FAILED,
+        since=started,
+        restarts=restarts,
+        wall_seconds=time.time() - started,
+        error=message,
+        hosts_rank0=multi_node is None,
+    )
     raise JobFailed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {EVENTS_FILE})", restarts)
 
 
@@ -155,9 +188,11 @@ def first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
         if kind == Event.WORKER_FAILED:
             return f"rank {event.get('rank')} on {event.get('host')}: {event.get('error')} (at {event.get('where')})"
         if kind == Event.HANG_DETECTED:
-            return (f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
-                    f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
-                    f"stacks in logs/stacks/)")
+            return (
+                f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
+                f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
+                f"stacks in logs/stacks/)"
+            )
         if event.get("fails") is True:  # a rehearsed failure (hangs: see hang_detected)
             return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
     return None
@@ -179,8 +214,12 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
     """
     env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{env.get(ENV_LAUNCH_TIME, time.time())}")
     if env.get(ENV_ATTEMPT, "0") == "0":
-        log.info("Logs: %s (launcher), %s (one per rank)%s", _launcher_log(run_dir), run_dir / "logs" / "rank<r>.log",
-                 "".join(f", {folder}" for folder in backend.log_folders(run_dir)))
+        log.info(
+            "Logs: %s (launcher), %s (one per rank)%s",
+            _launcher_log(run_dir),
+            run_dir / "logs" / "rank<r>.log",
+            "".join(f", {folder}" for folder in backend.log_folders(run_dir)),
+        )
     handler = LaunchSignals(run_dir, env[ENV_LAUNCH_ID], in_process=backend.in_process)
     previous = handler.install()
     launched = time.time()
@@ -190,16 +229,29 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
             if stop_requested() is not None:  # asked before the workers started: nothing to launch or save
                 stack.close()
                 return _end_on_stop_request(run_dir, job, launched, env)
-            supervisor = None if backend.in_process else stack.enter_context(Supervisor(
-                run_dir, job.restart, env[ENV_LAUNCH_ID], backend.stop_on_grace_expired,
-                on_overdue=handler.interrupt_main, forwarded=handler.forwarded))
+            supervisor = (
+                None
+                if backend.in_process
+                else stack.enter_context(
+                    Supervisor(
+                        run_dir,
+                        job.restart,
+                        env[ENV_LAUNCH_ID],
+                        backend.stop_on_grace_expired,
+                        on_overdue=handler.interrupt_main,
+                        forwarded=handler.forwarded,
+                    )
+                )
+            )
             try:
                 result = backend.launch(payload, job, env, run_dir)
             except WorkerFailure as failure:
                 if stop_requested() is None:
                     if supervisor is not None and supervisor.last_hang:  # the watchdog knows more than "killed by SIGKILL"
-                        failure.args = (f"{supervisor.last_hang} (killed by the watchdog after restart.hang_timeout_s="
-                                        f"{job.restart.hang_timeout_s:g})",)
+                        failure.args = (
+                            f"{supervisor.last_hang} (killed by the watchdog after restart.hang_timeout_s="
+                            f"{job.restart.hang_timeout_s:g})",
+                        )
                     raise
                 log.warning("%s", failure.args[0])
             except KeyboardInterrupt as stop:
@@ -209,8 +261,15 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
                     return result
                 if result.reason != PREEMPTED:
                     status = Status(result.reason) if result.reason in {s.value for s in Status} else Status.FAILED
-                    summary.write(run_dir, status, since=_launch_time(env), restarts=int(env.get(ENV_ATTEMPT, "0")),
-                                  wall_seconds=time.time() - _launch_time(env), error=result.message, stop_step=result.step)
+                    summary.write(
+                        run_dir,
+                        status,
+                        since=_launch_time(env),
+                        restarts=int(env.get(ENV_ATTEMPT, "0")),
+                        wall_seconds=time.time() - _launch_time(env),
+                        error=result.message,
+                        stop_step=result.step,
+                    )
                     events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
                     raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
         return _end_on_stop_request(run_dir, job, launched, env, getattr(result, "signal", None))
@@ -243,12 +302,22 @@ def _preempted(run_dir: Path, job: Job, since: float, signum: int, env: Dict[str
     if stop and stop.get("saved"):
         how = f"stopped at step {stop.get('step')}, checkpoint committed: no step lost"
     else:
-        how = ("stopped before the workers could save (restart.preemption_grace_s="
-               f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint")
-    summary.write(run_dir, Status.PREEMPTED, since=since, restarts=int(env.get(ENV_ATTEMPT, "0")),
-                  wall_seconds=time.time() - _launch_time(env), stop_signal=name)
-    return (f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-            f"(exit code {EXIT_PREEMPTED} after SIGTERM).")
+        how = (
+            "stopped before the workers could save (restart.preemption_grace_s="
+            f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint"
+        )
+    summary.write(
+        run_dir,
+        Status.PREEMPTED,
+        since=since,
+        restarts=int(env.get(ENV_ATTEMPT, "0")),
+        wall_seconds=time.time() - _launch_time(env),
+        stop_signal=name,
+    )
+    return (
+        f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
+        f"(exit code {EXIT_PREEMPTED} after SIGTERM)."
+    )
 
 
 def _launcher_log(run_dir: Path) -> str:

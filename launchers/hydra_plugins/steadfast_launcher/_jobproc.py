@@ -10,6 +10,7 @@ sha256 on its command line before it is unpickled), runs it exactly as the seque
 (`run_one`), and leaves its outcome in RESULT in the same folder, which the parent reads when the
 child ends. The child's output is forwarded line by line, prefixed with the job.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,16 +48,20 @@ class JobProcess:
         self.job, self.units, self.stop_sent = job, units, False
         self.result_path = scratch / f"job{job.idx}.result"
         config = launcher.config
-        ref = _payload.write(scratch, f"job{job.idx}.payload", {
-            "parent": os.getpid(),
-            "hydra_state": Singleton.get_state(),
-            "hydra_context": launcher.hydra_context,
-            "task_function": launcher.task_function,
-            "job": job,
-            "hydra_logging": config.hydra.hydra_logging,
-            "verbose": config.hydra.verbose,
-            "cpus": list(units) if box.kind == "cpu" else None,
-        })
+        ref = _payload.write(
+            scratch,
+            f"job{job.idx}.payload",
+            {
+                "parent": os.getpid(),
+                "hydra_state": Singleton.get_state(),
+                "hydra_context": launcher.hydra_context,
+                "task_function": launcher.task_function,
+                "job": job,
+                "hydra_logging": config.hydra.hydra_logging,
+                "verbose": config.hydra.verbose,
+                "cpus": list(units) if box.kind == "cpu" else None,
+            },
+        )
         env = dict(os.environ)
         ours = [os.getcwd() if p == "" else p for p in sys.path if p == "" or not p.startswith((sys.prefix, sys.base_prefix))]
         env["PYTHONPATH"] = os.pathsep.join([*dict.fromkeys(ours), env.get("PYTHONPATH", "")]).strip(os.pathsep)
@@ -71,11 +76,17 @@ class JobProcess:
         log.info("Launching %s on %s%s", job.label, _backends.of(job.backend).describe(), where)
         self.popen = subprocess.Popen(
             [sys.executable, "-m", __name__, ref.path, ref.sha256, str(ref.size), str(self.result_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         prefix = f"[job #{job.idx}] "
-        self.threads = [threading.Thread(target=_forward, args=(stream, sink, prefix), daemon=True)
-                        for stream, sink in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))]
+        self.threads = [
+            threading.Thread(target=_forward, args=(stream, sink, prefix), daemon=True)
+            for stream, sink in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))
+        ]
         for t in self.threads:
             t.start()
 
@@ -109,8 +120,15 @@ class JobProcess:
             how = f"killed by {signame(-code)}" if code is not None and code < 0 else f"exit code {code}"
             if self.stop_sent:
                 return INTERRUPTED, None, f"; its launcher process ended ({how})"
-            return FAILED, job_return(job, JobStatus.FAILED, JobFailed(
-                f"{job.label}: its launcher process ended ({how}) without a result; see its output above")), ""
+            return (
+                FAILED,
+                job_return(
+                    job,
+                    JobStatus.FAILED,
+                    JobFailed(f"{job.label}: its launcher process ended ({how}) without a result; see its output above"),
+                ),
+                "",
+            )
         job.restarts = out.get("restarts", 0)
         if out["status"] == INTERRUPTED:
             return INTERRUPTED, None, ""
@@ -130,6 +148,7 @@ def _forward(stream: Any, sink: Any, prefix: str) -> None:
 
 
 # ---- in the job's own launcher process ---------------------------------------------------------
+
 
 def _die_with_parent(parent: int) -> None:
     """SIGTERM to this process when the launcher that started it dies (Linux), so the agent stops its workers."""

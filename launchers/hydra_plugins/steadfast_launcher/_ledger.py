@@ -6,6 +6,7 @@ that is not one is recorded as unavailable, with its repr, and the job runs agai
 its result being unpickled. Everything read back is validated field by field: a malformed record
 is ignored (the job runs as if new), a malformed file is moved aside; never an exception.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -130,8 +131,11 @@ _FIELDS: Dict[str, Callable[[Any], bool]] = {
 
 
 def valid_record(record: Any) -> bool:
-    return (isinstance(record, dict) and record.get("status") in RECORDED_STATES
-            and all(key in _FIELDS and _FIELDS[key](value) for key, value in record.items()))
+    return (
+        isinstance(record, dict)
+        and record.get("status") in RECORDED_STATES
+        and all(key in _FIELDS and _FIELDS[key](value) for key, value in record.items())
+    )
 
 
 class Ledger:
@@ -153,8 +157,11 @@ class Ledger:
             else:
                 kept = {k: r for k, r in jobs.items() if isinstance(k, str) and valid_record(r)}
                 if len(kept) < len(jobs):
-                    log.warning("Sweep ledger %s: ignored %d malformed record(s); those jobs run as if new",
-                                self.path, len(jobs) - len(kept))
+                    log.warning(
+                        "Sweep ledger %s: ignored %d malformed record(s); those jobs run as if new",
+                        self.path,
+                        len(jobs) - len(kept),
+                    )
                 self.data["jobs"] = kept
                 if _number(old.get("created")):
                     self.data["created"] = old["created"]

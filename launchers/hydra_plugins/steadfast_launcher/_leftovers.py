@@ -6,6 +6,7 @@ sets it up (before the sweeper writes), which folders on the way to the sweep fo
 what `multirun.yaml` held; a launch refused before any job ran puts that back: the file's old
 bytes (or no file) and no folder that did not exist. Cheap: standard library only.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ blocks the next one; the lock file only tells a refused launch who holds it. A f
 cannot flock (NFS mounted with local_lock but without a lock manager, Lustre without `flock`)
 is refused with a message that names it and the fix, never silently run unlocked.
 """
+
 from __future__ import annotations
 
 import errno
@@ -60,9 +61,11 @@ def lock_unsupported(folder: Path, exc: OSError) -> Refused:
         fix = "mount Lustre with -o flock"
     else:
         fix = "mount it with flock support (NFS: local_lock=none; Lustre: flock)"
-    return Refused(f"Cannot lock {folder}: flock failed with {code} ({exc.strerror}) on its {fstype} filesystem "
-                   f"(mounted at {mount}{', options ' + options if options else ''}). Fix: {fix}, or put the run folder "
-                   "on a local or flock-capable filesystem (hydra.sweep.dir=/local/path).")
+    return Refused(
+        f"Cannot lock {folder}: flock failed with {code} ({exc.strerror}) on its {fstype} filesystem "
+        f"(mounted at {mount}{', options ' + options if options else ''}). Fix: {fix}, or put the run folder "
+        "on a local or flock-capable filesystem (hydra.sweep.dir=/local/path)."
+    )
 
 
 def _flock(fd: int, how: int, folder: Path) -> bool:
@@ -112,17 +115,22 @@ class FolderLock:
                     os.write(self.fd, f"{me}\n".encode())
                 return self
             owner = _holder(self.fd) or "another process"
-            if self.multi_node is not None and owner.startswith(f"multi-node job {self.multi_node}:") \
-                    and _flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, self.folder):
+            if (
+                self.multi_node is not None
+                and owner.startswith(f"multi-node job {self.multi_node}:")
+                and _flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, self.folder)
+            ):
                 self.shared = True
                 log.info("%s %s: joining multi-node job %s (%s)", self.what, self.folder, self.multi_node, owner)
                 return self
             os.close(self.fd)
             self.fd = -1
             mine = f" (this launch is multi-node job {self.multi_node})" if self.multi_node else ""
-            raise Refused(f"{self.what} {self.folder} is in use by {owner}{mine}. Wait for that launch to end, or "
-                          f"{self.hint}. (The launchers of one multi-node job share a folder when they agree on "
-                          "backend.rdzv_backend, backend.rdzv_endpoint and the rendezvous id, backend.rdzv_id or run.name.)")
+            raise Refused(
+                f"{self.what} {self.folder} is in use by {owner}{mine}. Wait for that launch to end, or "
+                f"{self.hint}. (The launchers of one multi-node job share a folder when they agree on "
+                "backend.rdzv_backend, backend.rdzv_endpoint and the rendezvous id, backend.rdzv_id or run.name.)"
+            )
         except BaseException:
             if self.fd >= 0:
                 os.close(self.fd)
@@ -147,9 +155,17 @@ class RunLock:
     refused for a shared checkpoint.dir creates nothing in its own run folder either."""
 
     def __init__(self, run_dir: Path, lock_dirs: List[Path], multi_node: Optional[str] = None) -> None:
-        self.locks = [FolderLock(d, "Folder", "give each run its own (hydra.launcher.lock_dirs lists it: checkpoint.dir)",
-                                 multi_node, note=f" (run folder {run_dir})")
-                      for d in dict.fromkeys(lock_dirs) if d != run_dir]
+        self.locks = [
+            FolderLock(
+                d,
+                "Folder",
+                "give each run its own (hydra.launcher.lock_dirs lists it: checkpoint.dir)",
+                multi_node,
+                note=f" (run folder {run_dir})",
+            )
+            for d in dict.fromkeys(lock_dirs)
+            if d != run_dir
+        ]
         self.locks.append(FolderLock(run_dir, "Run folder", "choose another run.name", multi_node))
         self._stack = ExitStack()
 

@@ -1,6 +1,7 @@
 """Packing a parallel sweep's jobs onto this machine: its GPUs (each job gets its own, through
 CUDA_VISIBLE_DEVICES), else the CPU cores this process may use (each job pinned to its own), or
 hydra.launcher.max_procs abstract slots. Cheap: no torch."""
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,14 @@ def machine(max_procs: Optional[int]) -> Machine:
     return Machine("cpu", cpus, labels=[str(c) for c in cpus])
 
 
-def pick(pending: Sequence[Tuple[int, int]], machine: Machine, running: int, max_parallel: int,
-         busy: Iterable[Any] = (), folders: Optional[Dict[int, Any]] = None) -> Optional[int]:
+def pick(
+    pending: Sequence[Tuple[int, int]],
+    machine: Machine,
+    running: int,
+    max_parallel: int,
+    busy: Iterable[Any] = (),
+    folders: Optional[Dict[int, Any]] = None,
+) -> Optional[int]:
     """The first pending job (idx, procs) that fits now, or None: first-fit, in sweep order.
 
     Jobs whose run folder is in use by a running job wait (identical trials of a sweeper).

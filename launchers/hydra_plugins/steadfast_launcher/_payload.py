@@ -13,6 +13,7 @@ parent until the worker has imported its main module and read them; a worker kil
 window left torch elastic's agent blocked in that write forever (no restart, no error). A
 reference of a few hundred bytes never blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,7 +62,7 @@ def _remove_orphans(prefix: str) -> None:
     except OSError:
         return
     for entry in entries:
-        pid = entry.name[len(prefix):].partition("-")[0]
+        pid = entry.name[len(prefix) :].partition("-")[0]
         try:
             st = entry.stat(follow_symlinks=False)
             if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
@@ -90,7 +91,7 @@ def write(folder: Path, name: str, value: Any) -> PayloadRef:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     return PayloadRef(str(path), hashlib.sha256(data).hexdigest(), len(data))

@@ -1,4 +1,5 @@
 """Stop signals (SIGTERM, SIGINT, SIGHUP) in the launcher process: around a sweep, and during one launch."""
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,11 @@ class LaunchSignals:
             kill(pid, signum)
 
     def _registered(self) -> List[int]:
-        return [int(b["pid"]) for b in read_heartbeats(self.run_dir).values()
-                if b.get("launch") == self.launch_id and b.get("host") == HOST and alive(int(b.get("pid", 0)))]
+        return [
+            int(b["pid"])
+            for b in read_heartbeats(self.run_dir).values()
+            if b.get("launch") == self.launch_id and b.get("host") == HOST and alive(int(b.get("pid", 0)))
+        ]
 
     def interrupt_main(self) -> None:
         import _thread

@@ -22,6 +22,7 @@ launch on this host, a few times a second:
 - Attempts. When every worker of one incarnation of the group is gone, an `attempt_ended`
   event records the last step each rank reached (the report uses it to count lost work).
 """
+
 from __future__ import annotations
 
 import logging
@@ -129,9 +130,15 @@ def describe_frame(frame: Optional[Tuple[str, int, str]]) -> str:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, restart: RestartConf, launch_id: str,
-                 on_grace_expired: Optional[Callable[[], bool]] = None, on_overdue: Optional[Callable[[], None]] = None,
-                 forwarded: Optional[set] = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        restart: RestartConf,
+        launch_id: str,
+        on_grace_expired: Optional[Callable[[], bool]] = None,
+        on_overdue: Optional[Callable[[], None]] = None,
+        forwarded: Optional[set] = None,
+    ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
@@ -202,8 +209,12 @@ class Supervisor:
         if signum is not None:
             self._forward_stop(signum, live)
         elif self.threshold is not None:
-            stuck = [w for w in live if w.phase != DONE_PHASE
-                     and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)]
+            stuck = [
+                w
+                for w in live
+                if w.phase != DONE_PHASE
+                and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)
+            ]
             if stuck:
                 self._handle_hang(stuck, now)
 
@@ -212,9 +223,14 @@ class Supervisor:
             return
         inc.recorded = True
         ranks = {self.workers[p].rank: self.workers[p].step for p in inc.pids}
-        events.append(self.run_dir, Event.ATTEMPT_ENDED, restart=inc.restart, last_step=max(ranks.values()),
-                              steps={str(r): s for r, s in sorted(ranks.items())},
-                              phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids})
+        events.append(
+            self.run_dir,
+            Event.ATTEMPT_ENDED,
+            restart=inc.restart,
+            last_step=max(ranks.values()),
+            steps={str(r): s for r, s in sorted(ranks.items())},
+            phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids},
+        )
 
     # ---- preemption -----------------------------------------------------------------------------
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
@@ -227,16 +243,28 @@ class Supervisor:
                 kill(w.pid, signum)
         if live and not self._forward_logged:
             self._forward_logged = True
-            log.warning("%s: asked %d worker(s) to save and stop at their next step boundary (restart.preemption_grace_s=%g)",
-                        name, len(live), self.conf.preemption_grace_s)
+            log.warning(
+                "%s: asked %d worker(s) to save and stop at their next step boundary (restart.preemption_grace_s=%g)",
+                name,
+                len(live),
+                self.conf.preemption_grace_s,
+            )
         waited = time.time() - (stop_requested_at() or time.time())
         if waited >= self.conf.preemption_grace_s and not self.grace_expired and live:
             self.grace_expired = True
-            log.error("%s: the workers did not stop within restart.preemption_grace_s=%g; stopping them "
-                      "(the newest committed checkpoint is intact)", name, self.conf.preemption_grace_s)
-            events.append(self.run_dir, Event.PREEMPTION_GRACE_EXPIRED, signal=name,
-                                  grace_s=self.conf.preemption_grace_s,
-                                  ranks={str(w.rank): {"step": w.step, "phase": w.phase} for w in live})
+            log.error(
+                "%s: the workers did not stop within restart.preemption_grace_s=%g; stopping them "
+                "(the newest committed checkpoint is intact)",
+                name,
+                self.conf.preemption_grace_s,
+            )
+            events.append(
+                self.run_dir,
+                Event.PREEMPTION_GRACE_EXPIRED,
+                signal=name,
+                grace_s=self.conf.preemption_grace_s,
+                ranks={str(w.rank): {"step": w.step, "phase": w.phase} for w in live},
+            )
             # the backend stops its own workers (so that torch elastic does not take our kill for a
             # failure and restart them); whatever is left a few seconds later is killed here
             self._backend_stops = bool(self.on_grace_expired and self.on_grace_expired())
@@ -258,8 +286,10 @@ class Supervisor:
         for w in stuck:
             path = self._stacks(w.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-            header = (f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} watchdog: rank {w.rank} (pid {w.pid}, restart "
-                      f"{w.restart}) made no progress for {now - w.last_change:.1f} s; last step {w.step}, phase {w.phase} ====\n")
+            header = (
+                f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} watchdog: rank {w.rank} (pid {w.pid}, restart "
+                f"{w.restart}) made no progress for {now - w.last_change:.1f} s; last step {w.step}, phase {w.phase} ====\n"
+            )
             with open(path, "a") as f:
                 f.write(header)
             sizes[w.rank] = path.stat().st_size
@@ -270,17 +300,28 @@ class Supervisor:
         first = suspects[0]
         waiting = [w for w in stuck if w not in suspects]
         seconds = now - first.last_change
-        message = (f"rank {first.rank} hung: no progress for {seconds:.1f} s at step {first.step} (phase {first.phase}), "
-                   f"at {describe_frame(frames[first.rank][0] if frames[first.rank] else None)}")
+        message = (
+            f"rank {first.rank} hung: no progress for {seconds:.1f} s at step {first.step} (phase {first.phase}), "
+            f"at {describe_frame(frames[first.rank][0] if frames[first.rank] else None)}"
+        )
         if len(suspects) > 1:
             message += f"; also stuck: rank(s) {', '.join(str(w.rank) for w in suspects[1:])}"
         if waiting:
             message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
         stacks = [str(self._stacks(w.rank)) for w in stuck]
-        events.append(self.run_dir, Event.HANG_DETECTED, rank=first.rank, step=first.step, phase=first.phase,
-            seconds_without_progress=round(seconds, 2), hang_timeout_s=self.hang_timeout, restart=first.restart,
+        events.append(
+            self.run_dir,
+            Event.HANG_DETECTED,
+            rank=first.rank,
+            step=first.step,
+            phase=first.phase,
+            seconds_without_progress=round(seconds, 2),
+            hang_timeout_s=self.hang_timeout,
+            restart=first.restart,
             where=describe_frame(frames[first.rank][0] if frames[first.rank] else None),
-            suspects=[w.rank for w in suspects], waiting=[w.rank for w in waiting], stacks=stacks,
+            suspects=[w.rank for w in suspects],
+            waiting=[w.rank for w in waiting],
+            stacks=stacks,
         )
         log.error("%s. Stacks: %s. Killing the stuck worker(s) so the group restarts.", message, ", ".join(stacks))
         for w in stuck:

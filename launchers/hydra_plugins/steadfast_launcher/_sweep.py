@@ -4,6 +4,7 @@ date after every change (`_ledger`); stop signals; the table at the end.
 
 Generic: nothing here knows the training pipeline or which backend a job uses.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,8 +76,14 @@ class Sweep:
 
     def _record(self, job: Job, **fields: Any) -> None:
         if self.ledger is not None:
-            self.ledger.update(job.key, overrides=list(job.overrides), run_dir=self._folder(job), job_num=job.idx,
-                               config_sha256=job.digest, **fields)
+            self.ledger.update(
+                job.key,
+                overrides=list(job.overrides),
+                run_dir=self._folder(job),
+                job_num=job.idx,
+                config_sha256=job.digest,
+                **fields,
+            )
 
     def _try_skip(self, job: Job) -> bool:
         found = self.completed_result(job)
@@ -130,8 +137,11 @@ class Sweep:
             if table or self.signum is not None:
                 self._print_table()
         if self.signum is not None:
-            log.warning("Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
-                        "interrupted ones resume from their checkpoints.", signame(self.signum))
+            log.warning(
+                "Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
+                "interrupted ones resume from their checkpoints.",
+                signame(self.signum),
+            )
             sys.exit(exit_code(self.signum))
         return [self.returns[j.idx] for j in self.jobs]
 
@@ -158,8 +168,13 @@ class Sweep:
                 self._record(job, status=PENDING)
 
     def _interrupted_return(self, job: Job, why: str) -> JobReturn:
-        return job_return(job, JobStatus.FAILED, JobFailed(f"{job.label} was interrupted ({why}); run the command "
-                                                           "again to resume it from its checkpoints", job.restarts))
+        return job_return(
+            job,
+            JobStatus.FAILED,
+            JobFailed(
+                f"{job.label} was interrupted ({why}); run the command again to resume it from its checkpoints", job.restarts
+            ),
+        )
 
     def _print_table(self) -> None:
         varying = _varying(self.jobs)
@@ -168,16 +183,29 @@ class Sweep:
             status = self.status.get(job.idx, NOT_RUN)
             recorded = summary.read(job.run_dir) if status != NOT_RUN else {}
             restarts = recorded["restarts"] if isinstance(recorded.get("restarts"), int) else job.restarts
-            shown = [o for o in filter_overrides(job.overrides) if override_key(o) in varying] if varying else filter_overrides(job.overrides)
-            rows.append(dict(job=job.idx, overrides=" ".join(shown) or "(defaults)", status=status,
-                             restarts=restarts if status != NOT_RUN else "",
-                             result=describe_result(self.results.get(job.idx)), folder=self._shown_folder(job)))
+            shown = (
+                [o for o in filter_overrides(job.overrides) if override_key(o) in varying]
+                if varying
+                else filter_overrides(job.overrides)
+            )
+            rows.append(
+                dict(
+                    job=job.idx,
+                    overrides=" ".join(shown) or "(defaults)",
+                    status=status,
+                    restarts=restarts if status != NOT_RUN else "",
+                    result=describe_result(self.results.get(job.idx)),
+                    folder=self._shown_folder(job),
+                )
+            )
         counts: Dict[str, int] = {}
         for row in rows:
             counts[row["status"]] = counts.get(row["status"], 0) + 1
         lines = [f"Sweep summary: {', '.join(f'{n} {s}' for s, n in counts.items())}"]
-        lines.append(f"  sweep folder: {os.path.relpath(os.path.abspath(self.sweep_dir))}"
-                     + (f" (ledger: {self.ledger.path.name})" if self.ledger is not None else ""))
+        lines.append(
+            f"  sweep folder: {os.path.relpath(os.path.abspath(self.sweep_dir))}"
+            + (f" (ledger: {self.ledger.path.name})" if self.ledger is not None else "")
+        )
         if varying:
             lines.append("  overrides: those the jobs differ in (all of them are in the ledger)")
         log.info("%s\n%s", "\n".join(lines), format_table(rows))
@@ -225,9 +253,13 @@ class Sweep:
 
     def _run_parallel(self) -> None:
         box = _packing.machine(self.settings.max_procs)
-        log.info("Running up to %d jobs at once on %d %s%s", self.settings.max_parallel_jobs, box.capacity,
-                 {"gpu": "GPUs", "cpu": "CPU cores", "slots": "worker slots (hydra.launcher.max_procs)"}[box.kind],
-                 "" if box.kind == "slots" else f" ({', '.join(box.labels)})")
+        log.info(
+            "Running up to %d jobs at once on %d %s%s",
+            self.settings.max_parallel_jobs,
+            box.capacity,
+            {"gpu": "GPUs", "cpu": "CPU cores", "slots": "worker slots (hydra.launcher.max_procs)"}[box.kind],
+            "" if box.kind == "slots" else f" ({', '.join(box.labels)})",
+        )
         pending = list(self.jobs)
         running: Dict[int, JobProcess] = {}
         forwarded_at: Optional[float] = None
@@ -265,8 +297,9 @@ class Sweep:
         while True:
             busy = [p.job.run_dir for p in running.values()]
             folders = {j.idx: j.run_dir for j in pending}
-            idx = _packing.pick([(j.idx, j.procs) for j in pending], box, len(running), self.settings.max_parallel_jobs,
-                                busy, folders)
+            idx = _packing.pick(
+                [(j.idx, j.procs) for j in pending], box, len(running), self.settings.max_parallel_jobs, busy, folders
+            )
             if idx is None:
                 return
             job = next(j for j in pending if j.idx == idx)
@@ -274,8 +307,12 @@ class Sweep:
             if self._try_skip(job):
                 continue
             if job.procs > box.capacity:
-                log.warning("%s needs %d worker processes, more than the %d this machine has: it runs alone",
-                            job.label, job.procs, box.capacity)
+                log.warning(
+                    "%s needs %d worker processes, more than the %d this machine has: it runs alone",
+                    job.label,
+                    job.procs,
+                    box.capacity,
+                )
             units = box.take(job.procs)
             self._started(job)
             running[job.idx] = JobProcess(self.launcher, job, box, units, scratch)
@@ -291,6 +328,7 @@ def _varying(jobs: List[Job]) -> set:
 
 
 # ---- the table
+
 
 def describe_result(value: Any) -> str:
     if isinstance(value, bool) or value is None:

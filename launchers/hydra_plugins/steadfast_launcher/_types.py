@@ -2,6 +2,7 @@
 
 A leaf: imports nothing of the launcher's own, only Hydra, OmegaConf and steadfast.contract.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """What runs on every rank: read the job's payload, restore Hydra's state, call the task function,
 record a failure."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import setup_globals
 
 from steadfast.contract import events
-from steadfast.contract.events import Event
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, restart_count, run_dir
+from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_ORPHANED
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
 from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
@@ -134,8 +135,13 @@ def _record_failure(exc: BaseException) -> None:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
     try:
-        events.append(run_dir(), Event.WORKER_FAILED, rank=current_rank(),
-            restart=restart_count(), error=f"{type(exc).__name__}: {exc}", where=where,
+        events.append(
+            run_dir(),
+            Event.WORKER_FAILED,
+            rank=current_rank(),
+            restart=restart_count(),
+            error=f"{type(exc).__name__}: {exc}",
+            where=where,
         )
     except Exception:  # recording must never hide the original error
         pass
@@ -189,6 +195,9 @@ def _start_up_watch(readable: int, marker: Path) -> None:
         if marker.exists() or not _starting():
             return  # the launcher's stop request: the stop handler saves and stops at the first step
         name = signal.Signals(min(received)).name
-        print(f"[rank {current_rank()}] {name} during start-up (the backend is stopping the worker group): exiting now",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {current_rank()}] {name} during start-up (the backend is stopping the worker group): exiting now",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + min(received))

@@ -5,6 +5,7 @@ that name run folders (imported by Hydra's plugin scan before any app's config i
 `fault` and `logger` schemas are for the YAML options in `steadfast/conf/` (and an app's own) to
 extend through their defaults list, so unknown keys there are errors too.
 """
+
 from hydra.core.config_store import ConfigStore
 
 from steadfast.config import register_configs

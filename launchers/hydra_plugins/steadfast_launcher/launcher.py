@@ -1,4 +1,5 @@
 """The Hydra launcher: a thin class; the work happens in `_core` (imported lazily: it imports torch)."""
+
 from __future__ import annotations
 
 import atexit
@@ -61,9 +62,7 @@ class SteadfastLauncher(Launcher):
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         self._launched = True
-        return _core.launch(
-            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx
-        )
+        return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
 
 
 def _forkserver_wanted(config: DictConfig) -> bool:
@@ -75,7 +74,11 @@ def _forkserver_wanted(config: DictConfig) -> bool:
     try:
         backend = OmegaConf.select(config, "hydra.launcher.backend")
         cluster = OmegaConf.select(config, "hydra.launcher.cluster.name", default="none")
-        return (backend is not None and backend.get("name") == "torchrun" and backend.get("start_method") == "forkserver"
-                and cluster in (None, "none"))
+        return (
+            backend is not None
+            and backend.get("name") == "torchrun"
+            and backend.get("start_method") == "forkserver"
+            and cluster in (None, "none")
+        )
     except Exception:  # a config the launcher reports on properly later
         return False

@@ -1,6 +1,7 @@
 """The backend registry: one Backend class per schema of steadfast.contract.schemas.BACKEND_SCHEMAS
 (the one map from a backend's name to its schema). The rest of the launcher asks a job's backend,
 `of(job.backend)`, and never which one it is."""
+
 from __future__ import annotations
 
 from typing import Dict, Type

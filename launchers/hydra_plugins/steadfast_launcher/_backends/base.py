@@ -1,6 +1,7 @@
 """The one interface between the launcher and a way of starting workers (in the spirit of torch
 elastic's agent and submitit's executors): everything that differs between backends is here,
 and nothing outside `_backends/` asks which backend a job uses."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,9 @@ class Backend(ABC):
 
     schema: ClassVar[Type[BackendConf]]  # the backend's schema in steadfast.contract.schemas
     collective: ClassVar[str]  # what its workers initialise: steadfast.contract.env TORCH, HOROVOD or NONE
-    restarts_itself: ClassVar[bool] = False  # True: it restarts failed workers (restart.max_restarts); else the launcher relaunches
+    restarts_itself: ClassVar[bool] = (
+        False  # True: it restarts failed workers (restart.max_restarts); else the launcher relaunches
+    )
     in_process: ClassVar[bool] = False  # True: the worker is the launcher's own thread (no supervisor, no forwarding)
 
     def __init__(self, conf: BackendConf) -> None:

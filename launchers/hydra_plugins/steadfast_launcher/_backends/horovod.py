@@ -12,6 +12,7 @@ also all Horovod itself could do: it blacklists the host of a failed worker, whi
 slot, and stops; and it needs backend.network_interface=lo there, or its driver waits for a
 second host until the elastic timeout.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,10 @@ class HorovodBackend(Backend):
 
         out = super().problems()
         if find_spec("horovod") is None:
-            out.append("backend=horovod: Horovod is not installed. Install it with `bash scripts/install_horovod.sh "
-                       "$(which python)` (builds a patched Horovod 0.28.1 with PyTorch and Gloo), or choose backend=torchrun")
+            out.append(
+                "backend=horovod: Horovod is not installed. Install it with `bash scripts/install_horovod.sh "
+                "$(which python)` (builds a patched Horovod 0.28.1 with PyTorch and Gloo), or choose backend=torchrun"
+            )
         return out
 
     def log_folders(self, run_dir: Path) -> List[str]:
@@ -94,7 +97,9 @@ class HorovodBackend(Backend):
         ours = [os.getcwd() if p == "" else p for p in sys.path if not p.startswith((sys.prefix, sys.base_prefix))]
         worker_env = {**env, "PYTHONPATH": os.pathsep.join([*ours, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
         # Collectives get a deadline: Horovod shuts down when some ranks have waited this long for others.
-        worker_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2)))))
+        worker_env.setdefault(
+            "HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2))))
+        )
         worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(job.restart.collective_timeout_s)))
         saved_env = saved_environment(worker_env)
         saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS}
@@ -117,8 +122,9 @@ class HorovodBackend(Backend):
         if known is not None:
             runner_launch.gloo_built = lambda verbose=False: known
         serve_forever = http_server.KVStoreHTTPServer.serve_forever
-        http_server.KVStoreHTTPServer.serve_forever = functools.partialmethod(http_server.HTTPServer.serve_forever,
-                                                                              poll_interval=SERVER_POLL_S)
+        http_server.KVStoreHTTPServer.serve_forever = functools.partialmethod(
+            http_server.HTTPServer.serve_forever, poll_interval=SERVER_POLL_S
+        )
         os.environ.update(worker_env)
         try:
             results = horovod.run(
@@ -186,6 +192,7 @@ def gloo_built() -> Optional[bool]:
 def tuned(set_env_from_args: Callable[[Dict[str, str], Any], None]) -> Callable[[Dict[str, str], Any], None]:
     """Horovod's `config_parser.set_env_from_args` (what horovod.run builds the workers' environment
     with), followed by TUNING: explicit values instead of the '(None,)' it writes."""
+
     def with_tuning(env: Dict[str, str], args: Any) -> None:
         set_env_from_args(env, args)
         env.update({key: os.environ.get(key) or value for key, value in TUNING.items()})

@@ -1,4 +1,5 @@
 """backend=local: one worker in the launcher's own process (debuggers and breakpoints work)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """backend=torchrun: the workers run under torch elastic's agent (`elastic_launch`, the engine behind
 `torchrun`), which restarts the whole worker group on failure, up to restart.max_restarts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -166,7 +167,11 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
         wanted["logs_specs"] = DefaultLogsSpecs(log_dir=str(log_dir))
     else:
         wanted["log_dir"] = str(log_dir)
-    required = {f.name for f in dataclasses.fields(LaunchConfig) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # type: ignore[misc]
+    required = {
+        f.name
+        for f in dataclasses.fields(LaunchConfig)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }  # type: ignore[misc]
     missing = required - set(wanted)
     if missing:
         raise RuntimeError(f"this torch's LaunchConfig needs fields the launcher does not set: {sorted(missing)}")
