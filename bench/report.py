@@ -132,7 +132,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         "",
         f"Machine: {m.get('cpu_count')} x {m.get('cpu_model')}, torch {m.get('torch')}, Python {m.get('python')},"
         f" {m.get('platform')}. Run {run_all.get('started', '?')} at commit {git.get('commit', '?')}"
-        + (f" with uncommitted changes in {len(dirty)} file(s) of pipeline/, launchers/, conf/." if dirty else "."),
+        + (f" with uncommitted changes in {len(dirty)} file(s) of pipeline/, launchers/." if dirty else "."),
         "",
         "Every figure is a ratio against a baseline measured in the same run, the two alternated in a"
         " rotated order, medians reported. The machine is shared with other test runs and noisy: each"

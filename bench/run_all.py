@@ -49,7 +49,7 @@ def git_state() -> Dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "pipeline", "launchers", "conf").splitlines()]
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "pipeline", "launchers").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes_in": dirty}
 
 

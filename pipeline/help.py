@@ -16,7 +16,7 @@ GROUP_HELP: Dict[str, str] = {
     "fault": "fault injection, to rehearse recovery",
     "logger": "progress display and TensorBoard logging (logger=tensorboard)",
     "cluster": "where jobs run: here (none) or submitted to Slurm",
-    "experiment": "committed presets (conf/experiment/)",
+    "experiment": "committed presets (pipeline/conf/experiment/)",
 }
 
 

@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> Any:
     return result[str(cfg.trainer.get("objective") or "val_loss")]
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def cli(cfg: DictConfig) -> Any:
     return main(cfg)
 

@@ -15,9 +15,9 @@ from steadfast import preflight as library
 from steadfast.contract import naming
 from steadfast.contract.schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
 
-SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "train.yaml").run.safe_to_change)
+SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "pipeline" / "conf" / "train.yaml").run.safe_to_change)
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
 
 
 def composed(*overrides: str):

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
+from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 from steadfast.checkpoint import tensorfile
 
 pytestmark = pytest.mark.slow

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
 pytestmark = pytest.mark.slow

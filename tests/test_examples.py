@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from helpers import ROOT, env, event_of, restores, run_dir, run_train, summary
 
+from helpers import ROOT, env, event_of, restores, run_dir, run_train, summary
 from pipeline.text import load_corpus
 from steadfast.contract.heartbeat import read_heartbeats
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers import QUICK, committed_steps, env, event_of, events, reference_run, run_dir, run_train, summary
 
 pytestmark = pytest.mark.slow

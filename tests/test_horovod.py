@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from helpers import QUICK, committed_steps, env, event_of, events, reference_run, run_dir, run_train, summary, train_cmd
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: bash scripts/install_horovod.sh $(which python)")

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers import ROOT, env
 
-PRESETS = tuple(sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+PRESETS = tuple(sorted(p.stem for p in (ROOT / "pipeline" / "conf" / "experiment").glob("*.yaml")))
 
 
 def cli(cwd: Path, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
-from helpers import event_of, run_dir, run_train, start_train, stop, wait_for
 
+from helpers import event_of, run_dir, run_train, start_train, stop, wait_for
 from hydra_plugins.steadfast_launcher import _locks
 from hydra_plugins.steadfast_launcher._types import Refused
 

@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh

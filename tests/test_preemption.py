@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Tuple
 
 import pytest
-from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 
+from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
 from steadfast.contract.exits import exit_code
 
 pytestmark = pytest.mark.slow

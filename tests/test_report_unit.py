@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
-from helpers import env
 
+from helpers import env
 from steadfast.contract.events import Event
 from steadfast.report import analysis, loader, text
 from steadfast.report.model import Outcome, RunReport

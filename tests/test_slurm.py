@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from helpers import event_of, run_dir, run_train
 
 

@@ -14,8 +14,8 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from helpers import QUICK, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
 
+from helpers import QUICK, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
 from steadfast.snapshots import MemorySnapshots, fits

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import pytest
-from helpers import QUICK, events, run_dir, start_train, stop, summary, wait_for
 
+from helpers import QUICK, events, run_dir, start_train, stop, summary, wait_for
 from steadfast.contract.heartbeat import STARTUP_PHASES, read_heartbeats
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, env, events, wait_for
 
+from helpers import ROOT, env, events, wait_for
 from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
 from steadfast.contract import env as launch_env
 from steadfast.contract import files, heartbeat, stop

@@ -14,6 +14,7 @@ from typing import Any, Dict, List
 
 import pytest
 import yaml
+
 from helpers import QUICK, events, run_train, start_train, stop, summary, wait_for
 
 pytestmark = pytest.mark.slow
