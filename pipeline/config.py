@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -212,14 +212,14 @@ class TrainConfig:
     snapshot: SnapshotConf = field(default_factory=SnapshotConf)
 
 
-MODEL_SCHEMAS: Dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}
-DATA_SCHEMAS: Dict[str, type] = {
+MODEL_SCHEMAS: Dict[str, Type[ModelConfig]] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}
+DATA_SCHEMAS: Dict[str, Type[DataConfig]] = {
     "digits": DigitsConfig,
     "synthetic": SyntheticConfig,
     "synthetic_regression": SyntheticRegressionConfig,
     "text": TextConfig,
 }
-TASK_SCHEMAS: Dict[str, type] = {
+TASK_SCHEMAS: Dict[str, Type[TaskConfig]] = {
     "classification": ClassificationConfig,
     "regression": RegressionConfig,
     "language_model": LanguageModelConfig,
@@ -307,7 +307,7 @@ def _name(group: str, node: Any) -> str:
     return f"{group}={node.name}"
 
 
-def _fits(schemas: Dict[str, type], attr: str, value: str, group: str) -> str:
+def _fits(schemas: Mapping[str, type], attr: str, value: str, group: str) -> str:
     names = [n for n, sch in schemas.items() if getattr(sch, attr) == value]
     return " or ".join(f"{group}={n}" for n in names) + f", or your own with {group}._target_"
 
@@ -316,9 +316,9 @@ def _mismatches(c: TrainConfig) -> List[str]:
     """A model, data and task that cannot work together, and an objective the task does not report
     (built-in choices only: a `_target_` node's inputs and metrics are its own business)."""
     out: List[str] = []
-    model, data, task = (
-        x if isinstance(x, base) else None for x, base in ((c.model, ModelConfig), (c.data, DataConfig), (c.task, TaskConfig))
-    )
+    model = c.model if isinstance(c.model, ModelConfig) else None
+    data = c.data if isinstance(c.data, DataConfig) else None
+    task = c.task if isinstance(c.task, TaskConfig) else None
     if data is not None and task is not None and data.targets != task.targets:
         out.append(
             f"{_name('task', task)} needs data with {TARGETS[task.targets]}, but {_name('data', data)} gives "

@@ -28,7 +28,7 @@ class MLP(nn.Module):
         layers.append(nn.Linear(width, output_size))
         self.net = nn.Sequential(*layers)
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
@@ -49,7 +49,7 @@ class CNN(nn.Module):
         layers += [nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(dropout), nn.Linear(in_ch * 4, output_size)]
         self.net = nn.Sequential(*layers)
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple, cast
 
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 
 def resolve(cfg: Any, builtins: Dict[str, Callable[..., Any]], group: str) -> Tuple[Callable[..., Any], Dict[str, Any]]:
-    if dataclasses.is_dataclass(cfg):
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         node = dataclasses.asdict(cfg)
     elif isinstance(cfg, DictConfig):
-        node = OmegaConf.to_container(cfg, resolve=True)
+        node = cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     else:
         node = dict(cfg)
     target = node.pop("_target_", None)

@@ -41,14 +41,14 @@ class HorovodComm(Comm):
                 torch.optim.Optimizer.zero_grad(wrapped, set_to_none=False)
 
         wrapped.zero_grad = zero_grad  # type: ignore[method-assign]
-        hvd_synchronize = wrapped.synchronize
+        hvd_synchronize = wrapped.synchronize  # type: ignore[attr-defined]
 
         def synchronize() -> None:
             # the gradients' all-reduces, waited for without spinning; then Horovod's own bookkeeping
-            self._wait([h for h, _ in wrapped._handles.values() if isinstance(h, int)])
+            self._wait([h for h, _ in wrapped._handles.values() if isinstance(h, int)])  # type: ignore[attr-defined]
             hvd_synchronize()
 
-        wrapped.synchronize = synchronize  # type: ignore[method-assign]
+        wrapped.synchronize = synchronize  # type: ignore[attr-defined]
         return wrapped
 
     def _wait(self, handles: List[int]) -> None:

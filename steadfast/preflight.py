@@ -11,7 +11,7 @@ import os
 import tempfile
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -26,7 +26,7 @@ def resolved(job_cfg: DictConfig) -> DictConfig:
     if "hydra" in cfg:
         with open_dict(cfg):
             del cfg["hydra"]
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return OmegaConf.create(cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
 
 def checkpoint_folder(job_cfg: DictConfig, s: Settings) -> Path:
@@ -140,7 +140,10 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[
     newest = manifest.newest_manifest(folder)
     if s.resume == Resume.never or newest is None or s.run.allow_config_change:
         return []
-    diff = manifest.changes(newest.get("config", {}), manifest.training_config(OmegaConf.to_container(cfg), s.run.safe_to_change))
+    diff = manifest.changes(
+        newest.get("config", {}),
+        manifest.training_config(cast(Dict[str, Any], OmegaConf.to_container(cfg)), s.run.safe_to_change),
+    )
     if diff:
         return [
             f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -69,7 +69,11 @@ class Run:
         elastic: bool = True,
     ) -> None:
         self.launch = LaunchEnv.current()
-        resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+        resolved = (
+            cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+            if isinstance(cfg, DictConfig)
+            else dict(cfg or {})
+        )
         self.settings = settings_from(resolved)
         self.seed, self.elastic, self.max_rss_mb = seed, elastic, max_rss_mb
         self.dir: Path = self.launch.run_dir
@@ -263,7 +267,7 @@ class Run:
         resume in the middle of an epoch, the batches this epoch already trained skipped (read and
         dropped: exact when the loader's order depends only on the epoch)."""
         sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.progress.epoch)
         skip = self.progress.batch_in_epoch
         rng = torch.get_rng_state()

@@ -16,12 +16,15 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
 from .progress import ProgressDisplay
 from .records import RunRecord
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 def peak_rss_mb() -> float:
@@ -66,7 +69,8 @@ class Telemetry:
         self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's reduced windows
         self.last_loss: Optional[float] = None  # the mean loss of the last reduced window (all ranks)
         self.display = ProgressDisplay(progress_mode, progress_every_s, 0, 0, enabled=comm.rank == 0)
-        self._tb_dir, self._tb = tensorboard_dir, None
+        self._tb_dir = tensorboard_dir
+        self._tb: Optional[SummaryWriter] = None
         self.lr: Optional[float] = None
         self.step_seconds: Optional[float] = None  # rank 0's time per step over a recent window, the same on every rank
         self._window_start = (0, time.perf_counter())  # (step, time) where the current window began
@@ -179,7 +183,7 @@ class Telemetry:
         reduces them with its first window."""
         window, count = self._window, self._count
         flying = self._in_flight
-        if flying is not None and flying.step is not None and flying.count:
+        if flying is not None and flying.step is not None and flying.count and flying.loss is not None:
             window = flying.loss if window is None else window + flying.loss
             count += flying.count
         saved = window.detach().cpu() if window is not None else torch.zeros((), dtype=torch.float32)

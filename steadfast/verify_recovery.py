@@ -35,7 +35,8 @@ from .contract.exits import EXIT_PREEMPTED
 
 def split_overrides(overrides: Sequence[str]) -> tuple[List[str], List[str]]:
     """(the job's overrides, the fault schedule's overrides)."""
-    fault, job = [], []
+    fault: List[str] = []
+    job: List[str] = []
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
         (fault if key == "fault" or key.startswith("fault.") else job).append(o)

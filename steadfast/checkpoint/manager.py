@@ -75,7 +75,7 @@ class CheckpointManager:
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
         self._buffers = HostBuffers()
-        self._pending: Optional[Future] = None
+        self._pending: Optional[Future[Path]] = None
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
@@ -218,14 +218,14 @@ class CheckpointManager:
         return final
 
     def _apply_retention(self, just_committed: Path) -> None:
-        listed = [c for c in mf.scan(self.folder) if c.manifest is not None]
-        for i, c in enumerate(listed):
-            if i < self.keep_last or c.path == just_committed:
+        listed = [(c.path, c.manifest) for c in mf.scan(self.folder) if c.manifest is not None]
+        for i, (path, manifest) in enumerate(listed):
+            if i < self.keep_last or path == just_committed:
                 continue  # the newest keep_last (>= 1) by commit sequence, and this save's, are kept
-            n, epoch = self.keep_every_n_epochs, c.manifest.get("epoch", 0)
-            if n and epoch and epoch % n == 0 and not c.manifest.get("batch_in_epoch"):
+            n, epoch = self.keep_every_n_epochs, manifest.get("epoch", 0)
+            if n and epoch and epoch % n == 0 and not manifest.get("batch_in_epoch"):
                 continue  # a milestone: the end of every n-th epoch
-            self._discard(c.path)
+            self._discard(path)
         self._remove_leftovers(only_trash=True)
 
     def _move_out_of_the_way(self, step: int, final: Path) -> None:

@@ -97,7 +97,7 @@ class Snapshot:
         if gpu is not None:
             stream = torch.cuda.current_stream(gpu)
             if self._later:  # the background copies start after what the training stream has queued
-                self._ready = torch.cuda.Event()
+                self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self._ready.record(stream)
             stream.synchronize()  # the copies made now have landed
         if not self._later:
@@ -107,7 +107,8 @@ class Snapshot:
         """(background thread) Copy the deferred tensors; always releases waiters, even on failure."""
         try:
             if self._later and self._ready is not None:
-                stream = torch.cuda.Stream(device=self._device)  # this thread's current device may be another
+                # device=: this thread's current device may be another
+                stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
                 stream.wait_event(self._ready)
                 with torch.cuda.device(self._device), torch.cuda.stream(stream):
                     for entries, dst in self._later:

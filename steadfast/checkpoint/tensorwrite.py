@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ class _Planner:
 
     def __init__(self) -> None:
         self.entries: List[Entry] = []
-        self.names: set = {"__metadata__"}
+        self.names: Set[str] = {"__metadata__"}
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
         code = CODES.get(t.dtype)  # quantized dtypes are not there

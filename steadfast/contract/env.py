@@ -40,7 +40,7 @@ def _int(env: Mapping[str, str], *names: str, default: int) -> int:
         value = env.get(name)
         if value not in (None, ""):
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(value)
             except ValueError:
                 continue
     return default

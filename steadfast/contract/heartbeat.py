@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, Optional, TextIO, TypedDict
 
 from .env import ENV_LAUNCH_ID, restart_count
 from .files import HEARTBEAT_DIR, STACKS_DIR, read_regular
@@ -28,7 +28,13 @@ STOP_MARKER = (
     "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
 )
 
-_state: Dict[str, Any] = {"heartbeat": None, "stacks_file": None}
+
+class _State(TypedDict):
+    heartbeat: Optional[Heartbeat]
+    stacks_file: Optional[TextIO]
+
+
+_state: _State = {"heartbeat": None, "stacks_file": None}
 
 
 class Heartbeat:
@@ -58,8 +64,8 @@ class Heartbeat:
 
 
 def start_heartbeat(run_dir: Path, rank: int) -> Heartbeat:
-    _state["heartbeat"] = Heartbeat(run_dir / HEARTBEAT_DIR, rank)
-    return _state["heartbeat"]
+    beat = _state["heartbeat"] = Heartbeat(run_dir / HEARTBEAT_DIR, rank)
+    return beat
 
 
 def heartbeat() -> Optional[Heartbeat]:

@@ -13,7 +13,7 @@ An app adds its own neutral keys with `run.safe_to_change` (a list of keys or `p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def naming_overrides(overrides: Sequence[str], safe_to_change: Iterable[str] = ()) -> list:
+def naming_overrides(overrides: Sequence[str], safe_to_change: Iterable[str] = ()) -> List[str]:
     """The overrides that name a run, normalised (no +/~ prefix), sorted."""
     safe = list(safe_to_change)
     return sorted(o.lstrip("+~") for o in overrides if names_run(override_key(o), safe))

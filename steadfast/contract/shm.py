@@ -25,7 +25,7 @@ def prefix(run_dir: Path, launcher_pid: int) -> str:
 
 def remove(segment_prefix: str) -> List[Path]:
     """Remove every segment of one job; returns what was removed."""
-    removed = []
+    removed: List[Path] = []
     try:
         found = list(SHM_DIR.glob(f"{segment_prefix}.*"))
     except OSError:

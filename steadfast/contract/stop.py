@@ -11,14 +11,20 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, TypedDict
 
 from .exits import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 PREEMPTED = "preempted"  # Stopped.reason of a stop on request
 
-_state: Dict[str, Any] = {"signal": None, "time": None}
+
+class _StopState(TypedDict):
+    signal: Optional[int]
+    time: Optional[float]
+
+
+_state: _StopState = {"signal": None, "time": None}
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
@@ -27,7 +33,7 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
         _state["signal"] = signum
 
 
-def install_stop_handlers() -> Dict[int, Any]:
+def install_stop_handlers() -> Dict[signal.Signals, Any]:
     """SIGTERM, SIGINT and SIGHUP set the stop flag (main thread only); returns the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
         return {}
@@ -41,7 +47,7 @@ def ignore_stop_signals() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def restore_handlers(previous: Dict[int, Any]) -> None:
+def restore_handlers(previous: Dict[signal.Signals, Any]) -> None:
     for sig, handler in previous.items():
         if handler is not None:  # None: set outside Python, cannot be put back
             signal.signal(sig, handler)
@@ -62,12 +68,12 @@ def stop_requested_at() -> Optional[float]:
 
 
 def clear_stop() -> None:
-    _state.update(signal=None, time=None)
+    _state.update({"signal": None, "time": None})
 
 
 def signal_name(signum: Optional[int]) -> str:
     try:
-        return signal.Signals(signum).name if signum else "none"  # type: ignore[arg-type]
+        return signal.Signals(signum).name if signum else "none"
     except ValueError:
         return f"signal {signum}"
 

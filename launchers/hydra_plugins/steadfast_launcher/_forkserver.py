@@ -96,13 +96,13 @@ def _stop() -> None:
     if pid is None or alive is None or _owner != [os.getpid()]:
         return
     os.close(alive)
-    server._forkserver_alive_fd = None
+    server._forkserver_alive_fd = None  # type: ignore[attr-defined]
     try:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     except (ChildProcessError, ProcessLookupError):
         pass
-    server._forkserver_pid = None
+    server._forkserver_pid = None  # type: ignore[attr-defined]
 
 
 def server_pid() -> "int | None":

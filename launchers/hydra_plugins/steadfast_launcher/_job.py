@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, cast
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job
@@ -87,7 +87,7 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
     assert run_dir is not None
     backend = _backends.of(job.backend)
     multi_node = backend.multi_node_identity(run_dir)
-    frozen = OmegaConf.create(OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True))
+    frozen = OmegaConf.create(cast(Dict[str, Any], OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True)))
     atomic_write(run_dir / CONFIG_FILE, OmegaConf.to_yaml(frozen))
     launch = LaunchEnv(
         backend=backend.name,

@@ -40,7 +40,7 @@ class SweepFolderSnapshot:
         """Undo what the sweeper wrote for this launch (never anything else)."""
         path = self.sweep_dir / MULTIRUN_FILE
         try:
-            if self.multirun is not None:
+            if self.multirun is not None and self.times is not None:  # set together
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
                 tmp.write_bytes(self.multirun)
                 os.utime(tmp, ns=self.times)

@@ -51,7 +51,7 @@ class LaunchSignals:
         self.count, self.force = 0, False
         self.forwarded: set = set()  # shared with the supervisor: every worker gets the signal once
 
-    def install(self) -> Dict[int, Any]:
+    def install(self) -> Dict[signal.Signals, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
@@ -82,4 +82,4 @@ class LaunchSignals:
         import _thread
 
         self.force = True
-        _thread.interrupt_main(stop_requested() or signal.SIGTERM)
+        _thread.interrupt_main(signal.Signals(stop_requested() or signal.SIGTERM))

@@ -208,7 +208,7 @@ class Supervisor:
         signum = stop_requested()
         if signum is not None:
             self._forward_stop(signum, live)
-        elif self.threshold is not None:
+        elif self.threshold is not None and self.startup_threshold is not None:  # both None when hang detection is off
             stuck = [
                 w
                 for w in live

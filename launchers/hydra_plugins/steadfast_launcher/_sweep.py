@@ -178,7 +178,7 @@ class Sweep:
 
     def _print_table(self) -> None:
         varying = _varying(self.jobs)
-        rows = []
+        rows: List[Dict[str, Any]] = []
         for job in self.jobs:
             status = self.status.get(job.idx, NOT_RUN)
             recorded = summary.read(job.run_dir) if status != NOT_RUN else {}

@@ -11,7 +11,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Dict, Optional, Union
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -83,7 +84,7 @@ def _end_once_returned() -> None:
     only exists to wait for results that a feeder thread has not yet written, which a SimpleQueue
     does not have. Found by walking up to the wrapper's frame; not there (Horovod, another torch),
     nothing changes."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         event = frame.f_locals.get("queue_finished_reading_event") if frame.f_code.co_name == "_wrap" else None
         if event is not None:
@@ -119,7 +120,10 @@ def _record_rendezvous() -> None:
     if current_rank() != 0:
         return
     env = os.environ
-    fields = {"world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1), "restart": restart_count()}
+    fields: Dict[str, Union[int, str]] = {
+        "world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1),
+        "restart": restart_count(),
+    }
     port = env.get("MASTER_PORT") or env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
     if port:
         fields["endpoint"] = f"{env.get('MASTER_ADDR') or env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{port}"

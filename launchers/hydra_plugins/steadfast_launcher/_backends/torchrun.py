@@ -171,7 +171,7 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
         f.name
         for f in dataclasses.fields(LaunchConfig)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }  # type: ignore[misc]
+    }
     missing = required - set(wanted)
     if missing:
         raise RuntimeError(f"this torch's LaunchConfig needs fields the launcher does not set: {sorted(missing)}")
