@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast lint bench clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -18,6 +18,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+lint: setup
+	VENV=$(VENV) bash scripts/lint.sh
 
 bench: setup
 	$(PY) -m bench.run_all $(ARGS)
