@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from steadfast.config import CheckpointConf, FaultConf, LoggerConf, Resume, RunConf, SnapshotConf, register_configs
+from steadfast.config import CheckpointConf, FaultConf, LoggerConf, ParallelConf, Resume, RunConf, SnapshotConf, register_configs
 from steadfast.contract import naming
 from steadfast.contract.schemas import BackendConf, ClusterConf, RestartConf, bad
 from steadfast.preflight import resolved
@@ -79,6 +79,9 @@ class TrainerConfig:
     # The reference world size is the job's full size (an elastic job's backend.nnodes MAX x
     # nproc_per_node), else the run's first launch's; see WorldSizePolicy.
     on_world_size_change: WorldSizePolicy = WorldSizePolicy.keep_global_batch
+    # Batches per optimizer step: gradients accumulate over this many batches (reduced over the
+    # ranks only on the last), the loss of each scaled by 1/N; checkpoints record every batch.
+    accumulate_grad_batches: int = 1
 
 
 @dataclass
@@ -210,6 +213,7 @@ class TrainConfig:
     logger: LoggerConf = field(default_factory=LoggerConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
     snapshot: SnapshotConf = field(default_factory=SnapshotConf)
+    parallel: ParallelConf = field(default_factory=ParallelConf)
 
 
 MODEL_SCHEMAS: Dict[str, Type[ModelConfig]] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}
@@ -261,6 +265,7 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     positive("trainer.num_threads", t.num_threads, allow_none=True)
     positive("trainer.stop_check_every_n_steps", t.stop_check_every_n_steps, allow_none=True)
     positive("trainer.max_rss_mb", t.max_rss_mb, allow_none=True)
+    positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches)
     if t.weight_decay < 0:
         out.append(bad("trainer.weight_decay", t.weight_decay, "a number >= 0"))
     d = c.data

@@ -73,9 +73,12 @@ def validate(run: Run, model: torch.nn.Module, dataset: Any, task: Any) -> Dict[
     """Each rank evaluates its own shard of the validation set; the sums are reduced over the ranks."""
     model.eval()
     idx = list(range(run.rank, len(dataset), run.world_size))
+    largest = -(-len(dataset) // run.world_size)  # the largest rank's share
+    batches = -(-largest // 256)
     totals: Dict[str, float] = {}
     with torch.no_grad():
-        for start in range(0, len(idx), 256):
+        # as many batches on every rank (some may be empty): a sharded model's forward is collective
+        for start in range(0, batches * 256, 256):
             run.beat("validate")
             x, y = dataset[idx[start : start + 256]]
             for key, value in task.sums(model(x.to(run.device)), y.to(run.device)).items():
@@ -95,6 +98,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         max_rss_mb=t.max_rss_mb,
         num_threads=t.num_threads,
         elastic=t.on_world_size_change.value != "refuse",
+        accumulate_grad_batches=t.accumulate_grad_batches,
     ) as run:
         seed_everything(t.seed)  # the same initial weights on every rank
         data = build_data(c.data)
@@ -119,11 +123,13 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             ddp_model.train()
             for x, y in loader:
                 x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                loss = task.loss(ddp_model(x), y)
-                loss.backward()
-                optimizer.step()
-                run.step(loss)
+                with run.accumulate(ddp_model):  # gradients reduced over the ranks on a step's last batch only
+                    loss = task.loss(ddp_model(x), y)
+                    (loss / t.accumulate_grad_batches).backward()
+                if run.sync_gradients:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    run.step(loss)
             train_loss = run.epoch_loss()
             scheduler.step()
             found = validate(run, model, data.val, task)

@@ -43,6 +43,9 @@ class _SaveHooks:
         if threading.current_thread() is threading.main_thread():  # an asynchronous save's thread does not beat:
             self.beat("save")  # if it hangs, training soon waits for it and stops beating
         self.faults.during_save(step, files_written)
+        self.before_commit(step)
+
+    def before_commit(self, step: int) -> None:
         if not self.launch.launcher_alive():
             raise LauncherGone(f"the launcher (pid {self.launch.launcher_pid}) is gone; an orphaned worker does not commit")
 

@@ -51,7 +51,8 @@ class Comm:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1) -> torch.optim.Optimizer:
+        """The optimizer to train with (`accumulate`: backward passes per step, for one that reduces gradients itself)."""
         return optimizer
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

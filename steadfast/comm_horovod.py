@@ -25,13 +25,15 @@ class HorovodComm(Comm):
         self.local_rank, self.local_world_size = hvd.local_rank(), hvd.local_size()
         self.device = pick_device(self.local_rank)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1) -> torch.optim.Optimizer:
         if hasattr(optimizer, "_allreduce_grad_async"):  # hvd.DistributedOptimizer already (an app with hvd idioms)
             wrapped = optimizer
         else:
             # groups=1: one grouped all-reduce of every gradient per step, negotiated once, instead of one
             # per tensor spread over Horovod's cycles (bench/horovod.py: ~15% fewer CPU-seconds per step)
-            wrapped = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), groups=1)
+            wrapped = self.hvd.DistributedOptimizer(
+                optimizer, named_parameters=model.named_parameters(), groups=1, backward_passes_per_step=accumulate
+            )
         hvd_zero_grad = wrapped.zero_grad  # takes no arguments (it predates torch's set_to_none)
 
         def zero_grad(set_to_none: bool = True) -> None:
@@ -94,11 +96,15 @@ class HorovodComm(Comm):
         return self.hvd.synchronize(handle)
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
-        gathered = self.hvd.allgather_object(obj)  # Horovod has no gather to one rank
+        self._gathers = getattr(self, "_gathers", 0) + 1
+        gathered = self.hvd.allgather_object(obj, name=f"steadfast.gather.{self._gathers}")  # Horovod has no gather to one rank
         return gathered if self.rank == 0 else None
 
     def broadcast_object(self, obj: Any) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        # named by the call's place in the sequence: Horovod names it by the object's type otherwise,
+        # which differs between rank 0 (the object) and the others (None), and the ranks never meet
+        self._objects = getattr(self, "_objects", 0) + 1
+        return self.hvd.broadcast_object(obj, root_rank=0, name=f"steadfast.object.{self._objects}")
 
     def barrier(self) -> None:
         self.hvd.barrier()

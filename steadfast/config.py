@@ -1,6 +1,6 @@
 """Typed schemas of the library's own config groups (cheap: no torch).
 
-`checkpoint`, `fault`, `logger`, `run` and `resume` configure what every task gets from
+`checkpoint`, `snapshot`, `parallel`, `fault`, `logger`, `run` and `resume` configure what every task gets from
 `steadfast.Run`, the built-in trainer and a user's own loop alike; `backend`, `restart` and
 `cluster` are the launcher's (steadfast.contract.schemas). The YAML options of these groups live
 in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search path). Choice fields are
@@ -65,6 +65,32 @@ class SnapshotConf:
     every_n_steps: Any = "auto"
 
 
+class ParallelKind(Enum):
+    ddp = "ddp"  # every rank holds the whole model; gradients all-reduced (DDP on torchrun, Horovod's optimizer)
+    fsdp = "fsdp"  # FSDP2: parameters, gradients and optimizer state sharded over the ranks (torchrun only)
+    none = "none"  # run.setup leaves the model as it is (a loop that wraps or shards it itself)
+
+
+class Precision(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class ParallelConf:
+    """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/parallel.py)."""
+
+    kind: ParallelKind = ParallelKind.ddp
+    # fsdp: the module classes (by class name) that become their own FSDP unit, each sharded and
+    # gathered on its own; the whole model is the last unit. Empty: every block of the model's
+    # first ModuleList or Sequential of several blocks (a transformer's layers)
+    units: List[str] = field(default_factory=list)
+    reshard_after_forward: bool = True  # fsdp: free the gathered parameters after the forward (less memory, one more gather)
+    param_dtype: Optional[Precision] = None  # fsdp mixed precision: the dtype of the gathered parameters in forward/backward
+    reduce_dtype: Optional[Precision] = None  # fsdp mixed precision: the dtype gradients are reduced in
+
+
 @dataclass
 class RunConf:
     name: str = MISSING  # default: derived from the job's overrides (steadfast.contract.keys)
@@ -114,6 +140,7 @@ def register_configs() -> None:
         ("fault", "schema", FaultConf),
         ("logger", "schema", LoggerConf),
         ("snapshot", "schema", SnapshotConf),
+        ("parallel", "schema", ParallelConf),
     ):
         cs.store(group=group, name=name, node=node, provider="steadfast")
 
@@ -128,6 +155,7 @@ class Settings:
     fault: FaultConf = field(default_factory=FaultConf)
     logger: LoggerConf = field(default_factory=LoggerConf)
     snapshot: SnapshotConf = field(default_factory=SnapshotConf)
+    parallel: ParallelConf = field(default_factory=ParallelConf)
 
 
 def settings_from(cfg: Any) -> Settings:
@@ -139,7 +167,7 @@ def settings_from(cfg: Any) -> Settings:
         cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     node = {
         key: cfg[key]
-        for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot")
+        for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot", "parallel")
         if isinstance(cfg, dict) and key in cfg and cfg[key] is not None
     }
     try:

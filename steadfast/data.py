@@ -7,7 +7,7 @@ batch at a time by index (no per-sample `__getitem__` and collate).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
@@ -152,3 +152,123 @@ def make_loader(
         generator=generator,
         **kwargs,
     )
+
+
+class Position:
+    """Where the run's training data stands in the current epoch, from what its loader handed out
+    (not from how often run.step was called): with gradient accumulation a step takes several
+    batches, and a checkpoint must record every batch trained, or a resume trains some twice."""
+
+    def __init__(self) -> None:
+        self.active = False  # a tracked loader is in the middle of an epoch
+        self.batches = 0  # batches of this epoch handed out, those before a resume included
+        self.samples = 0  # samples of the epoch's order consumed by all ranks together
+        self.last = 0  # how many batches this epoch has
+
+    def start(self, batch: int, sample: int, last: int) -> None:
+        self.active, self.batches, self.samples, self.last = True, batch, sample, last
+
+    def took(self, samples: int) -> None:
+        self.batches += 1
+        self.samples += samples
+
+    def stop(self) -> None:
+        self.active = False
+
+    def completes_group(self, every: int) -> bool:
+        """Whether the batch just handed out is the last of a group of `every` (or of the epoch)."""
+        return not self.active or every <= 1 or self.batches % every == 0 or self.batches >= self.last
+
+
+class Tracked:
+    """A loader over a ResumableSampler whose batches are counted into a Position as they are handed
+    out (anything else is the loader's: len(), its attributes)."""
+
+    def __init__(self, loader: Any, sampler: ResumableSampler, batch_size: int, position: Position) -> None:
+        self.loader, self.sampler, self.batch_size, self.position = loader, sampler, batch_size, position
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler, size = self.sampler, self.batch_size
+        per_rank = len(sampler)  # this rank's samples left in the epoch (the same on every rank)
+        first = sampler.progress.batch_in_epoch if sampler.progress is not None else 0
+        self.position.start(first, sampler.first_sample, first + len(self.loader))
+        consumed = 0
+        for batch in self.loader:
+            taken = min(size, per_rank - consumed)
+            consumed += taken
+            self.position.took(taken * sampler.world_size)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+class RunData:
+    """The run's data side: its samplers and loaders, their generators and the position in the epoch
+    (Run's sampler, loader, batches, sync_gradients and step use it)."""
+
+    def __init__(self, world_size: int, rank: int, seed: int, progress: Progress, accumulate: int) -> None:
+        self.world_size, self.rank, self.seed, self.progress = world_size, rank, seed, progress
+        self.accumulate = accumulate
+        self.position = Position()
+        self.samplers: list = []
+        self.generators: list = []
+        self.samples_per_step = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.samplers[0].batches_per_epoch if self.samplers else 0
+
+    def sampler(self, dataset: Any, batch_size: int, shuffle: bool) -> ResumableSampler:
+        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.seed, batch_size, shuffle, self.progress)
+        self.samplers.append(sampler)
+        self.samples_per_step = sampler.samples_per_step
+        return sampler
+
+    def loader(self, dataset: Any, batch_size: int, shuffle: bool, **kwargs: Any) -> Any:
+        sampler = self.sampler(dataset, batch_size, shuffle)
+        generator = torch.Generator()  # a DataLoader never draws on the global RNG (exact resume)
+        self.generators.append(generator)
+        loader = make_loader(dataset, batch_size, sampler, generator=generator, **kwargs)
+        return Tracked(loader, sampler, batch_size, self.position) if len(self.samplers) == 1 else loader
+
+    def begin_epoch(self) -> None:
+        for generator in self.generators:
+            generator.manual_seed(self.seed * 100_003 + self.progress.epoch)
+
+    def skipping(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """A loader that is not the run's, its epoch set and the batches this epoch already trained skipped."""
+        sampler = getattr(loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.progress.epoch)
+        skip = self.progress.batch_in_epoch
+        rng = torch.get_rng_state()
+        batches = iter(loader)  # a DataLoader without its own generator draws its seed from the global RNG:
+        torch.set_rng_state(rng)  # put it back, so a resumed run sees the same random numbers
+        total = len(loader) if hasattr(loader, "__len__") else 0  # type: ignore[arg-type]
+        self.position.start(skip, self.progress.sample_in_epoch, total)
+        for i, batch in enumerate(batches):
+            if i >= skip:
+                self.position.took(self.samples_per_step)
+                yield batch
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.position.completes_group(self.accumulate)
+
+    def stepped(self) -> None:
+        """An optimizer step is done: the progress takes the position of what was handed out."""
+        p = self.progress
+        if self.position.active:  # several batches a step with accumulation
+            p.batch_in_epoch, p.sample_in_epoch = self.position.batches, self.position.samples
+        else:
+            p.batch_in_epoch += 1
+            p.sample_in_epoch += self.samples_per_step
+
+    def end_epoch(self) -> None:
+        p = self.progress
+        p.epoch, p.batch_in_epoch, p.sample_in_epoch = p.epoch + 1, 0, 0
+        self.position.stop()

@@ -73,10 +73,14 @@ class FaultInjector:
             self._fire(step)
 
     def after_commit(self, step: int, path: Path) -> None:
-        """fault=corrupt_checkpoint: damage the checkpoint just committed (flip a byte of its model)."""
+        """fault=corrupt_checkpoint: damage the checkpoint just committed (flip the last byte of its largest file)."""
         if self.active and step >= self.cfg.at_step and self.kind == "corrupt_checkpoint" and self._claim():
             self.record_event(Event.FAULT_FIRED, fault=self.kind, rank=self.rank, step=step, path=str(path), pid=os.getpid())
-            with open(path / "model.bin", "r+b") as f:
+            from .checkpoint import manifest as mf
+
+            files = mf.read(path)["files"]  # the largest file: the model's (or rank 0's, in the sharded format)
+            largest = max(files, key=lambda name: files[name]["bytes"])
+            with open(path / largest, "r+b") as f:
                 f.seek(-1, os.SEEK_END)
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)

@@ -91,8 +91,24 @@ def check(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
-        if f.kind.value in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0:
+        sharded = s.parallel.kind.value == "fsdp"  # every rank writes its own file of a sharded checkpoint
+        if f.kind.value in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0 and not sharded:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
+    backend = OmegaConf.select(cfg, "backend.name", default=None)
+    if s.parallel.kind.value == "fsdp" and backend is not None and backend != "torchrun":
+        out.append(
+            f"parallel=fsdp needs backend=torchrun (backend={backend}: "
+            + (
+                "Horovod has no sharded data parallelism"
+                if backend == "horovod"
+                else "one in-process worker has nothing to shard over"
+            )
+            + "); choose parallel=ddp or backend=torchrun"
+        )
+    if s.parallel.kind.value != "fsdp" and s.parallel.units:
+        out.append(
+            bad("parallel.units", s.parallel.units, "empty unless parallel.kind=fsdp (the modules FSDP shards one by one)")
+        )
     every = s.snapshot.every_n_steps
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
         out.append(bad("snapshot.every_n_steps", every, "auto, a number of steps >= 1, or 0 to turn memory snapshots off"))

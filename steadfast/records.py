@@ -37,10 +37,15 @@ class RunRecord:
 
 
 def model_sha256(model: nn.Module) -> str:
-    """sha256 over every tensor of the state_dict, in key order, as contiguous CPU bytes."""
+    """sha256 over every tensor of the state_dict, in key order, as contiguous CPU bytes. A sharded
+    tensor (FSDP2's DTensor) is gathered whole first, a tensor at a time: collective, and the same
+    digest as the unsharded model's."""
+    from .checkpoint.shards import is_dtensor
+
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
-        t = tensor.detach().cpu().contiguous().reshape(-1)
+        whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
+        t = whole.detach().cpu().contiguous().reshape(-1)
         if t.numel():
             digest.update(t.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -19,6 +19,7 @@ with the final weights' sha256.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import comm as comms
+from . import parallel
 from .agreement import StopAgreement
 from .cadence import Cadence, history
 from .checkpoint.manifest import step_dir_name
@@ -40,7 +42,7 @@ from .contract.events import Event
 from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
 from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
-from .data import ResumableSampler, make_loader
+from .data import ResumableSampler, RunData
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
 from .snapshots import MemoryCadence
@@ -67,7 +69,15 @@ class Run:
         max_rss_mb: Optional[float] = None,
         num_threads: Optional[int] = None,
         elastic: bool = True,
+        accumulate_grad_batches: int = 1,
     ) -> None:
+        if (
+            isinstance(accumulate_grad_batches, bool)
+            or not isinstance(accumulate_grad_batches, int)
+            or accumulate_grad_batches < 1
+        ):
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r}: a number of batches per optimizer step >= 1")
+        self.accumulate_grad_batches = accumulate_grad_batches
         self.launch = LaunchEnv.current()
         resolved = (
             cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
@@ -133,11 +143,10 @@ class Run:
         self.saved_world_size: Optional[int] = None
         self.train_loss: Optional[float] = None  # the mean loss of the last completed epoch
         self.latest: Dict[str, Any] = {}  # the last value of every metric given to run.log
-        self._samplers: list = []
-        self._generators: list = []
-        self._samples_per_step = 0
+        self.data = RunData(self.world_size, self.rank, seed, self.progress, accumulate_grad_batches)
         self._first_step = True
         self._finished = False
+        self._result: Dict[str, Any] = {}
         self._epoch_loss_of = -1  # the epoch whose mean loss train_loss holds
         self.record.event(Event.ATTEMPT_STARTED, world_size=self.comm.world_size, device=str(self.comm.device))
 
@@ -165,7 +174,7 @@ class Run:
     @property
     def batches_per_epoch(self) -> int:
         """Batches per epoch on each rank, of the run's (first) loader or sampler (0 before there is one)."""
-        return self._samplers[0].batches_per_epoch if self._samplers else 0
+        return self.data.batches_per_epoch
 
     @property
     def epoch(self) -> int:
@@ -177,34 +186,31 @@ class Run:
 
     # ---- the loop's parts -----------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-        """The backend's idioms: the model on this rank's device and wrapped for data parallelism
-        (DDP on torchrun), the optimizer wrapped where the backend needs it (Horovod's
-        DistributedOptimizer). Call it before `resume` (Horovod's wrapper is a new optimizer)."""
+        """The model on this rank's device and spread over the ranks as `parallel` says: wrapped for
+        data parallelism (ddp: DDP on torchrun, Horovod's DistributedOptimizer), sharded (fsdp:
+        FSDP2's fully_shard, the optimizer pointed at the sharded parameters), or as it is (none).
+        Call it before `resume` (Horovod's wrapper is a new optimizer)."""
         if self.resumed_from is not None or self.checkpointer.objects:
             raise RuntimeError("call run.setup(model, optimizer) before run.resume(...)")
         model = model.to(self.device)
         self.model = model
+        wrapped, optimizer = parallel.setup(model, optimizer, self.settings.parallel, self.comm, self.accumulate_grad_batches)
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
             next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
-        wrapped = self.comm.wrap_model(model)
         if optimizer is None:
             return wrapped
-        self.optimizer = self.comm.wrap_optimizer(optimizer, model)
-        return wrapped, self.optimizer
+        self.optimizer = optimizer
+        return wrapped, optimizer
 
     def sampler(self, dataset: Any, batch_size: int, shuffle: bool = True) -> ResumableSampler:
         """This rank's share of one permutation per epoch, starting where the run stands (for your own DataLoader)."""
-        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.seed, batch_size, shuffle, self.progress)
-        self._samplers.append(sampler)
-        self._samples_per_step = sampler.samples_per_step
-        return sampler
+        return self.data.sampler(dataset, batch_size, shuffle)
 
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, **kwargs: Any) -> Any:
-        """A loader over this rank's share of `dataset`, resumable at any batch (kwargs: DataLoader's)."""
-        sampler = self.sampler(dataset, batch_size, shuffle)
-        generator = torch.Generator()  # a DataLoader never draws on the global RNG (exact resume)
-        self._generators.append(generator)
-        return make_loader(dataset, batch_size, sampler, generator=generator, **kwargs)
+        """A loader over this rank's share of `dataset`, resumable at any batch (kwargs: DataLoader's).
+        The run's first loader is its training data: the batches it hands out are the position a
+        checkpoint records (with gradient accumulation, several per step)."""
+        return self.data.loader(dataset, batch_size, shuffle, **kwargs)
 
     def resume(self, **objects: Any) -> Optional[int]:
         """Track these objects (anything with state_dict/load_state_dict) in every checkpoint, and load
@@ -257,8 +263,7 @@ class Run:
         code after the batch loop must cope (run.epoch_loss() is then None)."""
         self.telemetry.plan(max_epochs * self.batches_per_epoch, max_epochs)
         while self.progress.epoch < max_epochs:
-            for generator in self._generators:
-                generator.manual_seed(self.seed * 100_003 + self.progress.epoch)
+            self.data.begin_epoch()
             yield self.progress.epoch
             self._end_epoch(max_epochs)
 
@@ -266,23 +271,30 @@ class Run:
         """For a loader that is not the run's: its epoch set (DistributedSampler.set_epoch) and, after a
         resume in the middle of an epoch, the batches this epoch already trained skipped (read and
         dropped: exact when the loader's order depends only on the epoch)."""
-        sampler = getattr(loader, "sampler", None)
-        if sampler is not None and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.progress.epoch)
-        skip = self.progress.batch_in_epoch
-        rng = torch.get_rng_state()
-        batches = iter(loader)  # a DataLoader without its own generator draws its seed from the global RNG:
-        torch.set_rng_state(rng)  # put it back, so a resumed run sees the same random numbers
-        for i, batch in enumerate(batches):
-            if i >= skip:
-                yield batch
+        return self.data.skipping(loader)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the batch just handed out completes an optimizer step (accumulate_grad_batches of
+        them, or the epoch's last): then step the optimizer and call run.step()."""
+        return self.data.sync_gradients
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
+        """Around a micro-batch's forward and backward: on the batches that do not complete an
+        optimizer step, gradients only accumulate on each rank (DDP's no_sync, FSDP's
+        set_requires_gradient_sync(False)); on the one that does, they are reduced as usual."""
+        if self.sync_gradients:
+            yield
+            return
+        with parallel.no_sync(model):
+            yield
 
     def step(self, loss: Any = None) -> None:
         """After the optimizer step: count it, and do what is due at this step boundary."""
         p = self.progress
         p.global_step += 1
-        p.batch_in_epoch += 1
-        p.sample_in_epoch += self._samples_per_step
+        self.data.stepped()
         if self._first_step:
             self._first_step = False
             self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
@@ -357,22 +369,22 @@ class Run:
         """Commit the last step (so running the same command again trains nothing), then record the
         run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
         if self._finished:
-            return self.result(**result)
+            return {**self._result, **result}
         self.agreement.drain()
         if self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
         self.checkpointer.close()
         self.telemetry.close()
         out = self.result(status="completed", **result)
-        if self.model is not None and self.rank == 0:  # the final weights, for any safetensors reader
-            from .checkpoint.tensorfile import export_safetensors
+        if self.model is not None:  # the final weights, for any safetensors reader (a sharded model gathered a tensor at a time)
+            from .checkpoint.export import export_model
 
-            export_safetensors(unwrap(self.model).state_dict(), self.dir / MODEL_FILE)
+            export_model(unwrap(self.model).state_dict(), self.dir / MODEL_FILE, writes=self.rank == 0)
             out["model_file"] = MODEL_FILE
         self.record.event(
             Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out
         )
-        self._finished = True
+        self._finished, self._result = True, out
         self._close()
         return out
 
@@ -423,7 +435,7 @@ class Run:
     def _end_epoch(self, max_epochs: int) -> None:
         p = self.progress
         self.epoch_loss()
-        p.epoch, p.batch_in_epoch, p.sample_in_epoch = p.epoch + 1, 0, 0
+        self.data.end_epoch()
         if self.cadence.epoch_due(p.epoch):
             self.save()
         self.telemetry.display.restart_rate()  # validation and the save are not training speed

@@ -1,16 +1,21 @@
 """Checkpoints that are either committed and complete, or invisible.
 
-Save (rank 0 writes; every rank contributes its own RNG state):
-  1. write every object's file into `.tmp-step_N-<id>/` (every byte, fsync, size checked);
-  2. write `manifest.json` last (step, commit sequence, epoch, position, world size, training config,
-     size and checksum of every file), fsync it and the folder;
-  3. rename the folder to `step_N` (atomic) and fsync the parent; a committed `step_N` already there
-     is moved aside first, never deleted;
-  4. read the new checkpoint back and verify it (manifest, sizes, checksums), and only then apply
-     retention, which ranks by commit sequence and never removes the checkpoint just committed.
+What the files hold is the codec's business (codec.py: the replicated format, rank 0 writes; the
+sharded one, every rank writes its own file). The protocol is the same for both:
+  1. write the files into `.tmp-step_N-<id>/` (every byte, fsync, size checked; with the sharded
+     format every rank writes and reads back its own file in parallel, then reports it to rank 0);
+  2. rank 0 writes `manifest.json` last (step, commit sequence, epoch, position, world size, training
+     config, size and checksum of every file, the codec's own fields), fsyncs it and the folder;
+  3. checks the launcher is still there (an orphaned worker never commits), renames the folder to
+     `step_N` (atomic) and fsyncs the parent; a committed `step_N` already there is moved aside
+     first, never deleted;
+  4. reads the new checkpoint back and verifies it, and only then applies retention, which ranks by
+     commit sequence and never removes the checkpoint just committed.
 Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
-raises its failure. Resume takes the newest committed checkpoint (by commit sequence) that verifies;
-the unusable ones newer than it are moved aside (`.unusable-step_N-<reason>-<id>`), never deleted.
+raises its failure. Resume (collective) tries the committed checkpoints newest first (by commit
+sequence): every rank reads what it needs, verified, and checks it fits the live objects; the first
+one that every rank could load is applied. The unusable ones newer than it are moved aside
+(`.unusable-step_N-<reason>-<id>`), never deleted.
 """
 
 from __future__ import annotations
@@ -27,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
-from ..comm import Comm
 from ..contract.events import Event
-from . import fileio, tensorfile
+from . import fileio
 from . import manifest as mf
 from . import restore as rs
+from .codec import Codec, Collectives, Unsaveable, for_state
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,16 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+class SaveHooks(Protocol):
+    """What the writer calls while it saves (fault injection, the heartbeat, the orphan fence)."""
+
+    def during_save(self, step: int, files_written: int) -> None: ...
+
+    def before_commit(self, step: int) -> None: ...
+
+    def after_commit(self, step: int, path: Path) -> None: ...
 
 
 CheckpointError = rs.CheckpointError
@@ -57,21 +72,21 @@ class CheckpointManager:
     def __init__(
         self,
         folder: Path,
-        comm: Comm,
+        comm: Collectives,
         keep_last: int,
         training_config: Dict[str, Any],
         on_event: Callable[..., None],
         async_save: bool = False,
         keep_every_n_epochs: Optional[int] = None,
         full_config: Optional[Dict[str, Any]] = None,
-        hooks: Any = None,
+        hooks: Optional[SaveHooks] = None,
         defer_optimizer_copy: bool = True,
     ) -> None:
         self.folder, self.comm, self.keep_last = Path(folder), comm, max(1, keep_last)
         self.training_config, self.on_event = training_config, on_event
         self.keep_every_n_epochs = keep_every_n_epochs
         self.full_config = full_config or {}
-        self.hooks = hooks  # fault injection: during_save(step, files_written), after_commit(step, path)
+        self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
         self._buffers = HostBuffers()
@@ -87,26 +102,30 @@ class CheckpointManager:
     # ---- saving -------------------------------------------------------------------------
     def save(self, step: int, objects: Dict[str, Stateful], per_rank: Dict[str, Stateful], meta: Dict[str, Any]) -> None:
         """Collective: every rank calls it at the same step."""
-        gathered = self.comm.gather_object({name: obj.state_dict() for name, obj in per_rank.items()})
-        self.last_saved_step = step
-        if self.comm.rank != 0:
-            return
-        self.wait()
-        started = time.perf_counter()
         clash = sorted(mf.RESERVED & set(meta))
         if clash:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
-        layouts = {}
-        for name, tree in [*((n, o.state_dict()) for n, o in objects.items()), ("ranks", {"ranks": gathered})]:
-            if not mf.FILE_NAME.fullmatch(f"{name}.bin") or f"{name}.bin" in layouts:
-                raise CheckpointError(
-                    f"cannot save an object named {name!r}: names are letters, digits, '_', '.', '-', "
-                    "unique, and not 'ranks' (the per-rank states)"
-                )
-            try:
-                layouts[f"{name}.bin"] = tensorfile.plan(tree)
-            except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"cannot save {name} at step {step}: {exc}") from exc
+        states = {name: obj.state_dict() for name, obj in objects.items()}
+        codec = for_state(states)
+        if codec.every_rank_writes:
+            self.wait()
+        started = time.perf_counter()
+        try:
+            planned = codec.plan(states, {name: obj.state_dict() for name, obj in per_rank.items()}, self.comm)
+            problem = None
+        except Unsaveable as exc:
+            planned, problem = None, f"cannot save {exc.name} at step {step}: {exc.reason}"
+        self.last_saved_step = step
+        if codec.every_rank_writes:
+            self._save_every_rank(step, codec, planned, problem, meta, started)
+            return
+        if self.comm.rank != 0:
+            return
+        if problem is not None or planned is None:
+            raise CheckpointError(problem)
+        self.wait()
+        started = time.perf_counter()
+        layouts = planned.files
         if not self.async_save:
             final, files = self._write_and_commit(step, {n: layout.buffers() for n, layout in layouts.items()}, meta, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)
@@ -119,6 +138,54 @@ class CheckpointManager:
                 self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
         self._pending = self._pool.submit(self._write_snapshot, step, snap, meta, started)
+
+    def _save_every_rank(
+        self, step: int, codec: Codec, planned: Any, problem: Optional[str], meta: Dict[str, Any], started: float
+    ) -> None:
+        """A save in which every rank writes its own files (the sharded format), in parallel: each
+        writes and reads back its files in the temporary folder and reports them; rank 0 commits.
+        A failure on any rank fails the save on every rank, with the same message."""
+        comm, tmp = self.comm, None
+        if comm.rank == 0:
+            tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+            try:
+                tmp.mkdir()
+            except OSError as exc:
+                tmp, problem = None, f"cannot create {tmp}: {exc}"
+        name = comm.broadcast_object(tmp.name if tmp is not None else None)
+        report: Dict[str, Any] = {}
+        try:
+            if problem is not None or name is None:
+                raise CheckpointError(problem or "rank 0 could not create the temporary folder")
+            folder, written = self.folder / name, {}
+            for file, layout in planned.files.items():
+                size, digest = fileio.write_file(folder / file, layout.buffers())
+                fileio.verify_file(folder / file, size, digest)  # read back before it is reported written
+                written[file] = {"bytes": size, "checksum": digest}
+                if self.hooks is not None:
+                    self.hooks.during_save(step, len(written))
+            report = {"files": written, **planned.report}
+        except Exception as exc:  # reported to rank 0, which fails the save on every rank
+            report = {"error": f"rank {comm.rank}: {type(exc).__name__}: {exc}"}
+        reports = comm.gather_object(report)
+        outcome: Optional[str] = None
+        if comm.rank == 0:
+            assert reports is not None and tmp is not None or problem is not None
+            try:
+                errors = [r["error"] for r in reports or [] if "error" in r]
+                if errors or tmp is None:
+                    raise CheckpointError("; ".join(errors) or str(problem))
+                files = {f: spec for r in reports or [] for f, spec in r["files"].items()}
+                final = self._commit(step, tmp, files, {**meta, **codec.manifest_fields(reports or [])}, codec.format)
+                self._pending = self._pool.submit(self._check_then_retain, step, final, files, False)
+                self._saved(step, meta, final, files, started)
+            except BaseException as exc:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                outcome = self._failed(step, exc)
+        outcome = comm.broadcast_object(outcome)
+        if outcome is not None:
+            raise CheckpointError(outcome)
 
     def wait_snapshot(self) -> None:
         """Block until an asynchronous save no longer reads the live state (an optimizer's step calls it)."""
@@ -149,8 +216,8 @@ class CheckpointManager:
     def _write_and_commit(
         self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float
     ) -> Tuple[Path, Dict[str, Dict[str, Any]]]:
-        final = self.folder / mf.step_dir_name(step)
-        tmp = self.folder / f"{mf.TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        """Rank 0 writes every file of the save and commits it (the replicated format)."""
+        tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         files: Dict[str, Dict[str, Any]] = {}
         try:
             tmp.mkdir()
@@ -159,50 +226,61 @@ class CheckpointManager:
                 files[name] = {"bytes": size, "checksum": digest}
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
-            manifest = {
-                "format": mf.FORMAT,
-                "step": step,
-                "commit": mf.next_commit(self.folder),
-                **meta,
-                "world_size": self.comm.world_size,
-                "created": time.time(),
-                "files": files,
-                "config": self.training_config,
-                "full_config": self.full_config,
-            }
-            text = rs.to_json(manifest)
-            mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
-            fileio.write_file(tmp / mf.MANIFEST, [text.encode()])
-            fileio.fsync_dir(tmp)
-            if os.path.lexists(final):  # an earlier crash's leftover, or a checkpoint of this step from before
-                self._move_out_of_the_way(step, final)
-            os.rename(tmp, final)
-            fileio.fsync_dir(self.folder)
+            final = self._commit(step, tmp, files, meta, mf.FORMAT)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            previous = mf.committed(self.folder)
-            kept = (
-                f"the newest committed checkpoint ({previous[0][1].name}) is intact"
-                if previous
-                else "no earlier checkpoint exists"
-            )
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}"
-            ) from exc
+            raise CheckpointError(self._failed(step, exc)) from exc
+        self._saved(step, meta, final, files, started)
+        return final, files
+
+    def _commit(self, step: int, tmp: Path, files: Dict[str, Dict[str, Any]], fields: Dict[str, Any], format: int) -> Path:
+        """Write the manifest into `tmp` (its files written) and rename it to the step's folder."""
+        final = self.folder / mf.step_dir_name(step)
+        manifest = {
+            "format": format,
+            "step": step,
+            "commit": mf.next_commit(self.folder),
+            **fields,
+            "world_size": self.comm.world_size,
+            "created": time.time(),
+            "files": files,
+            "config": self.training_config,
+            "full_config": self.full_config,
+        }
+        text = rs.to_json(manifest)
+        mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
+        fileio.write_file(tmp / mf.MANIFEST, [text.encode()])
+        fileio.fsync_dir(tmp)
+        if self.hooks is not None:
+            self.hooks.before_commit(step)  # the orphan fence, right before the rename that commits
+        if os.path.lexists(final):  # an earlier crash's leftover, or a checkpoint of this step from before
+            self._move_out_of_the_way(step, final)
+        os.rename(tmp, final)
+        fileio.fsync_dir(self.folder)
+        return final
+
+    def _failed(self, step: int, exc: BaseException) -> str:
+        previous = mf.committed(self.folder)
+        kept = (
+            f"the newest committed checkpoint ({previous[0][1].name}) is intact" if previous else "no earlier checkpoint exists"
+        )
+        return f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}"
+
+    def _saved(self, step: int, meta: Dict[str, Any], final: Path, files: Dict[str, Dict[str, Any]], started: float) -> None:
         total = sum(f["bytes"] for f in files.values())
         seconds = time.perf_counter() - started
         self.on_event(
             Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4)
         )
         log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
-        return final, files
 
-    def _check_then_retain(self, step: int, final: Path, files: Dict[str, Dict[str, Any]]) -> Path:
-        """Read the new checkpoint back before retention may remove anything older."""
+    def _check_then_retain(self, step: int, final: Path, files: Dict[str, Dict[str, Any]], checksums: bool = True) -> Path:
+        """Read the new checkpoint back before retention may remove anything older (`checksums`: every
+        file's too; without, their sizes: each rank read its own files back before it reported them)."""
         try:
             if mf.read(final)["files"] != files:
                 raise mf.ManifestError(f"{final / mf.MANIFEST}: reads back different from what was written")
-            problem = rs.verify(final)
+            problem = rs.verify(final, checksums)
             if problem:
                 raise fileio.FileCheckError(problem)
         except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
@@ -274,58 +352,18 @@ class CheckpointManager:
         fresh_start_if_unusable: bool = False,
         new_rank: Optional[Callable[[int], None]] = None,
     ) -> Optional[Restored]:
-        """Collective: load the newest checkpoint that verifies into `objects`; None if there is none.
+        """Collective: load the newest checkpoint that every rank can load into `objects`; None if there is none.
 
         A checkpoint saved by another number of workers is refused unless `new_rank` is given (an
         elastic job): then ranks the checkpoint has keep their saved per-rank state, and a rank it
         does not have calls `new_rank(step)` to seed its state deterministically."""
-        decision: Dict[str, Any] = {}
-        states: Optional[Dict[str, Any]] = None
-        if self.comm.rank == 0:
-            chooser = rs.Chooser(self.folder, self.training_config, self.full_config, self.on_event, self._set_aside)
-            decision, states = chooser.choose(list(objects), list(per_rank), allow_config_change, fresh_start_if_unusable)
-        decision = self.comm.broadcast_object(decision)
-        if decision.get("error"):
-            raise CheckpointError(decision["error"])
-        if decision.get("unusable"):
-            detail = "; ".join(decision["unusable"])
-            if not fresh_start_if_unusable:
-                raise CheckpointError(
-                    f"none of the {len(decision['unusable'])} committed checkpoints in {self.folder} is usable ({detail}). "
-                    "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway "
-                    "(they are then moved aside, not deleted)"
-                )
-            log.warning("No usable checkpoint (%s); starting from scratch as run.fresh_start_if_unusable allows", detail)
+        chooser = rs.Chooser(self.folder, self.training_config, self.full_config, self.on_event, self._set_aside)
+        found = rs.Resume(self.folder, self.comm, chooser).run(
+            objects, per_rank, allow_config_change, fresh_start_if_unusable, new_rank
+        )
+        if found is None:
             return None
-        if not decision.get("path"):
-            return None
-        path = Path(decision["path"])
-        manifest = decision["manifest"]
-        if states is None:  # other ranks read the same files and check them the same way
-            try:
-                states = rs.load_checked(path, manifest, list(objects), list(per_rank))
-            except (ValueError, OSError, MemoryError) as exc:
-                raise CheckpointError(f"rank {self.comm.rank} cannot read checkpoint {path} that rank 0 verified: {exc}") from exc
-        ranks = states["ranks"]["ranks"]
-        if len(ranks) != self.comm.world_size and new_rank is None:
-            raise CheckpointError(
-                f"{path}: saved by {len(ranks)} workers, this run has {self.comm.world_size} "
-                "(trainer.on_world_size_change=refuse)"
-            )
-        for name, obj in objects.items():
-            try:
-                obj.load_state_dict(states[name])
-            except Exception as exc:
-                raise CheckpointError(f"{path / (name + '.bin')}: cannot restore {name}: {exc}") from exc
-        for name, obj in per_rank.items():
-            if self.comm.rank >= len(ranks):
-                assert new_rank is not None
-                new_rank(manifest["step"])
-                break
-            try:
-                obj.load_state_dict(ranks[self.comm.rank][name])
-            except Exception as exc:
-                raise CheckpointError(f"{path / 'ranks.bin'}: cannot restore {name} of rank {self.comm.rank}: {exc}") from exc
+        path, manifest = found
         self.last_saved_step = manifest["step"]
         return Restored(step=manifest["step"], path=path, manifest=manifest)
 

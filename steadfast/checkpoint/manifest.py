@@ -28,18 +28,25 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..contract.keys import checked_on_resume
 from . import fileio
+from .dtypes import TORCH_NAMES
 
-FORMAT = 2
+FORMAT = 2  # the replicated format: one file per object, written by rank 0
+SHARDED_FORMAT = 3  # the sharded format: one file per rank, and the tensor table (see sharded.py)
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step_(\d{9,18})")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 SET_ASIDE_PREFIX = ".unusable-"
 MAX_MANIFEST_BYTES = 16 << 20  # the training config is in it; 16 MiB is far above any real one
-MAX_FILES = 256
+MAX_FILES = 1 << 16  # a sharded checkpoint has a file per rank
 MAX_FILE_BYTES = 1 << 50
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}\.bin")
 CHECKSUM = re.compile(re.escape(fileio.CHECKSUM) + r":[0-9a-f]{32}")
+MAX_TENSORS = 1 << 20
+MAX_DIMS = 64
+MAX_DIM = 1 << 62
+MAX_PAIRWISE = 512  # pieces of one tensor checked pairwise for overlap (a rank each: FSDP's usual world sizes)
+TENSOR_KEY = re.compile(r"[^\x00-\x1f]{1,1024}")
 META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
 RESERVED = frozenset({"format", "step", "commit", "world_size", "created", "files", "config", "full_config"})
 
@@ -78,8 +85,8 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
 
     if not isinstance(data, dict):
         raise bad(f"not a JSON object (a {type(data).__name__})")
-    if data.get("format") != FORMAT or isinstance(data.get("format"), bool):
-        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads format {FORMAT}")
+    if data.get("format") not in (FORMAT, SHARDED_FORMAT) or isinstance(data.get("format"), bool):
+        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads formats {FORMAT} and {SHARDED_FORMAT}")
     if not _int(data.get("step"), 0, 10**18 - 1):
         raise bad("'step' must be a non-negative integer")
     if step is not None and data["step"] != step:
@@ -110,7 +117,61 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
             raise bad(f"{name}: 'bytes' must be an integer from 0 to {MAX_FILE_BYTES}")
         if not isinstance(spec.get("checksum"), str) or not CHECKSUM.fullmatch(spec["checksum"]):
             raise bad(f"{name}: 'checksum' must be {fileio.CHECKSUM}:<32 hex digits> (it is required)")
+    if data["format"] == SHARDED_FORMAT:
+        problem = tensor_table_problem(data.get("tensors"), files)
+        if problem:
+            raise bad(f"'tensors': {problem}")
     return data
+
+
+def _dims(value: Any, count: Optional[int] = None) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMS
+        and (count is None or len(value) == count)
+        and all(_int(d, 0, MAX_DIM) for d in value)
+    )
+
+
+def tensor_table_problem(table: Any, files: Dict[str, Any]) -> Optional[str]:
+    """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
+    dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
+    exactly (their sizes add up to it; without overlap, checked where they are at most MAX_PAIRWISE)."""
+    if not isinstance(table, dict) or len(table) > MAX_TENSORS:
+        return f"must be a JSON object of at most {MAX_TENSORS} tensors"
+    for key, entry in table.items():
+        what = f"tensor {key[:80]!r}"
+        if not TENSOR_KEY.fullmatch(key):
+            return f"{what}: not a plain key"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "pieces"}:
+            return f"{what}: needs exactly dtype, shape and pieces"
+        whole, pieces = entry["shape"], entry["pieces"]
+        if entry["dtype"] not in TORCH_NAMES or not _dims(whole) or not isinstance(pieces, list):
+            return f"{what}: needs a known dtype, a shape of non-negative ints and a list of pieces"
+        total = 0
+        for piece in pieces:
+            if not (
+                isinstance(piece, list)
+                and len(piece) == 3
+                and piece[0] in files
+                and _dims(piece[1], len(whole))
+                and _dims(piece[2], len(whole))
+            ):
+                return f"{what}: a piece must be [a file of the manifest, offset, shape] of its rank"
+            if any(o + n > w for o, n, w in zip(piece[1], piece[2], whole)):
+                return f"{what}: a piece lies outside its shape"
+            total += math.prod(piece[2])
+        if total != math.prod(whole):
+            return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
+        if len(pieces) <= MAX_PAIRWISE and any(_overlap(a, b) for i, a in enumerate(pieces) for b in pieces[i + 1 :]):
+            return f"{what}: two pieces overlap"
+    return None
+
+
+def _overlap(a: List[Any], b: List[Any]) -> bool:
+    return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a[1], a[2], b[1], b[2])) and bool(
+        math.prod(a[2]) and math.prod(b[2])
+    )
 
 
 def _step_of(path: Path) -> Optional[int]:

@@ -1,11 +1,13 @@
 """Which checkpoint a resume uses, and the checks that make any bad checkpoint "unusable, fall back".
 
-Rank 0 lists the committed checkpoints newest first by commit sequence and takes the first whose
-manifest validates, whose files all match their sizes and checksums and parse as tensor files, and
-whose contents hold what this run restores. Every failure on the way is an unusable checkpoint,
-never an exception that escapes: it is named in the log and in events.jsonl (checkpoint_invalid),
-and once a usable one is found (or a fresh start is allowed), the unusable ones tried are moved
-aside, not deleted. Resource errors (out of memory, an I/O error) skip a checkpoint without moving it.
+Rank 0 lists the committed checkpoints newest first by commit sequence (Chooser.candidates); the
+ranks try them in that order, together (CheckpointManager.restore): each reads what it needs, every
+byte checked against the manifest, parsed by the strict reader, and checked to fit the live objects
+(`misfit`: keys, shapes) before anything is applied. Every failure on the way is an unusable
+checkpoint, never an exception that escapes: it is named in the log and in events.jsonl
+(checkpoint_invalid), and once a usable one is found (or a fresh start is allowed), the unusable
+ones tried are moved aside, not deleted. Resource errors (out of memory, an I/O error) skip a
+checkpoint without moving it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..contract.events import Event
-from . import fileio, tensorfile
+from . import fileio
 from . import manifest as mf
+from .codec import Collectives, Loaded, for_manifest
 
 log = logging.getLogger(__name__)
 
@@ -35,42 +38,48 @@ def from_json(text: str) -> Any:
     return json.loads(text)
 
 
-def load_checked(path: Path, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Dict[str, Any]:
-    """Every file of the checkpoint at `path`, verified against `manifest` and parsed, after checking
-    it holds `objects` and, per saved rank, `per_rank`. Raises ValueError (FileCheckError: the
-    checkpoint is bad), OSError or MemoryError (it could not be read now)."""
-    missing = [n for n in [*objects, "ranks"] if f"{n}.bin" not in manifest["files"]]
-    if missing:
-        raise fileio.FileCheckError(f"{path}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
-    dir_fd = fileio.open_folder(path)
-    try:
-        states = {
-            name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"], dir_fd)
-            for name, spec in manifest["files"].items()
-        }
-    finally:
-        os.close(dir_fd)
-    ranks = states["ranks"].get("ranks") if isinstance(states["ranks"], dict) else None
-    if (
-        not isinstance(ranks, list)
-        or len(ranks) != manifest["world_size"]
-        or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)
-    ):
-        raise fileio.FileCheckError(
-            f"{path / 'ranks.bin'}: does not hold {per_rank} for each of the {manifest['world_size']} ranks the manifest names",
-            "contents",
-        )
-    return states
+def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
+    """Why `saved` cannot be loaded where the live state is `live` (None: it fits): a tensor of the
+    live state must find a tensor of the same shape at its place; a module's state (an OrderedDict of
+    tensors: what nn.Module.state_dict returns) must have exactly the live keys."""
+    import torch
+
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            return f"{path or 'the state'}: a tensor was expected, the checkpoint holds a {type(saved).__name__}"
+        if tuple(live.shape) != tuple(saved.shape):
+            return f"{path}: shape {list(saved.shape)} in the checkpoint, {list(live.shape)} here"
+        return None
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            return f"{path or 'the state'}: a dict was expected, the checkpoint holds a {type(saved).__name__}"
+        if type(live).__name__ == "OrderedDict" and live and all(isinstance(v, torch.Tensor) for v in live.values()):
+            missing, extra = sorted(set(live) - set(saved), key=str), sorted(set(saved) - set(live), key=str)
+            if missing or extra:
+                return f"{path or 'the state'}: keys missing {missing[:5]}, unexpected {extra[:5]}"
+        for key, value in live.items():
+            if key in saved:
+                problem = misfit(value, saved[key], f"{path}.{key}" if path else str(key))
+                if problem:
+                    return problem
+    return None
 
 
-def verify(path: Path) -> Optional[str]:
-    """None when the committed checkpoint at `path` verifies (manifest, sizes, checksums); else why not."""
+def verify(path: Path, checksums: bool = True) -> Optional[str]:
+    """None when the committed checkpoint at `path` verifies (manifest, sizes, and with `checksums`
+    every file's checksum); else why not."""
     try:
         files = mf.read(path)["files"]
         dir_fd = fileio.open_folder(path)
         try:
             for name, spec in files.items():
-                fileio.verify_file(path / name, spec["bytes"], spec["checksum"], dir_fd)
+                if checksums:
+                    fileio.verify_file(path / name, spec["bytes"], spec["checksum"], dir_fd)
+                    continue
+                fd, size = fileio.open_regular(name, dir_fd, path / name)
+                os.close(fd)
+                if size != spec["bytes"]:
+                    raise fileio.FileCheckError(f"{path / name}: size is {size} bytes, the manifest says {spec['bytes']}", "size")
         finally:
             os.close(dir_fd)
     except (ValueError, OSError, MemoryError) as exc:
@@ -79,7 +88,8 @@ def verify(path: Path) -> Optional[str]:
 
 
 class Chooser:
-    """Rank 0's choice of the checkpoint to resume from (see the module's docstring)."""
+    """Rank 0's part of a resume: which committed checkpoints to try, newest first, what to say of the
+    unusable ones, and which config changes a resume accepts (see the module's docstring)."""
 
     def __init__(
         self,
@@ -91,59 +101,160 @@ class Chooser:
     ) -> None:
         self.folder, self.training_config, self.full_config = folder, training_config, full_config
         self.on_event, self.set_aside = on_event, set_aside
+        self.problems: List[str] = []
+        self.movable: List[Tuple[int, Path, str, str]] = []  # (step, path, reason, error): bad for good, not just now
 
-    def _unusable(self, c: mf.Listed, error: str) -> str:
-        log.warning("Checkpoint %s is unusable, trying an older one: %s", c.path, error)
-        self.on_event(Event.CHECKPOINT_INVALID, step=c.step, path=str(c.path), error=error)
-        return f"{c.path.name}: {error}"
+    def unusable(self, step: int, path: Path, error: str, reason: Optional[str]) -> None:
+        """Name an unusable checkpoint (`reason`: why it is bad for good, so it may be moved aside; None: not now)."""
+        log.warning("Checkpoint %s is unusable, trying an older one: %s", path, error)
+        self.on_event(Event.CHECKPOINT_INVALID, step=step, path=str(path), error=error)
+        self.problems.append(f"{path.name}: {error}")
+        if reason is not None:
+            self.movable.append((step, path, reason, error))
 
-    def choose(
-        self, objects: List[str], per_rank: List[str], allow_config_change: bool, fresh_start_if_unusable: bool
-    ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-        problems: List[str] = []
-        movable: List[Tuple[mf.Listed, str, str]] = []  # (checkpoint, reason, error): bad for good, not just now
-        chosen: Optional[Tuple[mf.Listed, Dict[str, Any]]] = None
+    def candidates(self, allow_config_change: bool) -> List[Tuple[str, Dict[str, Any], Optional[str]]]:
+        """(path, manifest, refusal) of every committed checkpoint whose manifest is valid, newest first;
+        `refusal` says why a resume from it is refused (its training config differs). Checkpoints whose
+        manifest is unusable are named (and may be moved aside once the resume knows where it starts)."""
+        out = []
         for c in mf.scan(self.folder):
             if c.manifest is None:
-                problems.append(self._unusable(c, c.error or "unreadable manifest"))
-                movable.append((c, "manifest", c.error or ""))
+                self.unusable(c.step, c.path, c.error or "unreadable manifest", "manifest")
                 continue
-            if chosen is not None:
-                continue  # older than the one chosen: left alone (only unreadable manifests are looked for)
-            try:
-                states = load_checked(c.path, c.manifest, objects, per_rank)
-            except ValueError as exc:  # FileCheckError, TensorFileError, ManifestError
-                problems.append(self._unusable(c, str(exc)))
-                movable.append((c, getattr(exc, "reason", "damaged"), str(exc)))
-                continue
-            except (OSError, MemoryError) as exc:
-                problems.append(self._unusable(c, f"{type(exc).__name__}: {exc}"))
-                continue
-            chosen = (c, states)
-        if chosen is None:
-            if problems and fresh_start_if_unusable:
-                for c, reason, error in movable:
-                    self.set_aside(c.step, c.path, reason, error)
-            return ({"unusable": problems}, None) if problems else ({}, None)
-        c, states = chosen
-        manifest = c.manifest
-        assert manifest is not None
-        diff = mf.changes(manifest["config"], self.training_config)
-        if diff and not allow_config_change:
-            return {
-                "error": (
+            diff = mf.changes(c.manifest["config"], self.training_config)
+            refusal = None
+            if diff and not allow_config_change:
+                refusal = (
                     f"checkpoint {c.path} was made with a different training config; refusing to resume. Changed: "
                     f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
                     "run.allow_config_change=true to resume anyway"
                 )
-            }, None
-        for bad, reason, error in movable:
-            self.set_aside(bad.step, bad.path, reason, error)
+            out.append((str(c.path), c.manifest, refusal))
+        return out
+
+    def chosen(self, path: Path, manifest: Dict[str, Any]) -> None:
+        """The resume starts from `path`: the unusable checkpoints seen are moved aside; config changes are recorded."""
+        self.set_aside_unusable()
+        step = manifest["step"]
+        diff = mf.changes(manifest["config"], self.training_config)
         if diff:
             self.on_event(
-                Event.CONFIG_CHANGED_ON_RESUME, step=c.step, accepted="run.allow_config_change", changes=[list(d) for d in diff]
+                Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="run.allow_config_change", changes=[list(d) for d in diff]
             )
         safe = [d for d in mf.changes(manifest["full_config"], self.full_config) if d not in diff]
         if safe:
-            self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=c.step, accepted="safe to change", changes=[list(d) for d in safe])
-        return {"path": str(c.path), "manifest": manifest, "skipped": problems}, states
+            self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="safe to change", changes=[list(d) for d in safe])
+
+    def set_aside_unusable(self) -> None:
+        for step, path, reason, error in self.movable:
+            self.set_aside(step, path, reason, error)
+        self.movable = []
+
+
+class Resume:
+    """The ranks' resume, together: the checkpoints rank 0 lists are tried newest first; each rank
+    reads what it needs of one (verified) and checks it fits the live objects; the first that every
+    rank could load is applied on every rank."""
+
+    def __init__(self, folder: Path, comm: Collectives, chooser: Chooser) -> None:
+        self.folder, self.comm, self.chooser = folder, comm, chooser
+
+    def run(
+        self,
+        objects: Dict[str, Any],
+        per_rank: Dict[str, Any],
+        allow_config_change: bool,
+        fresh_start_if_unusable: bool,
+        new_rank: Optional[Callable[[int], None]],
+    ) -> Optional[Tuple[Path, Dict[str, Any]]]:
+        """(path, manifest) of the checkpoint loaded into the objects, or None for a fresh start."""
+        comm, chooser = self.comm, self.chooser
+        candidates = comm.broadcast_object(chooser.candidates(allow_config_change) if comm.rank == 0 else None)
+        for path_name, manifest, refusal in candidates:
+            if refusal is not None:
+                raise CheckpointError(refusal)
+            path = Path(path_name)
+            loaded, error, lasting = self._try_load(path, manifest, objects, per_rank)
+            failed = comm.max_each([1.0 if error else 0.0, 1.0 if lasting else 0.0])
+            if failed[0]:
+                errors = comm.gather_object(error)
+                if comm.rank == 0:
+                    why = "; ".join(e for e in errors or [] if e)
+                    chooser.unusable(manifest["step"], path, why, "damaged" if failed[1] else None)
+                continue
+            assert loaded is not None
+            if comm.rank == 0:
+                chooser.chosen(path, manifest)
+            if loaded.world_size != comm.world_size and new_rank is None:
+                raise CheckpointError(
+                    f"{path}: saved by {loaded.world_size} workers, this run has {comm.world_size} (trainer.on_world_size_change=refuse)"
+                )
+            self._apply(path, manifest["step"], loaded, objects, per_rank, new_rank)
+            return path, manifest
+        problems = comm.broadcast_object(chooser.problems if comm.rank == 0 else None)
+        if not problems:
+            return None
+        detail = "; ".join(problems)
+        if not fresh_start_if_unusable:
+            raise CheckpointError(
+                f"none of the {len(problems)} committed checkpoints in {self.folder} is usable ({detail}). "
+                "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway "
+                "(they are then moved aside, not deleted)"
+            )
+        if comm.rank == 0:
+            chooser.set_aside_unusable()
+        log.warning("No usable checkpoint (%s); starting from scratch as run.fresh_start_if_unusable allows", detail)
+        return None
+
+    def _try_load(
+        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], per_rank: Dict[str, Any]
+    ) -> Tuple[Optional[Loaded], Optional[str], bool]:
+        """(what this rank loaded, why it could not, whether that is for good) for one checkpoint."""
+        try:
+            loaded = for_manifest(manifest).load(
+                path, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
+            )
+            for name, obj in objects.items():
+                problem = misfit(obj.state_dict(), loaded.objects.get(name), name)
+                if problem:
+                    raise fileio.FileCheckError(f"{path}: does not fit this run's {name}: {problem}", "contents")
+            return loaded, None, False
+        except (ValueError, TypeError, RuntimeError, OverflowError, RecursionError) as exc:  # bad for good
+            return None, f"rank {self.comm.rank}: {exc}", True
+        except (OSError, MemoryError) as exc:  # could not be read now
+            return None, f"rank {self.comm.rank}: {type(exc).__name__}: {exc}", False
+
+    def _apply(
+        self,
+        path: Path,
+        step: int,
+        loaded: Loaded,
+        objects: Dict[str, Any],
+        per_rank: Dict[str, Any],
+        new_rank: Optional[Callable[[int], None]],
+    ) -> None:
+        """Load the states into the live objects on every rank. A failure here (a state that fits by
+        shape but not by content) leaves the objects partly loaded: the checkpoint is moved aside on
+        every rank's word, and the attempt ends, so the next one starts from the checkpoint before."""
+        error = None
+        try:
+            for name, obj in objects.items():
+                obj.load_state_dict(loaded.objects[name])
+            if loaded.own is None:
+                assert new_rank is not None
+                new_rank(step)
+            else:
+                for name, obj in per_rank.items():
+                    obj.load_state_dict(loaded.own[name])
+        except Exception as exc:
+            error = f"rank {self.comm.rank} could not load {path}: {type(exc).__name__}: {exc}"
+        if self.comm.max_each([1.0 if error else 0.0])[0]:
+            errors = self.comm.gather_object(error)
+            why = "; ".join(e for e in errors or [] if e) if self.comm.rank == 0 else ""
+            if self.comm.rank == 0:
+                self.chooser.unusable(step, path, why, "load")
+                self.chooser.set_aside_unusable()
+            raise CheckpointError(
+                error
+                or f"another rank could not load {path}; it was moved aside and the next attempt resumes from the one before"
+            )

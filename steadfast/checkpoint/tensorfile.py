@@ -11,12 +11,14 @@ tensorwrite (re-exported here: save, plan, export_safetensors).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import fileio
+from .manifest import TENSOR_KEY
 from .tensorformat import (
     CHECKSUM,
     DTYPES,
@@ -118,13 +120,33 @@ def _tensors(buf: Any, start: int, table: List[Tuple[str, str, List[int], int, i
     return out
 
 
-def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) -> Any:
+@dataclass(frozen=True)
+class ShardRef:
+    """The place of a sharded tensor in a state's skeleton: its key in the checkpoint's tensor table."""
+
+    key: str
+
+
+def decode(skeleton: Any, tensors: Dict[str, torch.Tensor], name: str, refs: bool = False) -> Any:
+    """The state a skeleton describes, its tensors from `tensors` (ShardRefs kept with `refs`)."""
+    with gc_paused():
+        return _decode(skeleton, tensors, 0, name, refs)
+
+
+def tensors_over(buf: Any, start: int, table: List[Row]) -> Dict[str, torch.Tensor]:
+    """The tensors of `table` over `buf`, their data starting at `start` (no copy)."""
+    return _tensors(buf, start, table)
+
+
+def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str, refs: bool = False) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
-    if depth >= MAX_DEPTH and not (isinstance(node, dict) and len(node) == 1 and ("__t" in node or "__n" in node)):
+    if depth >= MAX_DEPTH and not (
+        isinstance(node, dict) and len(node) == 1 and ("__t" in node or "__n" in node or "__s" in node)
+    ):
         raise _error(name, f"the state is nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
-        return [_decode(v, tensors, depth + 1, name) for v in node]
+        return [_decode(v, tensors, depth + 1, name, refs) for v in node]
     if isinstance(node, dict) and len(node) == 1:
         ((kind, value),) = node.items()
         if kind in ("__t", "__n") and isinstance(value, str) and value in tensors:
@@ -134,8 +156,10 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) 
                 return tensors[value].numpy()
             except (TypeError, RuntimeError) as exc:
                 raise _error(name, f"tensor {value[:80]!r} cannot be a numpy array ({exc})") from None
+        if kind == "__s" and refs and isinstance(value, str) and TENSOR_KEY.fullmatch(value):
+            return ShardRef(value)
         if kind == "__tuple" and isinstance(value, list):
-            return tuple(_decode(v, tensors, depth + 1, name) for v in value)
+            return tuple(_decode(v, tensors, depth + 1, name, refs) for v in value)
         if kind == "__d" and isinstance(value, list):
             out: Dict[Any, Any] = {}
             for item in value:
@@ -147,35 +171,58 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str) 
                     and item[0] not in out
                 ):
                     raise _error(name, "a dict entry of the state is not a [unique str or int key, value] pair")
-                out[item[0]] = _decode(item[1], tensors, depth + 1, name)
+                out[item[0]] = _decode(item[1], tensors, depth + 1, name, refs)
             return out
     raise _error(name, f"unknown node in the state's skeleton: {str(node)[:60]}")
 
 
-def parse(buf: Any, name: str = "<buffer>") -> Any:
-    """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only."""
+def parse(buf: Any, name: str = "<buffer>", refs: bool = False) -> Any:
+    """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only.
+    With `refs`, a sharded tensor's place in the skeleton ({"__s": key}) becomes a ShardRef(key)."""
     try:
         with gc_paused():
-            return _parse(buf, name)
+            return _parse(buf, name, refs)
     except TensorFileError:
         raise
     except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
         raise _error(name, f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _parse(buf: Any, name: str) -> Any:
-    view = memoryview(buf).cast("B")
-    if view.readonly:  # tensors must own writable memory
-        buf = bytearray(view)
-        view = memoryview(buf)
-    if view.nbytes < 8:
-        raise _error(name, f"{view.nbytes} bytes, shorter than the 8-byte header length", "size")
-    hlen = int.from_bytes(view[:8], "little")
+Row = Tuple[str, str, List[int], int, int]  # a tensor's name, dtype code, shape, [begin, end) in the data
+
+
+@dataclass(frozen=True)
+class Header:
+    """A tensor file's validated header: its tensor table, metadata and where the data starts."""
+
+    table: List[Row]
+    meta: Optional[Dict[str, str]]
+    data_start: int  # 8 + the header's length
+
+    def skeleton(self, name: str) -> Any:
+        """The state's skeleton from the metadata (None for a plain safetensors file)."""
+        if self.meta is None or TREE_KEY not in self.meta:
+            return None
+        try:
+            return json.loads(self.meta[TREE_KEY])
+        except (ValueError, RecursionError) as exc:
+            raise _error(name, f"{TREE_KEY} is not JSON: {str(exc)[:120]}") from None
+
+
+def header_length(prefix: Any, file_bytes: int, name: str) -> int:
+    """The header's length from the file's first 8 bytes, checked against the bounds and the file's size."""
+    if file_bytes < 8 or len(prefix) < 8:
+        raise _error(name, f"{file_bytes} bytes, shorter than the 8-byte header length", "size")
+    hlen = int.from_bytes(bytes(prefix[:8]), "little")
     if hlen > MAX_HEADER_BYTES:
         raise _error(name, f"header length {hlen}, more than the {MAX_HEADER_BYTES} allowed")
-    if 8 + hlen > view.nbytes:
+    if 8 + hlen > file_bytes:
         raise _error(name, f"header of {hlen} bytes runs past the end of the file (truncated?)", "size")
-    raw = bytes(view[8 : 8 + hlen])
+    return hlen
+
+
+def parse_header(raw: bytes, data_len: int, name: str) -> Header:
+    """The header `raw` (the JSON after the length prefix) of a file with `data_len` bytes of data."""
     if json_values(raw) > MAX_HEADER_VALUES:
         raise _error(name, f"header has more than the {MAX_HEADER_VALUES} JSON values allowed")
     try:
@@ -187,15 +234,21 @@ def _parse(buf: Any, name: str) -> Any:
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _error(name, "__metadata__ must map strings to strings")
-    table = _tensor_table(header, view.nbytes - 8 - hlen, name)
-    tensors = _tensors(buf, 8 + hlen, table)
-    if meta is None or TREE_KEY not in meta:
+    return Header(_tensor_table(header, data_len, name), meta, 8 + len(raw))
+
+
+def _parse(buf: Any, name: str, refs: bool = False) -> Any:
+    view = memoryview(buf).cast("B")
+    if view.readonly:  # tensors must own writable memory
+        buf = bytearray(view)
+        view = memoryview(buf)
+    hlen = header_length(view[:8], view.nbytes, name)
+    header = parse_header(bytes(view[8 : 8 + hlen]), view.nbytes - 8 - hlen, name)
+    tensors = _tensors(buf, header.data_start, header.table)
+    skeleton = header.skeleton(name)
+    if skeleton is None:
         return tensors  # a plain safetensors file: name -> tensor
-    try:
-        skeleton = json.loads(meta[TREE_KEY])
-    except (ValueError, RecursionError) as exc:
-        raise _error(name, f"{TREE_KEY} is not JSON: {str(exc)[:120]}") from None
-    return _decode(skeleton, tensors, 0, name)
+    return _decode(skeleton, tensors, 0, name, refs)
 
 
 def read_verified(

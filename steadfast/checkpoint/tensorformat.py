@@ -23,28 +23,9 @@ from typing import Dict, Iterator
 import torch
 
 from . import fileio
+from .dtypes import TORCH_NAMES
 
-_DTYPE_NAMES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
-DTYPES: Dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in _DTYPE_NAMES.items() if hasattr(torch, name)}
+DTYPES: Dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in TORCH_NAMES.items() if hasattr(torch, name)}
 CODES: Dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
 ITEMSIZE: Dict[str, int] = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in DTYPES.items()}
 ALIGN = 64

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import fileio
+from .shards import is_dtensor
 from .tensorformat import (
     ALIGN,
     CODES,
@@ -115,6 +116,8 @@ class _Planner:
         self.names: Set[str] = {"__metadata__"}
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
+        if type(t) is not torch.Tensor and is_dtensor(t):
+            raise TypeError(f"{path or 'the top'} is a sharded tensor (DTensor): only the sharded format stores those")
         code = CODES.get(t.dtype)  # quantized dtypes are not there
         if code is None or t.layout is not _STRIDED:
             raise TypeError(
@@ -131,9 +134,13 @@ class _Planner:
         self.entries.append(Entry(name, code, tuple(t.shape), 0, t.numel() * ITEMSIZE[code], t))
         return name
 
+    def leaf(self, t: torch.Tensor, path: str) -> Any:
+        """The skeleton's node for the tensor `t` at `path` (here: stored in this file)."""
+        return {"__t": self.tensor(t, path)}
+
     def encode(self, obj: Any, path: str, depth: int) -> Any:
         if isinstance(obj, torch.Tensor):
-            return {"__t": self.tensor(obj, path)}
+            return self.leaf(obj, path)
         if depth >= MAX_DEPTH:
             raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {path}")
         prefix = f"{path}." if path else ""
@@ -143,7 +150,7 @@ class _Planner:
                 if k.__class__ is not str and (not isinstance(k, (str, int)) or isinstance(k, bool)):
                     raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path or 'the top'}")
                 if isinstance(v, torch.Tensor):  # the common case, without a call of encode
-                    items.append([k, {"__t": self.tensor(v, f"{prefix}{k}")}])
+                    items.append([k, self.leaf(v, f"{prefix}{k}")])
                 else:
                     items.append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
             return {"__d": items}

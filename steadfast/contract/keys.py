@@ -38,6 +38,11 @@ RULES: Tuple[KeyRule, ...] = (
     KeyRule("cluster.", False, False, "where the job is submitted"),
     KeyRule("logger.", False, False, "what a person sees"),
     KeyRule("fault.", True, False, "a rehearsal is a run of its own, but a recovered run ends with the same weights"),
+    KeyRule("parallel.param_dtype", True, True, "mixed precision changes the numbers trained"),
+    KeyRule("parallel.reduce_dtype", True, True, "mixed precision changes the numbers trained"),
+    KeyRule(
+        "parallel.", True, False, "how the model is spread over the ranks: names the run; a resume with another layout reshards"
+    ),
     KeyRule("backend.name", True, False, "the world size's layout: names the run; resuming with another is elastic"),
     KeyRule("backend.nproc_per_node", True, False, "the world size: names the run; resuming with another is elastic"),
     KeyRule("backend.nnodes", True, False, "the world size: names the run; resuming with another is elastic"),

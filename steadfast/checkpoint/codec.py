@@ -1,0 +1,107 @@
+"""The extension point of the checkpoint format: a Codec says what each rank writes for a save and how
+each rank gets its state back. The manager (commit protocol, fall-back, retention) and the memory tier
+(snapshots) never look inside a file; they ask the codec of the state or of the manifest.
+
+Two codecs: `replicated` (format 2: every object's state the same on every rank, written once by
+rank 0, each rank's own state gathered into ranks.bin) and `sharded` (format 3: DTensors, each rank
+writes its own file). A new format is a new Codec subclass in its own module, registered in CODECS.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .tensorwrite import Layout
+
+
+class Collectives(Protocol):
+    """What the checkpoint code needs of the ranks' collectives (steadfast.comm.Comm provides it)."""
+
+    rank: int
+    world_size: int
+
+    def gather_object(self, obj: Any) -> Optional[List[Any]]: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def max_each(self, values: Sequence[float]) -> List[float]: ...
+
+
+class Unsaveable(ValueError):
+    """An object's state cannot be stored (its name, and why)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.name, self.reason = name, reason
+
+
+@dataclass
+class Planned:
+    """One rank's part of a save: the files it writes (name -> layout) and what the manifest needs from it."""
+
+    files: Dict[str, Layout]
+    report: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Loaded:
+    """One rank's state read back from a checkpoint (or a snapshot)."""
+
+    objects: Dict[str, Any]  # name -> state, for each tracked object
+    own: Optional[Dict[str, Any]]  # this rank's own states (None: the checkpoint has no such rank)
+    world_size: int  # how many ranks saved it
+
+
+class Codec(ABC):
+    format: ClassVar[int]  # the manifest's `format`
+    every_rank_writes: ClassVar[bool]  # False: only rank 0 writes files
+
+    @abstractmethod
+    def wants(self, objects: Dict[str, Any]) -> bool:
+        """Whether this codec is the one for these states (name -> state)."""
+
+    @abstractmethod
+    def plan(self, objects: Dict[str, Any], own: Dict[str, Any], comm: Collectives) -> Planned:
+        """Collective: this rank's files for a save of `objects` (name -> state) and `own` (this rank's states)."""
+
+    def manifest_fields(self, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """Rank 0: what the manifest records beyond files and sizes, from every rank's report."""
+        return {}
+
+    @abstractmethod
+    def load(
+        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+    ) -> Loaded:
+        """This rank's states from the committed checkpoint at `path` (its manifest validated), every file
+        it reads verified. `objects` are the live objects (their current state shows what a rank needs).
+        Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
+
+    @abstractmethod
+    def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
+        """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
+        rank keeps the node's copy of what every rank shares)."""
+
+    @abstractmethod
+    def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """(objects' states, this rank's own states) from a snapshot's verified buffers."""
+
+
+def registered() -> List[Codec]:
+    """Every codec, in the order `for_state` asks them (the replicated one, which takes any state, last)."""
+    from .replicated import ReplicatedCodec
+    from .sharded import ShardedCodec
+
+    return [ShardedCodec(), ReplicatedCodec()]
+
+
+def for_state(objects: Dict[str, Any]) -> Codec:
+    """The codec that stores these states (name -> state)."""
+    return next(codec for codec in registered() if codec.wants(objects))
+
+
+def for_manifest(manifest: Dict[str, Any]) -> Codec:
+    """The codec that wrote a (validated) manifest."""
+    return next(codec for codec in registered() if codec.format == manifest.get("format"))

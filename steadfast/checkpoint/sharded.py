@@ -1,0 +1,353 @@
+"""The sharded format: every rank writes its own file, with its own pieces of the sharded tensors.
+
+For a state that holds DTensors (FSDP2's parameters and optimizer state), a checkpoint is one
+file per rank, `rank<r>.bin`, in the tensor file format (safetensors plus the skeleton):
+- every rank's file holds the pieces of the sharded tensors that this rank stores (a replicated
+  piece is stored once, by coordinate 0 of the mesh dimensions it is replicated over) and this
+  rank's own state (its RNG states: `PER_RANK`);
+- rank 0's file also holds the skeleton of every object's state and the tensors that are not
+  sharded (a step counter, the loop's progress).
+Every tensor of the objects (sharded or not) is a key in the manifest's tensor table, which says
+its dtype, its whole shape and where each piece lies: `[file, offset, shape]`. No rank gathers
+another rank's pieces to save; each writes its file in parallel with the others.
+
+Loading fills the tensors that the live objects hold on this rank: a live DTensor gets exactly its
+own piece (from whichever saved pieces overlap it, on any number of ranks: each rank reads only the
+rows it needs of each file), anything else the whole tensor. A snapshot in memory is the same file
+with the replicated part included on every rank (`replicated=True`): each rank restores from its
+own file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import fileio, tensorfile
+from . import manifest as mf
+from .codec import Codec, Collectives, Loaded, Planned, Unsaveable
+from .shards import Box, fill, is_dtensor, like, piece_of, target_box, volume
+from .sources import BufferSource, FolderSource, Source
+from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
+from .tensorwrite import Layout, _place, _Planner
+
+FORMAT = mf.SHARDED_FORMAT
+OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,95}")  # no '.': a tensor's key is "<object>.<path>"
+SNAPSHOT_BLOB = "own"
+OBJECTS, OWN = "objects", "own"
+PIECES_KEY = "steadfast.pieces"  # a rank file's metadata: the pieces it holds (key -> [dtype, whole, offset, shape])
+OWN_PREFIX = "@rank"  # names of this rank's own tensors (object names start with a letter or digit)
+
+
+def file_name(rank: int) -> str:
+    return f"rank{rank:05d}.bin"
+
+
+def holds_sharded(tree: Any) -> bool:
+    """Whether a state holds a DTensor anywhere."""
+    if isinstance(tree, torch.Tensor):
+        return is_dtensor(tree)
+    if isinstance(tree, dict):
+        return any(holds_sharded(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(holds_sharded(v) for v in tree)
+    return False
+
+
+# ---- writing ------------------------------------------------------------------------------------
+class _ShardPlanner(_Planner):
+    """Plans one rank's file: its pieces of the objects' sharded tensors (and, when `replicated`,
+    every other tensor of the objects), then its own state's tensors."""
+
+    def __init__(self, replicated: bool) -> None:
+        super().__init__()
+        self.replicated = replicated
+        self.own = False
+        self.pieces: Dict[str, List[Any]] = {}  # key -> [dtype code, whole shape, offset, shape] of what this file holds
+        self.keys: Dict[str, List[Any]] = {}  # key -> [dtype code, whole shape] of every tensor of the objects
+
+    def leaf(self, t: torch.Tensor, path: str) -> Any:
+        if self.own:
+            return super().leaf(t, path)
+        if is_dtensor(t):
+            piece = piece_of(t, path)
+            code = self._code(t, path)
+            self.keys[path] = [code, list(piece.whole)]
+            if piece.writer and volume(piece.shape):
+                self.tensor(piece.local, path)
+                self.pieces[path] = [code, list(piece.whole), list(piece.offset), list(piece.shape)]
+        else:
+            code = self._code(t, path)
+            self.keys[path] = [code, list(t.shape)]
+            if self.replicated and t.numel():
+                self.tensor(t, path)
+                self.pieces[path] = [code, list(t.shape), [0] * t.dim(), list(t.shape)]
+        return {"__s": path}
+
+    @staticmethod
+    def _code(t: torch.Tensor, path: str) -> str:
+        code = CODES.get(t.dtype)
+        if code is None:
+            raise TypeError(f"cannot store a tensor of dtype {t.dtype} at {path}")
+        return code
+
+
+@dataclass
+class RankFile:
+    """What one rank writes: its file's layout, and what the manifest needs to know of it."""
+
+    layout: Layout
+    pieces: Dict[str, List[Any]]  # what the file holds
+    keys: Dict[str, List[Any]]  # every tensor of the objects: [dtype code, whole shape]
+
+
+def plan(objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicated: bool) -> RankFile:
+    """This rank's file: `objects` (name -> state; their pieces this rank stores, and with `replicated`
+    every other tensor of theirs too), the objects' skeleton when `skeleton`, and `own` (this rank's state)."""
+    planner = _ShardPlanner(replicated)
+    tree: Dict[str, Any] = {}
+    with gc_paused():
+        encoded = {}
+        for name, state in objects.items():
+            encoded[name] = planner.encode(state, name, 1)
+        if skeleton:
+            tree[OBJECTS] = {"__d": [[name, node] for name, node in encoded.items()]}
+        planner.own = True
+        tree[OWN] = planner.encode(own, OWN_PREFIX, 1)
+    layout = Layout({"__d": [[k, v] for k, v in tree.items()]}, planner.entries, _place(planner.entries))
+    layout.metadata = {PIECES_KEY: json.dumps(planner.pieces, separators=(",", ":"))}
+    return RankFile(layout, planner.pieces, planner.keys)
+
+
+def tensor_table(reports: Sequence[Tuple[str, Dict[str, List[Any]], Dict[str, List[Any]]]]) -> Dict[str, Any]:
+    """The manifest's tensor table from every rank's (file, pieces, keys)."""
+    table: Dict[str, Dict[str, Any]] = {}
+    for _, _, keys in reports:
+        for key, (code, whole) in keys.items():
+            table.setdefault(key, {"dtype": code, "shape": whole, "pieces": []})
+    for file, pieces, _ in reports:
+        for key, (code, whole, offset, shape) in pieces.items():
+            entry = table.setdefault(key, {"dtype": code, "shape": whole, "pieces": []})
+            entry["pieces"].append([file, offset, shape])
+    return table
+
+
+# ---- reading ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Piece:
+    file: str
+    offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+
+class Reader:
+    """Reads a sharded checkpoint's tensors from a Source, by the tensor table."""
+
+    def __init__(self, source: Source, table: Dict[str, Any]) -> None:
+        self.source = source
+        self.table = table
+        self._headers: Dict[str, tensorfile.Header] = {}
+
+    def header(self, name: str) -> tensorfile.Header:
+        header = self._headers.get(name)
+        if header is None:
+            size = self.source.size(name)
+            hlen = tensorfile.header_length(self.source.read(name, 0, min(8, size)), size, name)
+            header = tensorfile.parse_header(bytes(self.source.read(name, 8, hlen)), size - 8 - hlen, name)
+            self._headers[name] = header
+        return header
+
+    def tree(self, name: str) -> Dict[str, Any]:
+        """The file's skeleton (objects' tensors as ShardRefs) with its own state's tensors read."""
+        header = self.header(name)
+        skeleton = header.skeleton(name)
+        own_rows = [row for row in header.table if row[0].startswith(OWN_PREFIX)]
+        tensors: Dict[str, torch.Tensor] = {}
+        if own_rows:
+            begin, end = own_rows[0][3], own_rows[0][4]
+            for row in own_rows:
+                begin, end = min(begin, row[3]), max(end, row[4])
+            data = self.source.read(name, header.data_start + begin, end - begin)
+            shifted = [(n, c, s, b - begin, e - begin) for n, c, s, b, e in own_rows]
+            tensors = tensorfile.tensors_over(data, 0, shifted)
+        tree = tensorfile.decode(skeleton, tensors, name, refs=True)
+        if not isinstance(tree, dict) or OWN not in tree:
+            raise TensorFileError(f"{name}: not a rank file of a sharded checkpoint (no skeleton)", "format")
+        return tree
+
+    def _pieces(self, key: str) -> Tuple[str, Tuple[int, ...], List[_Piece]]:
+        entry = self.table.get(key)
+        if entry is None:
+            raise TensorFileError(f"tensor {key[:120]!r} is not in the checkpoint's tensor table", "contents")
+        return entry["dtype"], tuple(entry["shape"]), [_Piece(f, tuple(o), tuple(s)) for f, o, s in entry["pieces"]]
+
+    def whole_shape(self, key: str) -> Tuple[int, ...]:
+        return self._pieces(key)[1]
+
+    def region(self, key: str, box: Box) -> torch.Tensor:
+        """The values of tensor `key` in `box`, read from the pieces that overlap it (only their rows in it)."""
+        code, whole, pieces = self._pieces(key)
+        offset, shape = box
+        if len(offset) != len(whole) or any(o < 0 or o + n > w for o, n, w in zip(offset, shape, whole)):
+            raise TensorFileError(f"tensor {key[:120]!r}: {box} is outside its shape {list(whole)}", "contents")
+        out = torch.empty(shape, dtype=DTYPES[code])
+        covered = 0
+        for piece in pieces:
+            covered += self._fill_from(key, code, piece, out, box)
+        if covered != volume(shape):
+            raise TensorFileError(
+                f"tensor {key[:120]!r}: the pieces cover {covered} of the {volume(shape)} values needed", "contents"
+            )
+        return out
+
+    def _fill_from(self, key: str, code: str, piece: _Piece, out: torch.Tensor, box: Box) -> int:
+        from .shards import overlap
+
+        common = overlap(box, (piece.offset, piece.shape)) if piece.shape else ((), ())
+        if common is None:
+            return 0
+        header = self.header(piece.file)
+        row = next((r for r in header.table if r[0] == key), None)
+        if row is None or row[1] != code or tuple(row[2]) != piece.shape:
+            raise TensorFileError(f"{piece.file}: does not hold tensor {key[:120]!r} as the tensor table says", "contents")
+        _, _, shape, begin, _ = row
+        if not shape:  # a 0-d tensor
+            rows, first = 1, 0
+            row_bytes = ITEMSIZE[code]
+        else:
+            first, rows = common[0][0] - piece.offset[0], common[1][0]
+            row_bytes = volume(shape[1:]) * ITEMSIZE[code]
+        data = self.source.read(piece.file, header.data_start + begin + first * row_bytes, rows * row_bytes)
+        values = torch.frombuffer(data, dtype=torch.uint8).view(DTYPES[code]) if data else torch.empty(0, dtype=DTYPES[code])
+        if not shape:
+            out.copy_(values.reshape(()))
+            return 1
+        part = values.reshape((rows, *shape[1:]))
+        part_box = ((piece.offset[0] + first, *piece.offset[1:]), (rows, *shape[1:]))
+        return fill(out, box, part, part_box)
+
+
+def _optimizer_params(obj: Any) -> List[Any]:
+    if isinstance(obj, torch.optim.Optimizer):
+        return [p for group in obj.param_groups for p in group["params"]]
+    return []
+
+
+def assemble(node: Any, template: Any, reader: Reader, path: Tuple[Any, ...], fallback: Callable[[Tuple[Any, ...]], Any]) -> Any:
+    """The skeleton `node` with every ShardRef read: a live DTensor at the same place (or what
+    `fallback` names for it) gets its own piece, anything else the whole tensor."""
+    if isinstance(node, tensorfile.ShardRef):
+        whole = reader.whole_shape(node.key)
+        like_this = template if template is not None else fallback(path)
+        if is_dtensor(like_this) and tuple(int(d) for d in like_this.shape) == whole:
+            box = target_box(like_this)
+            if box is not None:
+                return like(reader.region(node.key, box), like_this)
+        return reader.region(node.key, ((0,) * len(whole), whole))
+    if isinstance(node, dict):
+        get = template.get if isinstance(template, dict) else (lambda _k: None)
+        return {k: assemble(v, get(k), reader, (*path, k), fallback) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [
+            assemble(
+                v,
+                template[i] if isinstance(template, (list, tuple)) and i < len(template) else None,
+                reader,
+                (*path, i),
+                fallback,
+            )
+            for i, v in enumerate(node)
+        ]
+        return tuple(items) if isinstance(node, tuple) else items
+    return node
+
+
+def load(
+    reader: Reader, rank_file: Optional[str], objects: Dict[str, Any], root_file: str = file_name(0)
+) -> Tuple[Dict[str, Any], Any]:
+    """The states of `objects` (name -> live object) read for this rank, and `rank_file`'s own state
+    (this rank's RNG states...; None without a file). Raises TensorFileError (or OSError) when the
+    checkpoint cannot give them."""
+    root = reader.tree(root_file)
+    skeletons = root.get(OBJECTS)
+    if not isinstance(skeletons, dict):
+        raise TensorFileError(f"{root_file}: holds no objects' skeleton", "format")
+    missing = [name for name in objects if name not in skeletons]
+    if missing:
+        raise TensorFileError(f"the checkpoint holds no {', '.join(missing)}", "missing")
+    own = None if rank_file is None else root[OWN] if rank_file == root_file else reader.tree(rank_file)[OWN]
+    states = {}
+    for name, obj in objects.items():
+        params = _optimizer_params(obj)
+
+        def by_param(path: Tuple[Any, ...], params: List[Any] = params) -> Any:
+            # an optimizer without state yet: its state for parameter i is sharded like parameter i
+            if len(path) >= 2 and path[0] == "state" and isinstance(path[1], int) and 0 <= path[1] < len(params):
+                return params[path[1]]
+            return None
+
+        states[name] = assemble(skeletons[name], obj.state_dict(), reader, (), by_param)
+    return states, own
+
+
+class ShardedCodec(Codec):
+    format = FORMAT
+    every_rank_writes = True
+
+    def wants(self, objects: Dict[str, Any]) -> bool:
+        return any(holds_sharded(state) for state in objects.values())
+
+    def plan(self, objects: Dict[str, Any], own: Dict[str, Any], comm: Collectives) -> Planned:
+        bad = [name for name in objects if not OBJECT_NAME.fullmatch(name)]
+        if bad:
+            raise Unsaveable(f"objects named {bad}", "in a sharded checkpoint, names are letters, digits, '_' and '-'")
+        first = comm.rank == 0
+        try:
+            rank_file = plan(objects, own, skeleton=first, replicated=first)
+        except (TypeError, ValueError) as exc:
+            raise Unsaveable("the state", str(exc)) from exc
+        name = file_name(comm.rank)
+        return Planned({name: rank_file.layout}, {"pieces": {name: rank_file.pieces}, "keys": rank_file.keys if first else {}})
+
+    def manifest_fields(self, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return {"tensors": tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
+
+    def load(
+        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+    ) -> Loaded:
+        files, saved = manifest["files"], manifest["world_size"]
+        dir_fd = fileio.open_folder(path)
+        source = FolderSource(dir_fd, path, {n: spec["bytes"] for n, spec in files.items()})
+        try:
+            for i, name in enumerate(sorted(files)):  # every file verified whole, by one rank each
+                if i % world_size == rank:
+                    fileio.verify_file(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd)
+            mine = file_name(rank) if rank < saved else None
+            states, own_state = load(Reader(source, manifest["tensors"]), mine, objects)
+        finally:
+            source.close()
+            os.close(dir_fd)
+        if own_state is not None and not (isinstance(own_state, dict) and all(n in own_state for n in own)):
+            raise TensorFileError(f"{path / file_name(rank)}: does not hold this rank's {own}", "contents")
+        return Loaded(states, own_state, saved)
+
+    def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
+        return {SNAPSHOT_BLOB: plan(objects, own, skeleton=True, replicated=True).layout}
+
+    def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        source = BufferSource({SNAPSHOT_BLOB: blobs[SNAPSHOT_BLOB]})
+        reader = Reader(source, {})
+        header = reader.header(SNAPSHOT_BLOB)
+        try:
+            pieces = json.loads((header.meta or {}).get(PIECES_KEY, "{}"))
+            reader.table = {k: {"dtype": c, "shape": w, "pieces": [[SNAPSHOT_BLOB, o, s]]} for k, (c, w, o, s) in pieces.items()}
+        except (ValueError, TypeError) as exc:
+            raise TensorFileError(f"the snapshot's table of pieces is unreadable ({exc})", "format") from None
+        states, own_state = load(reader, SNAPSHOT_BLOB, objects, root_file=SNAPSHOT_BLOB)
+        return states, own_state
