@@ -1,5 +1,5 @@
 """Beyond one machine, rehearsed on this one: several launchers ("nodes") on localhost join one
-job through a shared rendezvous endpoint (see README, "Beyond one machine")."""
+job through a shared rendezvous endpoint (see docs/multi-node.md)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def _controller() -> bool:
 @pytest.mark.slow
 def test_a_real_slurm_job_runs_the_training_to_completion(tmp_path: Path) -> None:
     """Needs a Slurm controller and a node that can read tmp_path (a single-node Slurm on localhost
-    does: slurm-wlm + munge; see README "Beyond one machine")."""
+    does: slurm-wlm + munge; see docs/multi-node.md, "Slurm")."""
     if not _controller():
         pytest.skip("no Slurm controller answers `scontrol ping` here (a single-node slurmctld + slurmd + munge can provide one)")
     from helpers import QUICK, summary, wait_for

@@ -38,9 +38,9 @@ class RandomDataset(Dataset):
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg):
-    run = sf.Run(cfg)
+    run = sf.Run(cfg, seed=cfg.seed)  # seeds the data order (the sampler's permutation), not the weights
     rank = run.rank
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.seed)  # the weights: the same initial model on every rank
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = run.setup(model, optimizer)
