@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict
 
-from steadfast.contract.events import Event
-
 log = logging.getLogger("pipeline")
 
 
@@ -42,28 +40,12 @@ class WorldSizePolicy:
             self.lr_scale = scale
         saved = run.saved_world_size
         if run.resumed_from is not None and saved is not None and saved != ws:
-            p = run.progress
             log.warning(
-                "Resuming with %d worker(s) where the checkpoint had %d (trainer.on_world_size_change=%s): "
-                "%d samples per worker per step (global batch %d), learning rate x%g; the epoch continues at "
-                "sample %d",
-                ws,
-                saved,
+                "trainer.on_world_size_change=%s: %d samples per worker per step (global batch %d), learning rate x%g",
                 self.policy,
                 batch,
                 batch * ws,
                 self.lr_scale,
-                p.sample_in_epoch,
             )
-            run.record.event(
-                Event.WORLD_SIZE_CHANGED,
-                step=run.resumed_from,
-                saved_world_size=saved,
-                world_size=ws,
-                policy=self.policy,
-                batch_per_worker=batch,
-                global_batch=batch * ws,
-                lr_scale=self.lr_scale,
-                sample_in_epoch=p.sample_in_epoch,
-            )
+            run.world_size_notes.update(policy=self.policy, lr_scale=self.lr_scale)
         return batch

@@ -23,29 +23,34 @@ log = logging.getLogger(__name__)
 class Control:
     stop: Optional[int] = None  # the stop request's signal number, agreed
     save_due: bool = False  # rank 0's clock says a timed checkpoint is due
+    busy: bool = False  # some rank was still writing its files of an asynchronous sharded save
+    since: int = -1  # the step at which the ranks sent what this agrees
 
 
 class StopAgreement:
     def __init__(self, comm: Any, every_n_steps: int) -> None:
         self.comm, self.every = comm, max(1, int(every_n_steps))
         self._pending: Any = None  # the all-reduce in flight
+        self._sent_at = -1  # the step at which it was started
         self._announced = False
 
-    def _flags(self, save_due: bool) -> List[float]:
+    def _flags(self, save_due: bool, busy: bool = False) -> List[float]:
         local = stop_requested()
         if local is not None and not self._announced:
             self._announced = True
             log.warning("%s received: stopping at a step boundary agreed with the other ranks", signal_name(local))
-        return [float(local or 0), 1.0 if save_due else 0.0]
+        return [float(local or 0), 1.0 if save_due else 0.0, 1.0 if busy else 0.0]
 
-    def at_step(self, step: int, save_due: Callable[[], bool] = lambda: False) -> Control:
+    def at_step(self, step: int, save_due: Callable[[], bool] = lambda: False, busy: bool = False) -> Control:
         """At a step boundary: acts on what every rank reported at the previous check, starts the next.
-        `save_due` is rank 0's clock; it is not asked when the agreed answer already saves now."""
+        `save_due` is rank 0's clock; it is not asked when the agreed answer already saves now. `busy`:
+        this rank still writes an asynchronous save's files (committed once no rank is)."""
         if step % self.every:
             return Control()
-        agreed = self._pending.wait() if self._pending is not None else [0.0, 0.0]
-        control = Control(int(agreed[0]) or None, agreed[1] > 0)
-        self._pending = self.comm.start_max_each(self._flags(not control.save_due and save_due()))
+        agreed = self._pending.wait() if self._pending is not None else [0.0, 0.0, 0.0]
+        control = Control(int(agreed[0]) or None, agreed[1] > 0, agreed[2] > 0, self._sent_at)
+        self._pending = self.comm.start_max_each(self._flags(not control.save_due and save_due(), busy))
+        self._sent_at = step
         return control
 
     def now(self) -> Optional[int]:

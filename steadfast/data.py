@@ -186,21 +186,27 @@ class Tracked:
 
     def __init__(self, loader: Any, sampler: ResumableSampler, batch_size: int, position: Position) -> None:
         self.loader, self.sampler, self.batch_size, self.position = loader, sampler, batch_size, position
+        self._length: Optional[int] = None  # batches of the pass under way (the position moves as it goes)
 
     def __iter__(self) -> Iterator[Any]:
         sampler, size = self.sampler, self.batch_size
         per_rank = len(sampler)  # this rank's samples left in the epoch (the same on every rank)
         first = sampler.progress.batch_in_epoch if sampler.progress is not None else 0
-        self.position.start(first, sampler.first_sample, first + len(self.loader))
+        self._length = len(self.loader)
+        self.position.start(first, sampler.first_sample, first + self._length)
         consumed = 0
-        for batch in self.loader:
-            taken = min(size, per_rank - consumed)
-            consumed += taken
-            self.position.took(taken * sampler.world_size)
-            yield batch
+        try:
+            for batch in self.loader:
+                taken = min(size, per_rank - consumed)
+                consumed += taken
+                self.position.took(taken * sampler.world_size)
+                yield batch
+        finally:
+            self._length = None
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Batches of this pass over the epoch (from where the run stands when it begins)."""
+        return self._length if self._length is not None else len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)

@@ -141,6 +141,8 @@ class Run:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.resumed_from: Optional[int] = None
         self.saved_world_size: Optional[int] = None
+        # what the app adds to the world_size_changed event of a resume on another world size (its policy)
+        self.world_size_notes: Dict[str, Any] = {}
         self.train_loss: Optional[float] = None  # the mean loss of the last completed epoch
         self.latest: Dict[str, Any] = {}  # the last value of every metric given to run.log
         self.data = RunData(self.world_size, self.rank, seed, self.progress, accumulate_grad_batches)
@@ -250,7 +252,7 @@ class Run:
             "Resumed from %s%s (epoch %d, batch %d)",
             "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else "",
             restored.path,
-            self.progress.epoch,
+            self.progress.epoch + 1,  # numbered as the progress line and the stop message number it
             self.progress.batch_in_epoch,
         )
         self._beat("train", force=True)
@@ -261,7 +263,9 @@ class Run:
         acts on a stop request that came during validation or a save. After a resume from a
         checkpoint taken at an epoch's last step, that epoch comes once more with no batches left:
         code after the batch loop must cope (run.epoch_loss() is then None)."""
-        self.telemetry.plan(max_epochs * self.batches_per_epoch, max_epochs)
+        self.telemetry.plan(max_epochs * -(-self.batches_per_epoch // self.accumulate_grad_batches), max_epochs)
+        if self.resumed_from is not None and self.saved_world_size not in (None, self.world_size):
+            self._world_size_changed()
         while self.progress.epoch < max_epochs:
             self.data.begin_epoch()
             yield self.progress.epoch
@@ -309,7 +313,13 @@ class Run:
         self._beat("train")
         self.faults.after_step(p.global_step)
         due = self.cadence.step_due(p.global_step)
-        control = self.agreement.at_step(p.global_step, self.cadence.time_due if self.rank == 0 else lambda: False)
+        manager = self.checkpointer.manager
+        control = self.agreement.at_step(
+            p.global_step, self.cadence.time_due if self.rank == 0 else lambda: False, busy=manager.busy()
+        )
+        written = manager.written_step()
+        if written is not None and control.since > written and not control.busy:
+            manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
         if control.stop is not None:
             self._preempt(control.stop)
         if over is not None:
@@ -420,6 +430,28 @@ class Run:
         """Progress for the watchdog: one small pwrite (about 2 microseconds), so it knows the exact step."""
         if self._heartbeat is not None:
             self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
+
+    def _world_size_changed(self) -> None:
+        """Recorded once the loop has its data (the batch size) and the app has said what it does about it."""
+        p, first = self.progress, self.data.samplers[0] if self.data.samplers else None
+        batch = {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size} if first else {}
+        self.record.event(
+            Event.WORLD_SIZE_CHANGED,
+            step=self.resumed_from,
+            saved_world_size=self.saved_world_size,
+            world_size=self.world_size,
+            epoch=p.epoch,
+            sample_in_epoch=p.sample_in_epoch,
+            **batch,
+            **self.world_size_notes,
+        )
+        log.warning(
+            "Resumed on %d worker(s) from a checkpoint of %d: the epoch continues at sample %d of its order, dealt over %d",
+            self.world_size,
+            self.saved_world_size,
+            p.sample_in_epoch,
+            self.world_size,
+        )
 
     def _retune_checks(self) -> None:
         """stop_check_every_n_steps=None: the ranks agree about every CHECK_INTERVAL_S, from rank 0's time

@@ -20,19 +20,18 @@ from omegaconf import OmegaConf
 
 from pipeline.models import CharTransformer
 from pipeline.text import CharCorpus
-from steadfast.checkpoint import manifest, tensorfile
+from steadfast.checkpoint import manifest
+from steadfast.checkpoint.consolidate import ConsolidateError, load_whole
 
 
 def newest_state(folder: Path, names: Tuple[str, ...]) -> Tuple[int, Dict[str, Any]]:
-    """The states `names` of the newest committed checkpoint in `folder` whose files verify."""
+    """The states `names` of the newest committed checkpoint in `folder` whose files verify (sharded
+    or not: a sharded one's pieces are put together into whole tensors)."""
     problems: List[str] = []
     for step, path in manifest.committed(folder):
         try:
-            files = manifest.read(path)["files"]
-            return step, {
-                n: tensorfile.load(path / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"]) for n in names
-            }
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return step, load_whole(path, names)
+        except (OSError, ValueError, ConsolidateError) as exc:
             problems.append(f"{path.name}: {exc}")
     raise SystemExit(f"no usable checkpoint in {folder}" + (f" ({'; '.join(problems)})" if problems else ""))
 

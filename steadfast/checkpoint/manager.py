@@ -30,13 +30,14 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from ..contract.events import Event
 from . import fileio
 from . import manifest as mf
 from . import restore as rs
 from .codec import Codec, Collectives, Unsaveable, for_state
+from .ranks import RankWrite, write_own
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
         self._buffers = HostBuffers()
         self._pending: Optional[Future[Path]] = None
+        self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
+        self._objects_of_save: List[Any] = []
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
@@ -107,6 +110,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
         states = {name: obj.state_dict() for name, obj in objects.items()}
         codec = for_state(states)
+        self._objects_of_save = list(objects.values())
         if codec.every_rank_writes:
             self.wait()
         started = time.perf_counter()
@@ -130,12 +134,7 @@ class CheckpointManager:
             final, files = self._write_and_commit(step, {n: layout.buffers() for n, layout in layouts.items()}, meta, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)
             return
-        optimizers, owned = optimizer_owned(objects.values()) if self.defer_optimizer_copy else ([], set())
-        snap = Snapshot(layouts, self._buffers, owned)
-        self._copied = snap.copied
-        for opt in optimizers:
-            if opt not in self._hooked:
-                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        snap = self._snapshot(layouts, objects.values())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
         self._pending = self._pool.submit(self._write_snapshot, step, snap, meta, started)
 
@@ -143,42 +142,69 @@ class CheckpointManager:
         self, step: int, codec: Codec, planned: Any, problem: Optional[str], meta: Dict[str, Any], started: float
     ) -> None:
         """A save in which every rank writes its own files (the sharded format), in parallel: each
-        writes and reads back its files in the temporary folder and reports them; rank 0 commits.
-        A failure on any rank fails the save on every rank, with the same message."""
+        writes and reads back its files in the temporary folder and reports them; rank 0 commits
+        (`_commit_written`). A failure on any rank fails the save on every rank, with the same
+        message. Asynchronous: the files are copied to host memory now, written in the background,
+        and committed at a later step boundary at which every rank has written them (`busy`)."""
         comm, tmp = self.comm, None
-        if comm.rank == 0:
+        if comm.rank == 0 and problem is None:
             tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
             try:
                 tmp.mkdir()
             except OSError as exc:
                 tmp, problem = None, f"cannot create {tmp}: {exc}"
         name = comm.broadcast_object(tmp.name if tmp is not None else None)
-        report: Dict[str, Any] = {}
-        try:
-            if problem is not None or name is None:
-                raise CheckpointError(problem or "rank 0 could not create the temporary folder")
-            folder, written = self.folder / name, {}
-            for file, layout in planned.files.items():
-                size, digest = fileio.write_file(folder / file, layout.buffers())
-                fileio.verify_file(folder / file, size, digest)  # read back before it is reported written
-                written[file] = {"bytes": size, "checksum": digest}
-                if self.hooks is not None:
-                    self.hooks.during_save(step, len(written))
-            report = {"files": written, **planned.report}
-        except Exception as exc:  # reported to rank 0, which fails the save on every rank
-            report = {"error": f"rank {comm.rank}: {type(exc).__name__}: {exc}"}
-        reports = comm.gather_object(report)
+        if name is None:
+            problem = problem or "rank 0 could not create the temporary folder"
+        writing = RankWrite(step, codec, meta, started, name, problem)
+        if problem is not None or not self.async_save:
+            files = (
+                {f: layout.buffers() for f, layout in planned.files.items()} if planned is not None and problem is None else {}
+            )
+            writing.report = write_own(self.folder, writing, files, planned, self.comm.rank, self.hooks)
+            self._commit_written(writing)
+            return
+        snap = self._snapshot(planned.files, self._objects_of_save)
+        self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
+
+        def background() -> Dict[str, Any]:
+            snap.copy_rest()
+            return write_own(self.folder, writing, {f: snap.pieces(f) for f in snap.layouts}, planned, self.comm.rank, self.hooks)
+
+        writing.future = self._pool.submit(background)
+        self._written = writing
+
+    def busy(self) -> bool:
+        """Whether this rank is still writing its files of an asynchronous sharded save."""
+        return self._written is not None and (self._written.future is None or not self._written.future.done())
+
+    def written_step(self) -> Optional[int]:
+        """The step of the asynchronous sharded save in flight (every rank has the same), or None."""
+        return self._written.step if self._written is not None else None
+
+    def commit_written(self) -> None:
+        """Collective: commit the asynchronous sharded save in flight (each rank's write waited for)."""
+        writing, self._written = self._written, None
+        if writing is not None:
+            assert writing.future is not None
+            writing.report = writing.future.result()
+            self._commit_written(writing)
+
+    def _commit_written(self, writing: "RankWrite") -> None:
+        comm, step = self.comm, writing.step
+        reports = comm.gather_object(writing.report)
         outcome: Optional[str] = None
         if comm.rank == 0:
-            assert reports is not None and tmp is not None or problem is not None
+            tmp = self.folder / writing.tmp if writing.tmp else None
             try:
                 errors = [r["error"] for r in reports or [] if "error" in r]
                 if errors or tmp is None:
-                    raise CheckpointError("; ".join(errors) or str(problem))
+                    raise CheckpointError("; ".join(errors) or str(writing.problem))
                 files = {f: spec for r in reports or [] for f, spec in r["files"].items()}
-                final = self._commit(step, tmp, files, {**meta, **codec.manifest_fields(reports or [])}, codec.format)
+                fields = {**writing.meta, **writing.codec.manifest_fields(reports or [])}
+                final = self._commit(step, tmp, files, fields, writing.codec.format)
                 self._pending = self._pool.submit(self._check_then_retain, step, final, files, False)
-                self._saved(step, meta, final, files, started)
+                self._saved(step, writing.meta, final, files, writing.started)
             except BaseException as exc:
                 if tmp is not None:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -187,6 +213,17 @@ class CheckpointManager:
         if outcome is not None:
             raise CheckpointError(outcome)
 
+    def _snapshot(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Snapshot:
+        """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
+        later, before each optimizer's next step)."""
+        optimizers, owned = optimizer_owned(objects) if self.defer_optimizer_copy else ([], set())
+        snap = Snapshot(layouts, self._buffers, owned)
+        self._copied = snap.copied
+        for opt in optimizers:
+            if opt not in self._hooked:
+                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        return snap
+
     def wait_snapshot(self) -> None:
         """Block until an asynchronous save no longer reads the live state (an optimizer's step calls it)."""
         copied = self._copied
@@ -194,7 +231,9 @@ class CheckpointManager:
             copied.wait()
 
     def wait(self) -> None:
-        """Finish a save still being written or checked in the background; its failure stops the run here."""
+        """Finish a save still being written or checked in the background; its failure stops the run
+        here. Collective while an asynchronous sharded save is in flight (it is committed now)."""
+        self.commit_written()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()

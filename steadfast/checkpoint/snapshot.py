@@ -22,12 +22,15 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from .shards import is_dtensor
 from .tensorwrite import Entry, Layout
 
 Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 
 
 def _key(t: torch.Tensor) -> Key:
+    if type(t) is not torch.Tensor and is_dtensor(t):  # a sharded tensor: its piece on this rank is what is copied
+        t = t.to_local()  # type: ignore[attr-defined]
     return (t.is_cuda, t.data_ptr())
 
 

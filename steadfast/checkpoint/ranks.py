@@ -1,0 +1,46 @@
+"""One rank's part of a save in which every rank writes its own files (the sharded format): what it
+wrote, read back and reports to rank 0, which commits (CheckpointManager._commit_written)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from . import fileio
+from .codec import Codec
+
+
+@dataclass
+class RankWrite:
+    """A save under way: its step, codec and fields; the shared temporary folder's name (None: rank 0
+    could not make it); a problem that fails it; this rank's report once written (its future, async)."""
+
+    step: int
+    codec: Codec
+    meta: Dict[str, Any]
+    started: float
+    tmp: Optional[str]
+    problem: Optional[str]
+    report: Dict[str, Any] = field(default_factory=dict)
+    future: Optional["Future[Dict[str, Any]]"] = None
+
+
+def write_own(folder: Path, save: RankWrite, pieces: Dict[str, List[Any]], planned: Any, rank: int, hooks: Any) -> Dict[str, Any]:
+    """Write this rank's files (name -> its buffers, in order) into the save's temporary folder, fsync and read each
+    back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or
+    {"error": ...}. Never raises (a failure is reported, and fails the save on every rank)."""
+    try:
+        if save.problem is not None or save.tmp is None:
+            raise RuntimeError(save.problem or "rank 0 could not create the temporary folder")
+        where, written = folder / save.tmp, {}
+        for file, buffers in pieces.items():
+            size, digest = fileio.write_file(where / file, buffers)
+            fileio.verify_file(where / file, size, digest)  # read back before it is reported written
+            written[file] = {"bytes": size, "checksum": digest}
+            if hooks is not None:
+                hooks.during_save(save.step, len(written))
+        return {"files": written, **planned.report}
+    except Exception as exc:
+        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
