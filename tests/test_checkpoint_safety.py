@@ -299,6 +299,10 @@ DAMAGE = {
     "model fifo": _fifo,
     "model symlink out": _symlink_out,
     "crafted shape overflow": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 0]}})),
+    # zero elements, so no bytes needed; torch.empty raised "Stride calculation overflowed" (a RuntimeError)
+    "crafted empty tensor overflowing strides": _replace_model(
+        _crafted({"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}})
+    ),
     "crafted negative shape": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4)),
     "crafted overlap": _replace_model(
         _crafted(
