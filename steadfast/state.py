@@ -179,7 +179,7 @@ def _set_rng(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(tuple(state["numpy"]))  # type: ignore[arg-type]
+    np.random.set_state(tuple(state["numpy"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
 
