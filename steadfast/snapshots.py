@@ -57,7 +57,7 @@ OBJECTS, RANK = "objects", "rank"
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
 GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
-HASH_IN_THREAD_ABOVE = 4 << 20  # below this, a second thread costs more than it saves
+HASH_IN_THREAD_ABOVE = 4 << 20  # below this (or on one CPU), a second thread costs more than it saves
 FAILURES = (OSError, ValueError, MemoryError, OverflowError, RuntimeError)  # a slot that cannot be read: None
 
 
@@ -126,7 +126,7 @@ class Slot:
         views = [memoryview(piece).cast("B") for piece in pieces]
         hashed: List[bytes] = []
         hasher = threading.Thread(target=_hash, args=(views, self.keyed.seed, hashed), daemon=True)
-        if size >= HASH_IN_THREAD_ABOVE:
+        if size >= HASH_IN_THREAD_ABOVE and len(os.sched_getaffinity(0)) > 1:
             hasher.start()  # the hash reads the pieces while they are copied (both release the GIL)
         try:
             gathered: List[memoryview] = []
