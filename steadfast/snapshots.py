@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import struct
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -57,7 +56,6 @@ OBJECTS, RANK = "objects", "rank"
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
 GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
-HASH_IN_THREAD_ABOVE = 4 << 20  # below this (or on one CPU), a second thread costs more than it saves
 FAILURES = (OSError, ValueError, MemoryError, OverflowError, RuntimeError)  # a slot that cannot be read: None
 
 
@@ -94,13 +92,6 @@ def _pwrite_gathered(fd: int, views: List[memoryview], offset: int) -> None:
         offset += view.nbytes
 
 
-def _hash(views: List[memoryview], seed: int, out: List[bytes]) -> None:
-    digest = xxhash.xxh3_128(seed=seed)
-    for view in views:
-        digest.update(view)  # releases the GIL: runs while the writer copies
-    out.append(digest.digest())
-
-
 class Slot:
     """One buffer: a file in the launch's folder with a header page and the payload. The writer
     keeps its (checked) descriptor; readers open and check the file afresh."""
@@ -123,33 +114,25 @@ class Slot:
     ) -> None:
         fd = self._writable(size)
         os.pwrite(fd, EMPTY, 0)  # empty until the copy is whole
-        views = [memoryview(piece).cast("B") for piece in pieces]
-        hashed: List[bytes] = []
-        hasher = threading.Thread(target=_hash, args=(views, self.keyed.seed, hashed), daemon=True)
-        if size >= HASH_IN_THREAD_ABOVE and len(os.sched_getaffinity(0)) > 1:
-            hasher.start()  # the hash reads the pieces while they are copied (both release the GIL)
-        try:
-            gathered: List[memoryview] = []
-            offset, gathered_at = HEADER_BYTES, HEADER_BYTES
-            for i, view in enumerate(views):
-                if halfway is not None and i == len(views) // 2:
-                    _pwrite_gathered(fd, gathered, gathered_at)
-                    gathered, gathered_at = [], offset
-                    halfway()
-                if view.nbytes < GATHER_BELOW and len(gathered) < GATHER_MAX:
-                    gathered.append(view)
-                else:
-                    _pwrite_gathered(fd, gathered, gathered_at)
-                    _pwrite_all(fd, view, offset)
-                    gathered, gathered_at = [], offset + view.nbytes
-                offset += view.nbytes
-            _pwrite_gathered(fd, gathered, gathered_at)
-        finally:
-            if hasher.is_alive():
-                hasher.join()
-        if not hashed:
-            _hash(views, self.keyed.seed, hashed)
-        digest = self.keyed.digest(seq, step, size, world_size, hashed[0])
+        data_hash = xxhash.xxh3_128(seed=self.keyed.seed)
+        gathered: List[memoryview] = []
+        offset = gathered_at = HEADER_BYTES
+        for i, piece in enumerate(pieces):
+            view = memoryview(piece).cast("B")
+            if halfway is not None and i == len(pieces) // 2:
+                _pwrite_gathered(fd, gathered, gathered_at)
+                gathered, gathered_at = [], offset
+                halfway()
+            if view.nbytes < GATHER_BELOW and len(gathered) < GATHER_MAX:
+                gathered.append(view)
+            else:
+                _pwrite_gathered(fd, gathered, gathered_at)
+                _pwrite_all(fd, view, offset)
+                gathered, gathered_at = [], offset + view.nbytes
+            data_hash.update(view)
+            offset += view.nbytes
+        _pwrite_gathered(fd, gathered, gathered_at)
+        digest = self.keyed.digest(seq, step, size, world_size, data_hash.digest())
         _pwrite_all(fd, memoryview(HEADER.pack(MAGIC, seq, step, size, digest, world_size)), 0)
         self.seq, self.step = seq, step
 
