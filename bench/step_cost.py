@@ -82,8 +82,10 @@ def _worker(args: argparse.Namespace) -> None:
     beat = Heartbeat(folder / "heartbeats", comm.rank)
     telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
     agreement = StopAgreement(comm, 1)
-    segment = f"steadfast-bench-{Path(args.dir).name}"  # the same name on both ranks: one node's snapshot
-    memory = MemorySnapshots(segment, comm.rank, comm.local_rank, comm.world_size)
+    segment = shm.LaunchFolder(folder)  # what the launcher makes: one node's private snapshot folder, named to every rank
+    if comm.rank == 0:
+        segment.create()
+    memory = MemorySnapshots(shm.Segments(comm.broadcast_object(segment.name)), comm.rank, comm.local_rank, comm.world_size)
     shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState()}
 
     def slices() -> Iterator[Tuple[Any, Any]]:
@@ -182,7 +184,7 @@ def _worker(args: argparse.Namespace) -> None:
     comm.barrier()
     comm.shutdown()
     if comm.rank == 0:
-        shm.remove(segment)
+        segment.remove()
         total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
         Path(args.out).write_text(
             json.dumps(

@@ -4,9 +4,18 @@ Every `snapshot.every_n_steps` steps each node copies exactly what a committed c
 shared memory (/dev/shm), which outlives the workers: local rank 0 the objects every rank shares
 (model, optimizer, scheduler, progress and data position: the same on every rank after a step),
 and every rank its own RNG states. Each of those is a double buffer: two slot files, written in
-turn. A slot's header says which snapshot it holds (sequence number, step, size, xxh3 of the
-bytes); the writer first marks the slot empty, then copies, then writes the header, so a death in
+turn. A slot's header says which snapshot it holds (sequence number, step, size, world size and a
+digest); the writer first marks the slot empty, then copies, then writes the header, so a death in
 the middle of a copy leaves a slot that never verifies, and the other slot is used.
+
+The slot files are in the launch's private folder (steadfast/contract/shm.py: mode 0700, checked;
+files created exclusively, never through a symlink, checked with fstat before use). The digest is
+keyed with the launch's key: xxh3-128 of the bytes, seeded from the key, then BLAKE2b keyed with it
+over the header's fields and that hash; so a snapshot of another launch, or one forged without the
+key, never verifies. The bytes are written with pwrite, not through a mapping: a file truncated by
+someone else while it is written costs that snapshot (it does not verify), never the worker
+(a store into a mapping past the end of the file is SIGBUS). A reader checks the header's size
+against the file's before it allocates anything, and never raises.
 
 After a failure the new workers look at their node's newest complete snapshot (both the shared
 objects and their own rank's state at the same step, verified), and all ranks agree: when every
@@ -19,13 +28,14 @@ cadence and their role (node loss, a new launch, another machine).
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import logging
 import math
-import mmap
 import os
 import struct
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
@@ -33,88 +43,151 @@ import xxhash
 from .checkpoint import tensorfile
 from .checkpoint.tensorwrite import plan
 from .contract.events import Event
-from .contract.shm import SHM_DIR
+from .contract.shm import SHM_DIR, Segments
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SFSNAP01"
-HEADER = struct.Struct("<8sQQQ16sQ")  # magic, sequence (0: empty), step, payload bytes, xxh3-128 digest, world size
+MAGIC = b"SFSNAP02"  # 02: the digest is keyed
+HEADER = struct.Struct("<8sQQQ16sQ")  # magic, sequence (0: empty), step, payload bytes, keyed digest, world size
+FIELDS = struct.Struct("<8sQQQQ")  # what the keyed digest covers besides the bytes' hash
 HEADER_BYTES = 4096  # the payload starts on its own page
 EMPTY = HEADER.pack(MAGIC, 0, 0, 0, b"\0" * 16, 0)
 OBJECTS, RANK = "objects", "rank"
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
+WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
+GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
+FAILURES = (OSError, ValueError, MemoryError, OverflowError, RuntimeError)  # a slot that cannot be read: None
+
+
+class Keyed:
+    """The launch's key, as the two things a digest needs: xxh3's seed and BLAKE2b's key."""
+
+    def __init__(self, key: bytes) -> None:
+        self.seed = int.from_bytes(hashlib.blake2b(b"xxh3 seed", key=key, digest_size=8).digest(), "little")
+        self.key = key
+
+    def digest(self, seq: int, step: int, size: int, world: int, data_hash: bytes) -> bytes:
+        fields = FIELDS.pack(MAGIC, seq, step, size, world)
+        return hashlib.blake2b(fields + data_hash, key=self.key, digest_size=16).digest()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < view.nbytes:
+        n = os.pwrite(fd, view[pos : pos + WRITE_MAX], offset + pos)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite moved {n} bytes")
+        pos += n
+
+
+def _pwrite_gathered(fd: int, views: List[memoryview], offset: int) -> None:
+    """Small pieces in one pwritev(2); what a short one left is written piece by piece."""
+    n = os.pwritev(fd, views, offset) if len(views) > 1 else 0
+    for view in views:
+        if n >= view.nbytes:
+            n -= view.nbytes
+        else:
+            _pwrite_all(fd, view[n:], offset + n)
+            n = 0
+        offset += view.nbytes
 
 
 class Slot:
-    """One buffer: a file in shared memory with a header page and the payload. The writer keeps it
-    mapped (a snapshot is then one copy and one hash); readers open it fresh."""
+    """One buffer: a file in the launch's folder with a header page and the payload. The writer
+    keeps its (checked) descriptor; readers open and check the file afresh."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._map: Optional[mmap.mmap] = None
+    def __init__(self, segments: Segments, name: str, keyed: Keyed) -> None:
+        self.segments, self.name, self.keyed = segments, name, keyed
+        self.path = segments.path / name
+        self._fd = -1
         self.seq = self.step = 0  # what this process last wrote here (0: nothing yet)
 
-    def _mapped(self, size: int) -> mmap.mmap:
-        if self._map is None or len(self._map) < HEADER_BYTES + size:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < HEADER_BYTES + size:
-                    # reserved now: a full tmpfs fails here (ENOSPC), not with SIGBUS in a copy
-                    os.posix_fallocate(fd, 0, HEADER_BYTES + size)
-                if self._map is not None:
-                    self._map.close()
-                self._map = mmap.mmap(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-        return self._map
+    def _writable(self, size: int) -> int:
+        if self._fd < 0:
+            self._fd = self.segments.open(self.name, "create")
+        if os.fstat(self._fd).st_size < HEADER_BYTES + size:
+            os.posix_fallocate(self._fd, 0, HEADER_BYTES + size)  # reserved now: a full tmpfs fails here (ENOSPC)
+        return self._fd
 
     def write(
         self, seq: int, step: int, world_size: int, pieces: List[Any], size: int, halfway: Optional[Callable[[], None]] = None
     ) -> None:
-        m = self._mapped(size)
-        m[: HEADER.size] = EMPTY  # empty until the copy is whole
-        digest, offset = xxhash.xxh3_128(), HEADER_BYTES
+        fd = self._writable(size)
+        os.pwrite(fd, EMPTY, 0)  # empty until the copy is whole
+        data_hash = xxhash.xxh3_128(seed=self.keyed.seed)
+        gathered: List[memoryview] = []
+        offset = gathered_at = HEADER_BYTES
         for i, piece in enumerate(pieces):
-            if halfway is not None and i == len(pieces) // 2:
-                halfway()
             view = memoryview(piece).cast("B")
-            m[offset : offset + view.nbytes] = view
-            digest.update(view)
+            if halfway is not None and i == len(pieces) // 2:
+                _pwrite_gathered(fd, gathered, gathered_at)
+                gathered, gathered_at = [], offset
+                halfway()
+            if view.nbytes < GATHER_BELOW and len(gathered) < GATHER_MAX:
+                gathered.append(view)
+            else:
+                _pwrite_gathered(fd, gathered, gathered_at)
+                _pwrite_all(fd, view, offset)
+                gathered, gathered_at = [], offset + view.nbytes
+            data_hash.update(view)
             offset += view.nbytes
-        m[: HEADER.size] = HEADER.pack(MAGIC, seq, step, size, digest.digest(), world_size)
+        _pwrite_gathered(fd, gathered, gathered_at)
+        digest = self.keyed.digest(seq, step, size, world_size, data_hash.digest())
+        _pwrite_all(fd, memoryview(HEADER.pack(MAGIC, seq, step, size, digest, world_size)), 0)
         self.seq, self.step = seq, step
+
+    def _header(self, fd: int) -> Optional[Tuple[int, int, int, bytes, int]]:
+        raw = os.pread(fd, HEADER.size, 0)
+        if len(raw) != HEADER.size:
+            return None
+        magic, seq, step, size, digest, world = HEADER.unpack(raw)
+        if magic != MAGIC or seq == 0 or size > os.fstat(fd).st_size - HEADER_BYTES:
+            return None  # empty, not ours, or claims more bytes than the file holds
+        return seq, step, size, digest, world
 
     def header(self) -> Optional[Tuple[int, int, int, bytes, int]]:
         """(sequence, step, size, digest, world size) of a filled slot, else None (never raises)."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(HEADER.size)
+            fd = self.segments.open(self.name, "read")
         except OSError:
             return None
-        if len(raw) != HEADER.size:
+        try:
+            return self._header(fd)
+        except FAILURES:
             return None
-        magic, seq, step, size, digest, world = HEADER.unpack(raw)
-        return (seq, step, size, digest, world) if magic == MAGIC and seq > 0 else None
+        finally:
+            os.close(fd)
 
     def read(self) -> Optional[Tuple[int, int, Any]]:
         """(sequence, step, state) when the slot is filled and its bytes verify, else None (never raises)."""
-        head = self.header()
-        if head is None:
-            return None
-        seq, step, size, digest, _ = head
         try:
-            with open(self.path, "rb") as f:
-                f.seek(HEADER_BYTES)
-                data = bytearray(size)
-                if f.readinto(data) != size or xxhash.xxh3_128(data).digest() != digest:
-                    return None
-            return seq, step, tensorfile.parse(data, str(self.path))
-        except (OSError, ValueError, MemoryError):
+            fd = self.segments.open(self.name, "read")
+        except OSError:
             return None
+        try:
+            head = self._header(fd)
+            if head is None:
+                return None
+            seq, step, size, digest, world = head
+            data = bytearray(size)  # at most the file's size
+            view, pos = memoryview(data), 0
+            while pos < size:
+                n = os.preadv(fd, [view[pos:]], HEADER_BYTES + pos)
+                if n <= 0:
+                    return None  # shorter than its header says (truncated since)
+                pos += n
+            expected = self.keyed.digest(seq, step, size, world, xxhash.xxh3_128(data, seed=self.keyed.seed).digest())
+            if not hmac.compare_digest(digest, expected):
+                return None
+            return seq, step, tensorfile.parse(data, str(self.path))
+        except FAILURES:
+            return None
+        finally:
+            os.close(fd)
 
     def clear(self) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY)
+            fd = self.segments.open(self.name, "write")
         except OSError:
             return
         try:
@@ -127,8 +200,8 @@ class Slot:
 class Buffer:
     """A double buffer: the slot to write next is the one not holding the newest snapshot."""
 
-    def __init__(self, prefix: str, name: str) -> None:
-        self.slots = [Slot(SHM_DIR / f"{prefix}.{name}.{k}") for k in "ab"]
+    def __init__(self, segments: Segments, name: str, keyed: Keyed) -> None:
+        self.slots = [Slot(segments, f"{name}.{k}", keyed) for k in "ab"]
         self._known = False  # whether the slots' contents are known to this process (it wrote or read them)
 
     def write(self, seq: int, step: int, world_size: int, layout: Any, halfway: Optional[Callable[[], None]] = None) -> int:
@@ -165,11 +238,12 @@ class Buffer:
 class MemorySnapshots:
     """This rank's part of the node's snapshots (see the module's docstring)."""
 
-    def __init__(self, prefix: str, rank: int, local_rank: int, world_size: int) -> None:
-        self.prefix, self.rank, self.world_size = prefix, rank, world_size
+    def __init__(self, segments: Segments, rank: int, local_rank: int, world_size: int) -> None:
+        self.segments, self.rank, self.world_size = segments, rank, world_size
         self.writes_objects = local_rank == 0
-        self.objects = Buffer(prefix, OBJECTS)
-        self.own = Buffer(prefix, f"{RANK}{rank}")
+        keyed = Keyed(segments.key)
+        self.objects = Buffer(segments, OBJECTS, keyed)
+        self.own = Buffer(segments, f"{RANK}{rank}", keyed)
         self.seq = int(time.time() * 1000)  # grows across incarnations of the workers
         self.bytes = 0
         self.seconds: Optional[float] = None  # the last snapshot's cost on this rank
@@ -234,7 +308,12 @@ class MemoryCadence:
         if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
             cls._off(run, f"{SHM_DIR} is not a writable folder here")
             return None
-        memory = MemorySnapshots(run.launch.snapshot, run.rank, run.local_rank, run.world_size)
+        try:
+            segments = Segments(run.launch.snapshot)
+        except OSError as exc:
+            cls._off(run, f"the launch's private folder {SHM_DIR / run.launch.snapshot} cannot be used ({exc.strerror or exc})")
+            return None
+        memory = MemorySnapshots(segments, run.rank, run.local_rank, run.world_size)
         run.checkpointer.memory = memory
         return cls(run, memory, every)
 
@@ -256,7 +335,7 @@ class MemoryCadence:
         planned = memory.plan(run.checkpointer.objects, run.checkpointer.per_rank)
         if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
             self._first = False
-            problem = fits(run.launch.snapshot, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
+            problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
             if run.comm.max_each([1.0 if problem else 0.0])[0]:
                 self._off(run, problem or "another node's shared memory is too small for them")
                 return
@@ -300,14 +379,14 @@ class MemoryCadence:
         )
 
 
-def fits(prefix: str, nbytes: int) -> Optional[str]:
+def fits(segments: Segments, nbytes: int) -> Optional[str]:
     """None when two copies of `nbytes` fit in the shared-memory filesystem; else why not."""
     try:
-        st = os.statvfs(SHM_DIR)
+        st = os.fstatvfs(segments.fd)
+        used = segments.used_bytes()  # what the launch's snapshots hold now, freed when they are rewritten
     except OSError as exc:
         return f"{SHM_DIR} is not available ({exc.strerror or exc})"
     free = st.f_bavail * st.f_frsize
-    used = sum(p.stat().st_size for p in SHM_DIR.glob(f"{prefix}.*") if p.is_file())
     need = 2 * (nbytes + HEADER_BYTES)
     if free + used < need:
         return f"{SHM_DIR} has {free / 2**20:.0f} MiB free and the snapshots need {need / 2**20:.0f} MiB (two copies)"

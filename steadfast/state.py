@@ -65,9 +65,22 @@ class Progress:
         return asdict(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Checked whole before anything is set: ValueError names the first key that is wrong (an
+        unknown key, a count that is not a non-negative int, a world size that is not positive);
+        a key the state does not have keeps its value (a checkpoint of an older version)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"progress: the state must be a dict, not a {type(state).__name__}")
         for key, value in state.items():
-            if hasattr(self, key):
-                setattr(self, key, value)
+            if key in COUNTS:
+                if not _int_in(value, 0, MAX_COUNT):
+                    raise ValueError(f"progress {key!r}: must be an int from 0 to {MAX_COUNT}, not {_show(value)}")
+            elif key == "first_world_size":
+                if value is not None and not _int_in(value, 1, MAX_WORLD_SIZE):
+                    raise ValueError(f"progress {key!r}: must be None or an int from 1 to {MAX_WORLD_SIZE}, not {_show(value)}")
+            else:
+                raise ValueError(f"progress: unknown key {_show(key)}")
+        for key, value in state.items():
+            setattr(self, key, value)
 
 
 class RNGState:
@@ -82,12 +95,93 @@ class RNGState:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        if torch.cuda.is_available() and state["cuda"]:
-            torch.cuda.set_rng_state_all(state["cuda"])
-        np.random.set_state(tuple(state["numpy"]))
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
+        """Every generator's state is checked (types, sizes, ranges) before any is set; ValueError
+        names the one that is wrong, and leaves all of them as they were."""
+        checked = _checked_rng(state)
+        before = self.state_dict()
+        try:
+            _set_rng(checked)
+        except Exception as exc:  # what the checks above did not foresee: put every generator back
+            _set_rng(before)
+            raise ValueError(f"rng state: {type(exc).__name__}: {exc}") from None
+
+
+COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "global_step")
+MAX_COUNT = 2**53  # far beyond any run; well below what a manifest accepts (10**18 steps), so saves after it stay valid
+MAX_WORLD_SIZE = 2**31
+MT_WORDS = 624  # numpy's MT19937 key
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _show(value: Any) -> str:
+    return repr(value)[:60] if isinstance(value, (int, float, str, type(None))) else f"a {type(value).__name__}"
+
+
+def _bytes_like(value: Any, what: str, size: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1 or value.numel() != size:
+        got = f"{value.dtype} of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else _show(value)
+        raise ValueError(f"rng state {what!r}: must be a uint8 tensor of {size} bytes, not {got}")
+    return value
+
+
+def _checked_rng(state: Any) -> Dict[str, Any]:
+    """The generators' states in the form their setters take, or ValueError naming what is wrong."""
+    if not isinstance(state, dict) or set(state) != {"torch", "cuda", "numpy", "python"}:
+        keys = sorted(map(str, state)) if isinstance(state, dict) else _show(state)
+        raise ValueError(f"rng state: must be a dict of torch, cuda, numpy and python; got {keys}")
+    out: Dict[str, Any] = {"torch": _bytes_like(state["torch"], "torch", torch.get_rng_state().numel())}
+    cuda = state["cuda"]
+    if not isinstance(cuda, (list, tuple)):
+        raise ValueError(f"rng state 'cuda': must be a list of tensors, not {_show(cuda)}")
+    out["cuda"] = list(cuda)
+    if torch.cuda.is_available() and cuda:
+        if len(cuda) > torch.cuda.device_count():
+            raise ValueError(f"rng state 'cuda': {len(cuda)} devices, this process sees {torch.cuda.device_count()}")
+        for i, one in enumerate(cuda):
+            _bytes_like(one, f"cuda {i}", torch.cuda.get_rng_state(i).numel())
+    numpy = state["numpy"]
+    if not (isinstance(numpy, (list, tuple)) and len(numpy) == 5):
+        raise ValueError(f"rng state 'numpy': must be numpy's 5-tuple, not {_show(numpy)}")
+    name, keys, pos, has_gauss, cached = numpy
+    if (
+        name != "MT19937"
+        or not isinstance(keys, np.ndarray)
+        or keys.shape != (MT_WORDS,)
+        or keys.dtype != np.uint32
+        or not _int_in(pos, 0, MT_WORDS)
+        or not _int_in(has_gauss, 0, 1)
+        or not isinstance(cached, (int, float))
+        or isinstance(cached, bool)
+    ):
+        raise ValueError(f"rng state 'numpy': not an MT19937 state ({MT_WORDS} uint32 words, position, gauss)")
+    out["numpy"] = (name, keys, pos, has_gauss, float(cached))
+    python = state["python"]
+    if not (isinstance(python, (list, tuple)) and len(python) == 3):
+        raise ValueError(f"rng state 'python': must be random.getstate()'s 3-tuple, not {_show(python)}")
+    version, internal, gauss = python
+    if (
+        version != 3
+        or not isinstance(internal, (list, tuple))
+        or len(internal) != MT_WORDS + 1
+        or not all(_int_in(w, 0, 2**32 - 1) for w in internal)
+        or not 0 <= internal[-1] <= MT_WORDS
+        or not (gauss is None or isinstance(gauss, float))
+    ):
+        raise ValueError(f"rng state 'python': not a version 3 Mersenne Twister state ({MT_WORDS + 1} words, gauss)")
+    out["python"] = (3, tuple(internal), gauss)
+    return out
+
+
+def _set_rng(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(tuple(state["numpy"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 def seed_everything(seed: int) -> None:

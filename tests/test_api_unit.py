@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import signal
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -173,6 +173,75 @@ def test_rng_state_round_trips_every_generator() -> None:
     state = RNGState().state_dict()
     expected = (torch.rand(3), np.random.rand(3), random.random())
     RNGState().load_state_dict(state)
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], again[0]) and (expected[1] == again[1]).all() and expected[2] == again[2]
+
+
+@pytest.mark.parametrize(
+    "state,key",
+    [
+        ({"global_step": "abc"}, "global_step"),
+        ({"epoch": -5}, "epoch"),
+        ({"batch_in_epoch": True}, "batch_in_epoch"),
+        ({"sample_in_epoch": 1.5}, "sample_in_epoch"),
+        ({"global_step": 2**62}, "global_step"),
+        ({"first_world_size": 0}, "first_world_size"),
+        ({"first_world_size": "2"}, "first_world_size"),
+        ({"state_dict": 1}, "state_dict"),  # an unknown key: it replaced the method
+        ({"epoch": 3, "extra": 1}, "extra"),
+    ],
+)
+def test_progress_refuses_a_wrong_value_by_name_and_sets_nothing(state: Dict[str, Any], key: str) -> None:
+    progress = Progress(epoch=1, batch_in_epoch=2, sample_in_epoch=3, global_step=4, first_world_size=2)
+    with pytest.raises(ValueError, match=key):
+        progress.load_state_dict(state)
+    assert progress == Progress(epoch=1, batch_in_epoch=2, sample_in_epoch=3, global_step=4, first_world_size=2)
+    assert callable(progress.state_dict)
+    with pytest.raises(ValueError, match="must be a dict"):
+        progress.load_state_dict([("epoch", 1)])  # type: ignore[arg-type]
+    progress.load_state_dict({"epoch": 7, "global_step": 70})  # an older checkpoint's keys: the others keep their values
+    assert progress == Progress(epoch=7, batch_in_epoch=2, sample_in_epoch=3, global_step=70, first_world_size=2)
+
+
+def _short_torch(state: Dict[str, Any]) -> None:
+    state["torch"] = state["torch"][:100]
+
+
+def _wrong_numpy(state: Dict[str, Any]) -> None:
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, keys[:10], pos, has_gauss, cached)
+
+
+def _wrong_python(state: Dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    state["python"] = (version, internal[:-1] + (10**6,), gauss)  # an index past the end
+
+
+@pytest.mark.parametrize(
+    "damage,key",
+    [
+        (_short_torch, "torch"),
+        (_wrong_numpy, "numpy"),
+        (_wrong_python, "python"),
+        (lambda s: s.pop("cuda"), "cuda"),
+        (lambda s: s.update(cuda=7), "cuda"),
+    ],
+)
+def test_an_rng_state_that_does_not_fit_is_refused_before_any_generator_is_set(damage: Any, key: str) -> None:
+    import random
+
+    import numpy as np
+
+    from steadfast.state import seed_everything
+
+    seed_everything(1)
+    saved = RNGState().state_dict()  # valid everywhere but in the damaged part
+    damage(saved)
+    seed_everything(2)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    seed_everything(2)
+    with pytest.raises(ValueError, match=key):
+        RNGState().load_state_dict(saved)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and (expected[1] == again[1]).all() and expected[2] == again[2]
 

@@ -208,6 +208,19 @@ def test_the_valid_file_parses_and_large_headers_are_refused_in_bounded_memory()
     assert _parse_bounded(huge) is tensorfile.TensorFileError
 
 
+def test_an_empty_tensor_whose_strides_overflow_is_the_parser_s_own_error() -> None:
+    """Zero elements need no bytes, so the size check passed; torch.empty then raised RuntimeError
+    ("Stride calculation overflowed"), which escaped the fall-back."""
+    for shape in ([0, 2**62, 2**62], [2**62, 0, 2**62], [0, 2**61, 4, 2]):
+        crafted = _with_header({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}, b"")
+        with pytest.raises(tensorfile.TensorFileError, match="too large for a tensor"):
+            tensorfile.parse(bytearray(crafted))
+    ok = tensorfile.parse(
+        bytearray(_with_header({"w": {"dtype": "F32", "shape": [0, 1 << 20, 1 << 20], "data_offsets": [0, 0]}}, b""))
+    )
+    assert ok["w"].shape == (0, 1 << 20, 1 << 20)  # an empty tensor of a real shape still loads
+
+
 # ---- the manifest reader, fed anything ----------------------------------------------------------
 def _manifest() -> Dict[str, Any]:
     return {

@@ -291,6 +291,7 @@ DAMAGE = {
     "path escape": _file_spec("../../outside.bin", {"bytes": 1, "checksum": "xxh3_128:" + "0" * 32}),
     "path nested": _file_spec("a/model.bin", {"bytes": 1, "checksum": "xxh3_128:" + "0" * 32}),
     "no model file": _edit_manifest(lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "model.bin"}}),
+    "commit far ahead": _set("commit", 2**62),  # was chosen, and every later save failed its own validation
     "step mismatch": _set("step", 1),
     "step string": _set("step", "2"),
     "world size zero": _set("world_size", 0),
@@ -299,6 +300,10 @@ DAMAGE = {
     "model fifo": _fifo,
     "model symlink out": _symlink_out,
     "crafted shape overflow": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 0]}})),
+    # zero elements, so no bytes needed; torch.empty raised "Stride calculation overflowed" (a RuntimeError)
+    "crafted empty tensor overflowing strides": _replace_model(
+        _crafted({"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}})
+    ),
     "crafted negative shape": _replace_model(_crafted({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4)),
     "crafted overlap": _replace_model(
         _crafted(
@@ -344,6 +349,38 @@ def test_any_damage_to_the_newest_falls_back_to_the_previous(tmp_path: Path, dam
     assert target.state["w"][0].item() == 1.0 and rng.state == {"seed": 1}
     assert [e["step"] for e in events.of(Event.CHECKPOINT_INVALID)] == [2]
     assert not (folder / mf.step_dir_name(2)).exists() and len(set_aside(folder)) == 1  # kept, out of the way
+
+
+def test_a_crafted_commit_far_ahead_is_unusable_and_later_saves_keep_working(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    for step in (1, 2):
+        m.save(step, model_state(step), {"rng": Box({"seed": step})}, {"epoch": step})
+    m.close()
+    _set("commit", 2**62)(tmp_path / mf.step_dir_name(2))
+    resumed = manager(tmp_path)
+    target = Box()
+    restored = resumed.restore({"model": target}, {"rng": Box()}, False)
+    assert restored is not None and restored.step == 1 and target.state["w"][0].item() == 1.0
+    for step in (2, 3, 4):  # the run goes on from step 1: every save commits, and the newest is the last
+        resumed.save(step, model_state(step), {"rng": Box({"seed": step})}, {"epoch": step})
+    resumed.close()
+    listed = mf.scan(tmp_path)
+    assert [c.step for c in listed][:2] == [4, 3] and all(c.manifest is not None for c in listed)
+    assert listed[0].commit < 10 and len(set_aside(tmp_path)) == 1
+
+
+def test_a_commit_at_the_bound_is_used_and_the_next_saves_still_validate(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    m.save(5, model_state(5), {"rng": Box({"seed": 5})}, {"epoch": 5})
+    m.close()
+    _set("commit", mf.MAX_COMMIT)(tmp_path / mf.step_dir_name(5))
+    m, target = manager(tmp_path), Box()
+    assert m.restore({"model": target}, {"rng": Box()}, False).step == 5  # type: ignore[union-attr]
+    for step in (6, 7):
+        m.save(step, model_state(step), {"rng": Box({"seed": step})}, {"epoch": step})
+    m.close()
+    listed = mf.scan(tmp_path)
+    assert [(c.step, c.commit) for c in listed] == [(7, mf.MAX_COMMIT), (6, mf.MAX_COMMIT)]  # keep_last=2; ordered by step
 
 
 # ---- 5. asynchronous saves: only what the next optimizer step changes is copied later -----------

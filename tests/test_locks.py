@@ -49,6 +49,44 @@ def test_a_shared_lock_dir_admits_one_run_and_names_the_holder(tmp_path: Path) -
         pass
 
 
+def test_a_launch_refused_by_its_run_folder_takes_back_the_folders_and_lock_files_it_created(tmp_path: Path) -> None:
+    run, held_ck = tmp_path / "outputs" / "a", tmp_path / "ck"
+    new_ck, empty_ck = tmp_path / "new" / "deeper" / "ck", tmp_path / "empty_ck"
+    empty_ck.mkdir()
+    with _locks.RunLock(run, [held_ck]):
+        with pytest.raises(Refused, match=f"Run folder {run} is in use"):
+            _locks.RunLock(run, [new_ck, empty_ck]).acquire()
+        assert not (tmp_path / "new").exists(), tree(tmp_path / "new")  # was left with .steadfast.lock and .gate
+        assert list(empty_ck.iterdir()) == []  # a folder that was there stays, without the lock files made for it
+        assert sorted(os.listdir(held_ck)) == sorted([_locks.GATE_FILE, _locks.LOCK_FILE])  # the holder's are untouched
+        with pytest.raises(Refused, match=f"Folder {held_ck} is in use"):
+            _locks.RunLock(tmp_path / "outputs" / "b", [held_ck]).acquire()
+        assert not (tmp_path / "outputs" / "b").exists()
+    with _locks.RunLock(run, [new_ck]):  # and the folder works as usual afterwards
+        assert (new_ck / _locks.LOCK_FILE).is_file()
+
+
+@pytest.mark.parametrize("name", [_locks.LOCK_FILE, _locks.GATE_FILE])
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path: Path, name: str) -> None:
+    folder, target = tmp_path / "run", tmp_path / "precious.txt"
+    folder.mkdir()
+    target.write_text("someone's data")
+    (folder / name).symlink_to(target)
+    with pytest.raises(Refused, match=f"{folder / name} is not a regular file"):
+        _locks.RunLock(folder, []).acquire()
+    assert target.read_text() == "someone's data"  # the lock's truncate went through the link
+    assert (folder / name).is_symlink()  # left for the person to look at
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / _locks.SWEEP_LOCK_FILE).symlink_to(target)
+    with pytest.raises(Refused, match="is not a regular file"):
+        _locks.lock_sweep(sweep)
+    assert target.read_text() == "someone's data"
+    os.mkfifo(folder / "fifo")
+    with pytest.raises(Refused, match="is not a regular file"):
+        _locks.open_lock_file(folder / "fifo")
+
+
 def test_the_launchers_of_one_multi_node_job_share_the_lock(tmp_path: Path) -> None:
     folder, ck = tmp_path / "run", tmp_path / "ck"
     with _locks.RunLock(folder, [ck], multi_node="c10d:run@h:1"), _locks.RunLock(folder, [ck], multi_node="c10d:run@h:1"):
@@ -140,6 +178,10 @@ def test_a_run_in_use_refuses_a_second_launch_before_it_writes_anything(tmp_path
         )
         c = run_train(tmp_path, *TINY, "run.name=a", "trainer.max_epochs=3", timeout=120)
         assert c.returncode != 0 and f"Run folder {folder} is in use by pid {fired['pid']}" in c.stderr, c.stderr[-2000:]
+        new_ck = tmp_path / "new_checkpoints" / "a"  # D: the run folder in use, with a checkpoint.dir of its own
+        d = run_train(tmp_path, *TINY, "run.name=a", f"checkpoint.dir={new_ck}", timeout=120)
+        assert d.returncode != 0 and f"Run folder {folder} is in use by pid {fired['pid']}" in d.stderr, d.stderr[-2000:]
+        assert not (tmp_path / "new_checkpoints").exists(), tree(tmp_path / "new_checkpoints")
         after = tree(tmp_path / "outputs")
         changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
         # A itself keeps writing its logs while paused; nothing else may change

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import pytest
 import torch
 
-from helpers import QUICK, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
+from helpers import QUICK, env, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
 from steadfast.snapshots import MemorySnapshots, fits
@@ -33,6 +33,20 @@ def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+@pytest.fixture
+def launch(shm_dir: Path, tmp_path: Path) -> Iterator[shm.LaunchFolder]:
+    """What the launcher makes for a launch: its private folder in shared memory, with its key."""
+    folder = shm.LaunchFolder(tmp_path / "run")
+    folder.create()
+    yield folder
+    folder.remove()
+
+
+def _memory(launch: shm.LaunchFolder, world_size: int = 1) -> MemorySnapshots:
+    """A worker's snapshots, as a new process makes them: the launch's folder opened and checked afresh."""
+    return MemorySnapshots(shm.Segments(launch.name), rank=0, local_rank=0, world_size=world_size)
+
+
 def _state() -> Dict[str, Any]:
     return {"model": torch.nn.Linear(4, 3), "progress": Progress()}
 
@@ -44,22 +58,22 @@ def _snap(memory: MemorySnapshots, objects: Dict[str, Any], step: int, halfway: 
     memory.take(step, memory.plan(objects, {"rng": RNGState()}), halfway)
 
 
-def test_the_double_buffer_keeps_the_two_newest_and_a_new_process_reads_them(shm_dir: Path) -> None:
+def test_the_double_buffer_keeps_the_two_newest_and_a_new_process_reads_them(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    writer = MemorySnapshots("job", rank=0, local_rank=0, world_size=2)
+    writer = _memory(launch, world_size=2)
     for step in (1, 2, 3):
         _snap(writer, objects, step)
-    reader = MemorySnapshots("job", rank=0, local_rank=0, world_size=2)  # a restarted worker
+    reader = _memory(launch, world_size=2)  # a restarted worker
     assert reader.steps() == [3, 2]
     shared, own = reader.load(3)
     assert torch.equal(shared["model"]["weight"], torch.full((3, 4), 3.0)) and shared["progress"]["global_step"] == 3
     assert "rng" in own
-    assert MemorySnapshots("job", rank=0, local_rank=0, world_size=3).steps() == []  # another world size: not ours
+    assert _memory(launch, world_size=3).steps() == []  # another world size: not ours
 
 
-def test_a_copy_killed_halfway_leaves_the_other_buffer(shm_dir: Path) -> None:
+def test_a_copy_killed_halfway_leaves_the_other_buffer(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    memory = _memory(launch)
     _snap(memory, objects, 1)
     _snap(memory, objects, 2)
 
@@ -68,14 +82,14 @@ def test_a_copy_killed_halfway_leaves_the_other_buffer(shm_dir: Path) -> None:
 
     with pytest.raises(KeyboardInterrupt):
         _snap(memory, objects, 3, halfway=die)  # overwrites the older buffer (step 1)
-    fresh = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    fresh = _memory(launch)
     assert fresh.steps() == [2]
     assert fresh.load(2)[0]["progress"]["global_step"] == 2
 
 
-def test_damaged_bytes_never_load(shm_dir: Path) -> None:
+def test_damaged_bytes_never_load(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    memory = _memory(launch)
     _snap(memory, objects, 5)
     slot = next(s for s in memory.objects.slots if s.header())
     data = bytearray(slot.path.read_bytes())
@@ -84,37 +98,78 @@ def test_damaged_bytes_never_load(shm_dir: Path) -> None:
     assert memory.load(5) is None  # the checksum catches it: the run falls back (to disk, or the other buffer)
 
 
-def test_newer_snapshots_of_an_abandoned_timeline_are_discarded(shm_dir: Path) -> None:
+def test_newer_snapshots_of_an_abandoned_timeline_are_discarded(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    memory = _memory(launch)
     _snap(memory, objects, 7)
     _snap(memory, objects, 8)
     memory.discard_after(7)
-    assert MemorySnapshots("job", rank=0, local_rank=0, world_size=1).steps() == [7]
+    assert _memory(launch).steps() == [7]
 
 
-def test_too_little_shared_memory_is_said_before_anything_is_written(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_little_shared_memory_is_said_before_anything_is_written(
+    launch: shm.LaunchFolder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     class Small:
         f_bavail, f_frsize = 10, 4096
 
-    monkeypatch.setattr(os, "statvfs", lambda path: Small())
-    problem = fits("job", 10 << 20)
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: Small())
+    problem = fits(shm.Segments(launch.name), 10 << 20)
     assert problem and "MiB free" in problem and "two copies" in problem
-    assert not list(shm_dir.iterdir())
+    assert os.listdir(launch.path) == [shm.KEY_FILE]
 
 
-def test_the_launcher_removes_segments_of_launchers_that_are_gone(shm_dir: Path, tmp_path: Path) -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+def test_the_launcher_removes_the_folders_of_launchers_that_are_gone(shm_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    gone, alive = shm.prefix(run, dead.pid), shm.prefix(run, os.getpid())
-    for name in (f"{gone}.objects.a", f"{gone}.rank0.b", f"{alive}.objects.a", f"{shm.prefix(tmp_path / 'other', dead.pid)}.x"):
-        (shm_dir / name).write_bytes(b"x")
-    removed = shm.remove_orphans(run)
-    assert sorted(p.name for p in removed) == sorted([f"{gone}.objects.a", f"{gone}.rank0.b"])
-    assert len(list(shm_dir.iterdir())) == 2  # the live launcher's and another run's are kept
-    shm.remove(alive)
-    assert [p.name for p in shm_dir.iterdir()] == [f"{shm.prefix(tmp_path / 'other', dead.pid)}.x"]
+    killed = subprocess.run(  # a launcher killed with SIGKILL after it made its folder
+        [sys.executable, "-c", KILLED_LAUNCHER, str(shm_dir), str(run)], env=env(), capture_output=True, text=True, timeout=60
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    gone = killed.stdout.strip()
+    assert (shm_dir / gone / shm.KEY_FILE).is_file()
+    alive, other = shm.LaunchFolder(run), shm.LaunchFolder(tmp_path / "other")
+    for folder in (alive, other):
+        folder.create()
+    try:
+        mine = shm.LaunchFolder(run)
+        mine.create()
+        removed = shm.remove_orphans(run, keep=mine.name)
+        assert [p.name for p in removed] == [gone]  # the live launcher's and another run's are kept
+        assert sorted(os.listdir(shm_dir)) == sorted([alive.name, other.name, mine.name])
+        mine.remove()
+        assert not (shm_dir / mine.name).exists()
+    finally:
+        alive.remove()
+        other.remove()
+
+
+KILLED_LAUNCHER = """
+import os, signal, sys
+from pathlib import Path
+from steadfast.contract import shm
+shm.SHM_DIR = Path(sys.argv[1])
+folder = shm.LaunchFolder(Path(sys.argv[2]))
+folder.create()
+print(folder.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_launchers_folder_is_told_by_its_nonce_and_lock_not_by_a_pid(launch: shm.LaunchFolder, tmp_path: Path) -> None:
+    """A killed launcher whose pid the next launcher got (#23 item 8: its segments were taken for the
+    new launch's own, and a restore from them skipped the config-drift check). Here every launch is
+    this process: the pid says nothing, the nonce and the lock do."""
+    _snap(_memory(launch), _state(), 5)
+    os.close(launch.fd)  # the launcher is gone: its lock with it (its folder stays, as after SIGKILL)
+    launch.fd = -1
+    new = shm.LaunchFolder(tmp_path / "run")  # the same run folder, the same pid
+    new.create()
+    try:
+        assert new.name != launch.name and _memory(new).steps() == []  # nothing of the old launch is seen as the new one's
+        assert shm.remove_orphans(tmp_path / "run", keep=new.name) == [launch.path]
+        assert os.listdir(new.path) == [shm.KEY_FILE]
+    finally:
+        new.remove()
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
@@ -225,13 +280,13 @@ def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_
     committed = [json.loads(m.read_text()) for m in (folder / "checkpoints").glob("step_*/manifest.json")]
     assert all(m["created"] < killed_at for m in committed), "an orphaned worker committed after its launcher was gone"
     segment = created["segment"]
-    assert list(shm.SHM_DIR.glob(f"{segment}.*")), "the killed launcher left its segments"
+    assert (shm.SHM_DIR / segment / "objects.a").is_file(), "the killed launcher left its snapshots"
     run_train(tmp_path, *args, check=True)  # the same command: removes them, and its own at the end
     assert not list(shm.SHM_DIR.glob(f"{segment.rsplit('-', 1)[0]}-*"))
 
 
 def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_percent_of_the_time(
-    shm_dir: Path, tmp_path: Path
+    launch: shm.LaunchFolder, tmp_path: Path
 ) -> None:
     from types import SimpleNamespace
 
@@ -239,8 +294,8 @@ def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_perc
     from steadfast.records import RunRecord
     from steadfast.snapshots import MEMORY_SHARE, MemoryCadence
 
-    run = SimpleNamespace(comm=Comm(), rank=0, record=RunRecord(tmp_path, 0), launch=SimpleNamespace(snapshot="job"))
-    memory = MemorySnapshots("job", rank=0, local_rank=0, world_size=1)
+    run = SimpleNamespace(comm=Comm(), rank=0, record=RunRecord(tmp_path, 0), launch=SimpleNamespace(snapshot=launch.name))
+    memory = _memory(launch)
     cadence = MemoryCadence(run, memory, "auto")
     step = 0.010  # seconds per step
     for cost, every in (

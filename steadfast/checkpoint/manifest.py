@@ -7,7 +7,10 @@ the folder renamed into place from a `.tmp-*` name). Only such folders with a ma
 anything else in the checkpoint folder is invisible to resume. Every manifest carries `commit`, a
 sequence number one above the highest in the folder when it was committed: checkpoints are ordered
 by it (never by step number, file time or name), so a run that starts again at step 100 next to
-older checkpoints at step 5000 still has the newest one. Unusable checkpoints are moved aside to
+older checkpoints at step 5000 still has the newest one. A commit is at most MAX_COMMIT (more saves
+than any run makes), so a manifest crafted with a larger one is unusable rather than chosen, and the
+next commit always validates: at MAX_COMMIT itself (reachable only by a crafted manifest) the
+sequence stays there and equal commits are ordered by step. Unusable checkpoints are moved aside to
 `.unusable-step_<N>-<reason>-<id>`, which nothing lists.
 
 Every manifest read back is validated (types, bounds, names, the folder's step); any failure is a
@@ -48,6 +51,8 @@ MAX_DIM = 1 << 62
 MAX_PAIRWISE = 512  # pieces of one tensor checked pairwise for overlap (a rank each: FSDP's usual world sizes)
 TENSOR_KEY = re.compile(r"[^\x00-\x1f]{1,1024}")
 META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
+MAX_COMMIT = 2**53  # one save a millisecond for 285,000 years; an exact integer in any JSON reader
+MAX_STEP = 10**18 - 1  # what a folder name holds (18 digits); the loop's own counts stop far below (state.MAX_COUNT)
 RESERVED = frozenset({"format", "step", "commit", "world_size", "created", "files", "config", "full_config"})
 
 
@@ -87,12 +92,12 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
         raise bad(f"not a JSON object (a {type(data).__name__})")
     if data.get("format") not in (FORMAT, SHARDED_FORMAT) or isinstance(data.get("format"), bool):
         raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads formats {FORMAT} and {SHARDED_FORMAT}")
-    if not _int(data.get("step"), 0, 10**18 - 1):
-        raise bad("'step' must be a non-negative integer")
+    if not _int(data.get("step"), 0, MAX_STEP):
+        raise bad(f"'step' must be an integer from 0 to {MAX_STEP}")
     if step is not None and data["step"] != step:
         raise bad(f"says step {data['step']}, but its folder is {step_dir_name(step)}")
-    if not _int(data.get("commit"), 1, 2**62):
-        raise bad("'commit' must be a positive integer")
+    if not _int(data.get("commit"), 1, MAX_COMMIT):
+        raise bad(f"'commit' must be an integer from 1 to {MAX_COMMIT}")
     if not _int(data.get("world_size"), 1, 2**31):
         raise bad("'world_size' must be a positive integer")
     for key in META_COUNTS:
@@ -237,7 +242,8 @@ def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
 
 
 def next_commit(folder: Path) -> int:
-    return 1 + max((c.commit for c in scan(folder)), default=0)
+    """One above the highest commit in `folder`, never above MAX_COMMIT (see the module's docstring)."""
+    return min(1 + max((c.commit for c in scan(folder)), default=0), MAX_COMMIT)
 
 
 def set_aside_name(path: Path, reason: str) -> str:

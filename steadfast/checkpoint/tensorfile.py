@@ -2,8 +2,10 @@
 
 The loader enforces safetensors' rules, and refuses anything else as TensorFileError: a header of at
 most MAX_HEADER_BYTES and MAX_HEADER_VALUES, UTF-8 JSON object without duplicate keys, known dtypes
-only, shapes of non-negative ints, offsets sorted, contiguous and covering the data exactly, element
-count times dtype size equal to each span; and, for the skeleton, a depth of at most MAX_DEPTH and
+only, shapes of non-negative ints whose non-zero dims multiply to at most MAX_ELEMENT_BYTES bytes (an
+empty tensor of shape [0, 2**62, 2**62] would pass the size check and overflow torch's strides),
+offsets sorted, contiguous and covering the data exactly, element count times dtype size equal to
+each span; and, for the skeleton, a depth of at most MAX_DEPTH and
 only the node kinds the writer makes. The format is described in tensorformat; writing is in
 tensorwrite (re-exported here: save, plan, export_safetensors).
 """
@@ -68,6 +70,19 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
+MAX_ELEMENT_BYTES = 2**62  # the product of a shape's non-zero dims times the dtype's size: torch's strides fit in int64
+
+
+def _fits_torch(shape: List[int], itemsize: int) -> bool:
+    """The shape's strides fit in int64 whatever its element count (an empty tensor's too)."""
+    product = itemsize
+    for d in shape:
+        product *= max(d, 1)
+        if product > MAX_ELEMENT_BYTES:
+            return False
+    return True
+
+
 def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tuple[str, str, List[int], int, int]]:
     table = []
     for tname, info in header.items():
@@ -78,6 +93,8 @@ def _tensor_table(header: Dict[str, Any], data_len: int, name: str) -> List[Tupl
             raise _error(name, f"tensor {tname[:80]!r}: unknown dtype {str(code)[:20]!r}")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
             raise _error(name, f"tensor {tname[:80]!r}: shape must be a list of at most {MAX_DIMS} non-negative ints")
+        if not _fits_torch(shape, ITEMSIZE[code]):
+            raise _error(name, f"tensor {tname[:80]!r}: shape {shape[:8]} is too large for a tensor (even an empty one)")
         if not isinstance(span, list) or len(span) != 2 or not all(_is_count(x) for x in span) or span[0] > span[1]:
             raise _error(name, f"tensor {tname[:80]!r}: data_offsets must be [begin, end] with 0 <= begin <= end")
         table.append((tname, code, shape, span[0], span[1]))
@@ -177,14 +194,15 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], depth: int, name: str, 
 
 
 def parse(buf: Any, name: str = "<buffer>", refs: bool = False) -> Any:
-    """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only.
-    With `refs`, a sharded tensor's place in the skeleton ({"__s": key}) becomes a ShardRef(key)."""
+    """The state stored in `buf` (bytes-like; tensors share its memory). Raises TensorFileError only
+    (torch's own refusal to build a tensor, a RuntimeError, included). With `refs`, a sharded
+    tensor's place in the skeleton ({"__s": key}) becomes a ShardRef(key)."""
     try:
         with gc_paused():
             return _parse(buf, name, refs)
     except TensorFileError:
         raise
-    except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
+    except (ValueError, TypeError, RecursionError, OverflowError, MemoryError, RuntimeError) as exc:
         raise _error(name, f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 

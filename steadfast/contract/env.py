@@ -22,7 +22,7 @@ ENV_LAUNCH_TIME = "STEADFAST_LAUNCH_TIME"  # when the launcher started this job 
 ENV_LAUNCH_ID = "STEADFAST_LAUNCH_ID"  # tells this launch's heartbeats from an earlier launch's
 ENV_REFERENCE_WORLD_SIZE = "STEADFAST_REFERENCE_WORLD_SIZE"  # the job's full size (elastic: its maximum)
 ENV_COLLECTIVE_TIMEOUT = "STEADFAST_COLLECTIVE_TIMEOUT_S"  # restart.collective_timeout_s
-ENV_SNAPSHOT = "STEADFAST_SNAPSHOT"  # name of the job's shared-memory snapshot (empty: none)
+ENV_SNAPSHOT = "STEADFAST_SNAPSHOT"  # the launch's private snapshot folder in shared memory, a name in shm.SHM_DIR (empty: none)
 ENV_LAUNCHER_PID = "STEADFAST_LAUNCHER_PID"  # the launcher process on this host: workers never commit once it is gone
 
 TORCH = "torch"  # torch.distributed (Gloo on CPU, NCCL on GPUs)

@@ -89,6 +89,11 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
     multi_node = backend.multi_node_identity(run_dir)
     frozen = OmegaConf.create(cast(Dict[str, Any], OmegaConf.to_container(task_cfg, resolve=True, enum_to_str=True)))
     atomic_write(run_dir / CONFIG_FILE, OmegaConf.to_yaml(frozen))
+    segments = shm.LaunchFolder(run_dir)  # the snapshots' private folder in shared memory (see contract/shm.py)
+    try:
+        segments.create()
+    except OSError as exc:  # the workers find no folder and say that snapshots in memory are off, and why
+        log.info("No snapshot folder in %s for this launch: %s", shm.SHM_DIR, exc.strerror or exc)
     launch = LaunchEnv(
         backend=backend.name,
         collective=backend.collective,
@@ -98,14 +103,14 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
         reference_world_size=backend.reference_world_size(),
         collective_timeout_s=job.restart.collective_timeout_s,
         launcher_pid=os.getpid(),
-        snapshot=shm.prefix(run_dir, os.getpid()),
+        snapshot=segments.name,
     )
-    for leaked in shm.remove_orphans(run_dir):
-        log.info("Removed %s, a snapshot segment left by a launcher of this run that is gone", leaked)
+    for leaked in shm.remove_orphans(run_dir, keep=segments.name):
+        log.info("Removed %s, the snapshots of a launch of this run whose launcher is gone", leaked)
     try:
         return _attempts(job, task_function, run_dir, backend, launch, frozen, started, multi_node)
     finally:
-        shm.remove(launch.snapshot)  # the job's snapshots in memory end with it
+        segments.remove()  # the job's snapshots in memory end with it
 
 
 def _attempts(

@@ -5,6 +5,11 @@ flock is released by the kernel when the holder dies, so a crashed launch never 
 blocks the next one; the lock file only tells a refused launch who holds it. A filesystem that
 cannot flock (NFS mounted with local_lock but without a lock manager, Lustre without `flock`)
 is refused with a message that names it and the fix, never silently run unlocked.
+
+Lock files are opened without following a symlink and must be regular files (a symlinked
+`.steadfast.lock` would have had its target truncated). A launch refused by any of its locks takes
+back what it created for them: the lock files, then the folders (a new checkpoint.dir), never
+anything that was there before.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -83,6 +89,49 @@ def _holder(fd: int) -> str:
     return os.pread(fd, 1024, 0).decode(errors="replace").strip()
 
 
+def _try_flock(fd: int, how: int) -> bool:
+    """False only if another process holds it; a filesystem that cannot lock counts as taken (nobody can hold it)."""
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+LOCK_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_lock_file(path: Path) -> Tuple[int, bool]:
+    """(descriptor, whether this call created the file) of a regular lock file at `path`, never
+    through a symlink; Refused for anything else there (a symlink, a FIFO, a folder)."""
+    try:
+        try:
+            fd, created = os.open(path, LOCK_FLAGS | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            fd, created = os.open(path, LOCK_FLAGS), False
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise Refused(
+                f"{path} is not a regular file (a symbolic link, folder or device); remove it and launch again"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Refused(f"{path} is not a regular file; remove it and launch again")
+    return fd, created
+
+
+def _missing_folders(folder: Path) -> List[Path]:
+    """The folders on the way to `folder` that do not exist yet, innermost first."""
+    out, path = [], Path(os.path.abspath(folder))
+    while not os.path.lexists(path) and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
 class FolderLock:
     """One folder for one launch, or for the launchers of one multi-node job.
 
@@ -97,14 +146,18 @@ class FolderLock:
         self.folder, self.what, self.hint, self.multi_node, self.note = folder, what, hint, multi_node, note
         self.fd = -1
         self.shared = False
+        self.created: List[Path] = []  # what this lock made (folders innermost first, then files): undo() removes it
 
     def acquire(self) -> "FolderLock":
         me = f"pid {os.getpid()} on {socket.gethostname()}{self.note}"
+        missing = _missing_folders(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        gate = os.open(self.folder / GATE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self.created = [f for f in missing if f.is_dir()]
+        gate = -1
         try:
+            gate = self._open(GATE_FILE)
             _flock(gate, fcntl.LOCK_EX, self.folder)  # held for a moment: the check and the record are one step
-            self.fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = self._open(LOCK_FILE)
             if _flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.folder):
                 os.ftruncate(self.fd, 0)
                 if self.multi_node is not None:
@@ -132,12 +185,49 @@ class FolderLock:
                 "backend.rdzv_backend, backend.rdzv_endpoint and the rendezvous id, backend.rdzv_id or run.name.)"
             )
         except BaseException:
+            if gate >= 0:
+                os.close(gate)
+                gate = -1
+            self.undo()
+            raise
+        finally:
+            if gate >= 0:
+                os.close(gate)
+
+    def _open(self, name: str) -> int:
+        fd, created = open_lock_file(self.folder / name)
+        if created:
+            self.created.insert(0, self.folder / name)
+        return fd
+
+    def undo(self) -> None:
+        """Release, and remove what this lock created: for a launch refused before its job ran.
+        The lock file goes only while no other launcher holds it (taken exclusively under the
+        gate, which every launcher holds from opening the lock file until it has locked it)."""
+        files = [p for p in self.created if p.parent == self.folder]
+        folders = [p for p in self.created if p not in files]
+        self.created = []
+        gate = -1
+        try:
+            if files:
+                gate, _ = open_lock_file(self.folder / GATE_FILE)
+                _try_flock(gate, fcntl.LOCK_EX)
+            if self.folder / LOCK_FILE in files:
+                if self.fd < 0 or not _try_flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    return  # another launcher holds it (one of the same multi-node job joined): theirs now
+                os.unlink(self.folder / LOCK_FILE)
+            if self.folder / GATE_FILE in files:
+                os.unlink(self.folder / GATE_FILE)
+            for folder in folders:
+                folder.rmdir()  # only when empty
+        except (OSError, Refused):
+            return  # left in place: someone else uses it now
+        finally:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-            raise
-        finally:
-            os.close(gate)
+            if gate >= 0:
+                os.close(gate)
 
     def release(self) -> None:
         if self.fd < 0:
@@ -170,10 +260,18 @@ class RunLock:
         self._stack = ExitStack()
 
     def acquire(self) -> "RunLock":
-        """Every lock, or none (Refused names the folder in use and its holder)."""
-        with ExitStack() as stack:
+        """Every lock, or none and nothing they created (Refused names the folder in use and its holder)."""
+        taken: List[FolderLock] = []
+        try:
             for lock in self.locks:
-                stack.callback(lock.acquire().release)
+                taken.append(lock.acquire())
+        except BaseException:
+            for lock in reversed(taken):
+                lock.undo()
+            raise
+        with ExitStack() as stack:
+            for lock in taken:
+                stack.callback(lock.release)
             self._stack = stack.pop_all()
         return self
 
@@ -196,7 +294,7 @@ def lock_sweep(sweep_dir: Path) -> Optional[str]:
     key = str(sweep_dir.resolve())
     if key in _sweep_locks:
         return None
-    fd = os.open(sweep_dir / SWEEP_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, _ = open_lock_file(sweep_dir / SWEEP_LOCK_FILE)
     try:
         taken = _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, sweep_dir)
     except BaseException:
