@@ -44,7 +44,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("bare", "loader", "heartbeat", "telemetry", "agreement", "run_step", "reduce_sync", "reduce_async", "snapshot")
 # NAME@N: the configuration with the stop agreement every N steps instead of its automatic interval
-CHECK_INTERVAL_S = 0.05  # as steadfast.Run's automatic stop_check_every_n_steps
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -81,7 +80,7 @@ def _worker(args: argparse.Namespace) -> None:
     record = RunRecord(folder, comm.rank)
     beat = Heartbeat(folder / "heartbeats", comm.rank)
     telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
-    agreement = StopAgreement(comm, 1)
+    agreement = StopAgreement(comm, None)
     segment = shm.LaunchFolder(folder)  # what the launcher makes: one node's private snapshot folder, named to every rank
     if comm.rank == 0:
         segment.create()
@@ -100,15 +99,8 @@ def _worker(args: argparse.Namespace) -> None:
     def library() -> Iterator[Tuple[Any, Any]]:
         return iter(TensorBatches((features, labels), sampler, job.batch_size))
 
-    def retune() -> None:  # steadfast.Run._retune_checks
-        per_step = telemetry.step_seconds
-        if per_step and not fixed:
-            every = 1
-            while every * 2 * per_step <= CHECK_INTERVAL_S and every * 2 <= 200:
-                every *= 2
-            agreement.every = every
-
-    fixed: List[int] = []
+    def retune() -> None:  # as steadfast.Run does at a log step
+        agreement.retune(telemetry.step_seconds)
 
     def after(name: str, loss: Any) -> None:
         p = progress
@@ -152,7 +144,7 @@ def _worker(args: argparse.Namespace) -> None:
         name, _, every = config.partition("@")
         kind = "library" if name in ("loader", "run_step") else "slices"
         auto = agreement.every
-        fixed[:] = [int(every)] if every else []
+        agreement.auto = not every
         agreement.every = int(every) if every else auto
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):

@@ -27,9 +27,14 @@ class Control:
     since: int = -1  # the step at which the ranks sent what this agrees
 
 
+CHECK_INTERVAL_S = 0.05  # automatic every_n_steps: the ranks agree about this often
+MAX_CHECK_EVERY = 200
+
+
 class StopAgreement:
-    def __init__(self, comm: Any, every_n_steps: int) -> None:
-        self.comm, self.every = comm, max(1, int(every_n_steps))
+    def __init__(self, comm: Any, every_n_steps: Optional[int]) -> None:
+        self.comm, self.every = comm, max(1, int(every_n_steps or 1))
+        self.auto = every_n_steps is None  # every_n_steps follows the time per step (retune)
         self._pending: Any = None  # the all-reduce in flight
         self._sent_at = -1  # the step at which it was started
         self._announced = False
@@ -52,6 +57,16 @@ class StopAgreement:
         self._pending = self.comm.start_max_each(self._flags(not control.save_due and save_due(), busy))
         self._sent_at = step
         return control
+
+    def retune(self, step_seconds: Optional[float]) -> None:
+        """auto: agree about every CHECK_INTERVAL_S, from rank 0's time per step, which the log step's
+        all-reduce brought to every rank (so every rank picks the same)."""
+        if not self.auto or not step_seconds:
+            return
+        every = 1
+        while every * 2 * step_seconds <= CHECK_INTERVAL_S and every * 2 <= MAX_CHECK_EVERY:
+            every *= 2
+        self.every = every
 
     def now(self) -> Optional[int]:
         """The same, waited for at once: a stop request any rank has, or None."""

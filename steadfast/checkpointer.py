@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from .checkpoint import manifest
+from .checkpoint.codec import Collectives
 from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
+from .checkpoint.restore import misfit
 from .config import Resume, Settings
 from .contract.env import LaunchEnv
 from .faults import FaultInjector
@@ -57,13 +59,14 @@ class Checkpointer:
     def __init__(
         self,
         folder: Path,
-        comm: Any,
+        comm: Collectives,
         settings: Settings,
         resolved_cfg: Dict[str, Any],
         record: RunRecord,
         launch: LaunchEnv,
         faults: FaultInjector,
         beat: Callable[[str], None],
+        memory: Optional[MemorySnapshots] = None,
     ) -> None:
         ck = settings.checkpoint
         self.settings, self.comm, self.record = settings, comm, record
@@ -81,7 +84,7 @@ class Checkpointer:
         self.objects: Dict[str, Any] = {}
         self.per_rank: Dict[str, Any] = {"rng": RNGState()}
         self.restored: Optional[Restored] = None
-        self.memory: Optional[MemorySnapshots] = None  # set by the run when snapshots are on
+        self.memory = memory  # this rank's snapshots in memory (None: off)
         self.source = "disk"  # where the last restore came from
 
     @property
@@ -130,31 +133,49 @@ class Checkpointer:
         comm = self.comm
         if self.settings.resume == Resume.never:
             return None
-        steps = self.memory.steps() if self.memory is not None else []
+        steps = self.memory.steps(self.objects) if self.memory is not None else []
         disk = -1
         if comm.rank == 0:
             found = manifest.committed(self.folder)
             disk = found[0][0] if found else -1
         # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
         # the middle of a snapshot has the one before, which the others still hold: double buffers)
-        lowest, disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
+        lowest, newest_on_disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
         step = int(-lowest)
-        if step < 0 or step <= disk:
+        if step < 0 or step <= newest_on_disk:
             return None
-        loaded = self.memory.load(step) if self.memory is not None and step in steps else None
-        if comm.max_each([0.0 if loaded is not None else 1.0])[0]:  # some rank's bytes did not verify
-            log.warning("The snapshot of step %d in memory did not verify on every rank; resuming from disk", step)
+        error = None
+        try:
+            loaded = self.memory.load(step, self.objects) if self.memory is not None and step in steps else None
+            if loaded is None:
+                raise ValueError(f"this rank's snapshot of step {step} is missing or does not verify")
+            shared, own = loaded
+            for name, obj in self.objects.items():
+                problem = misfit(obj.state_dict(), shared.get(name), name)
+                if problem:
+                    raise ValueError(f"the snapshot does not fit this run's {name}: {problem}")
+        except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as exc:
+            error = str(exc)
+        if comm.max_each([1.0 if error else 0.0])[0]:  # some rank's bytes did not verify or fit
+            log.warning(
+                "The snapshot of step %d in memory is not usable on every rank (%s); resuming from disk",
+                step,
+                error or "another rank",
+            )
             return None
-        assert loaded is not None
-        shared, own = loaded
-        for name, obj in self.objects.items():
-            obj.load_state_dict(shared[name])
-        for name, obj in self.per_rank.items():
-            obj.load_state_dict(own[name])
+        try:
+            for name, obj in self.objects.items():
+                obj.load_state_dict(shared[name])
+            for name, obj in self.per_rank.items():
+                obj.load_state_dict(own[name])
+        except Exception as exc:  # partly applied: this attempt ends, the next resumes from disk
+            if self.memory is not None:
+                self.memory.discard_after(-1)
+            raise CheckpointError(f"the snapshot of step {step} in memory could not be loaded ({exc}); it was discarded") from exc
         self.source = "memory"
         return Restored(
             step=step,
-            path=self.memory.objects.slots[0].path.parent if self.memory else self.folder,
+            path=self.memory.folder if self.memory else self.folder,
             manifest={"step": step, "world_size": self.comm.world_size},
         )
 

@@ -7,12 +7,16 @@ batch at a time by index (no per-sample `__getitem__` and collate).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple
+import logging
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
 
+from .contract.events import Event
 from .state import Progress
+
+log = logging.getLogger(__name__)
 
 
 class ResumableSampler(Sampler[int]):
@@ -273,6 +277,31 @@ class RunData:
         else:
             p.batch_in_epoch += 1
             p.sample_in_epoch += self.samples_per_step
+
+    def world_size_changed(
+        self, record: Callable[..., None], step: Optional[int], saved: Optional[int], notes: Dict[str, Any]
+    ) -> None:
+        """Record a resume on another world size, once the loop has its data (the batch size) and the
+        app has said what it does about it (`notes`: its policy)."""
+        p, first = self.progress, self.samplers[0] if self.samplers else None
+        batch = {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size} if first else {}
+        record(
+            Event.WORLD_SIZE_CHANGED,
+            step=step,
+            saved_world_size=saved,
+            world_size=self.world_size,
+            epoch=p.epoch,
+            sample_in_epoch=p.sample_in_epoch,
+            **batch,
+            **notes,
+        )
+        log.warning(
+            "Resumed on %d worker(s) from a checkpoint of %d: the epoch continues at sample %d of its order, dealt over %d",
+            self.world_size,
+            saved,
+            p.sample_in_epoch,
+            self.world_size,
+        )
 
     def end_epoch(self) -> None:
         p = self.progress

@@ -45,14 +45,12 @@ from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .data import ResumableSampler, RunData
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
-from .snapshots import MemoryCadence
+from .snapshots import MemoryCadence, announce_off, open_memory
 from .state import Progress, seed_everything, unwrap
 from .telemetry import Telemetry
 
 log = logging.getLogger("steadfast")
 
-CHECK_INTERVAL_S = 0.05  # automatic stop_check_every_n_steps: the ranks agree about this often
-MAX_CHECK_EVERY = 200
 MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
 
 
@@ -118,8 +116,12 @@ class Run:
         )
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
+        every = self.settings.snapshot.every_n_steps
+        memory, why = open_memory(every, self.launch.snapshot, self.rank, self.local_rank, self.world_size)
+        if why:
+            announce_off(self.record.event, why)
         self.checkpointer = Checkpointer(
-            folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat
+            folder, self.comm, self.settings, resolved, self.record, self.launch, self.faults, self._beat, memory
         )
         self.checkpointer.per_rank["telemetry"] = self.telemetry
         run_seconds, failures, save_cost = (
@@ -134,9 +136,11 @@ class Run:
             on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f),
             save_cost=save_cost,
         )
-        self._memory = MemoryCadence.start(self.settings.snapshot.every_n_steps, self)
-        self._auto_check = stop_check_every_n_steps is None
-        self.agreement = StopAgreement(self.comm, stop_check_every_n_steps or 1)
+        tracked = (self.checkpointer.objects, self.checkpointer.per_rank)
+        self._memory = (
+            MemoryCadence(memory, every, self.comm, self.record.event, tracked, self.faults.during_snapshot) if memory else None
+        )
+        self.agreement = StopAgreement(self.comm, stop_check_every_n_steps)
         self.model: Optional[torch.nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.resumed_from: Optional[int] = None
@@ -265,7 +269,7 @@ class Run:
         code after the batch loop must cope (run.epoch_loss() is then None)."""
         self.telemetry.plan(max_epochs * -(-self.batches_per_epoch // self.accumulate_grad_batches), max_epochs)
         if self.resumed_from is not None and self.saved_world_size not in (None, self.world_size):
-            self._world_size_changed()
+            self.data.world_size_changed(self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes)
         while self.progress.epoch < max_epochs:
             self.data.begin_epoch()
             yield self.progress.epoch
@@ -307,7 +311,7 @@ class Run:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
         over = self.telemetry.after_step(p.global_step, p.epoch)
         if p.global_step % self.telemetry.every == 0:
-            self._retune_checks()
+            self.agreement.retune(self.telemetry.step_seconds)
             if self._memory is not None:
                 self._memory.retune(self.telemetry.step_seconds)
         self._beat("train")
@@ -336,8 +340,8 @@ class Run:
             )
         if due or control.save_due:
             self.save()
-        if self._memory is not None:
-            self._memory.at_step(p.global_step)
+        if self._memory is not None and not self._memory.at_step(p.global_step):
+            self._memory = self.checkpointer.memory = None  # off on every rank from now on
 
     def save(self) -> None:
         """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
@@ -430,39 +434,6 @@ class Run:
         """Progress for the watchdog: one small pwrite (about 2 microseconds), so it knows the exact step."""
         if self._heartbeat is not None:
             self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
-
-    def _world_size_changed(self) -> None:
-        """Recorded once the loop has its data (the batch size) and the app has said what it does about it."""
-        p, first = self.progress, self.data.samplers[0] if self.data.samplers else None
-        batch = {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size} if first else {}
-        self.record.event(
-            Event.WORLD_SIZE_CHANGED,
-            step=self.resumed_from,
-            saved_world_size=self.saved_world_size,
-            world_size=self.world_size,
-            epoch=p.epoch,
-            sample_in_epoch=p.sample_in_epoch,
-            **batch,
-            **self.world_size_notes,
-        )
-        log.warning(
-            "Resumed on %d worker(s) from a checkpoint of %d: the epoch continues at sample %d of its order, dealt over %d",
-            self.world_size,
-            self.saved_world_size,
-            p.sample_in_epoch,
-            self.world_size,
-        )
-
-    def _retune_checks(self) -> None:
-        """stop_check_every_n_steps=None: the ranks agree about every CHECK_INTERVAL_S, from rank 0's time
-        per step, which the log step's all-reduce brought to every rank (so every rank picks the same)."""
-        per_step = self.telemetry.step_seconds
-        if not self._auto_check or not per_step:
-            return
-        every = 1
-        while every * 2 * per_step <= CHECK_INTERVAL_S and every * 2 <= MAX_CHECK_EVERY:
-            every *= 2
-        self.agreement.every = every
 
     def _end_epoch(self, max_epochs: int) -> None:
         p = self.progress

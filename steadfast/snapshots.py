@@ -36,12 +36,14 @@ import math
 import os
 import struct
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
 
 from .checkpoint import tensorfile
-from .checkpoint.tensorwrite import plan
+from .checkpoint.codec import OWN, SHARED, Codec, for_state
+from .checkpoint.replicated import ReplicatedCodec
 from .contract.events import Event
 from .contract.shm import SHM_DIR, Segments
 
@@ -52,7 +54,7 @@ HEADER = struct.Struct("<8sQQQ16sQ")  # magic, sequence (0: empty), step, payloa
 FIELDS = struct.Struct("<8sQQQQ")  # what the keyed digest covers besides the bytes' hash
 HEADER_BYTES = 4096  # the payload starts on its own page
 EMPTY = HEADER.pack(MAGIC, 0, 0, 0, b"\0" * 16, 0)
-OBJECTS, RANK = "objects", "rank"
+RANK = "rank"  # this rank's buffer is rank<r>
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
 GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
@@ -160,6 +162,16 @@ class Slot:
 
     def read(self) -> Optional[Tuple[int, int, Any]]:
         """(sequence, step, state) when the slot is filled and its bytes verify, else None (never raises)."""
+        got = self.read_bytes()
+        if got is None:
+            return None
+        try:
+            return got[0], got[1], tensorfile.parse(got[2], str(self.path))
+        except FAILURES:
+            return None
+
+    def read_bytes(self) -> Optional[Tuple[int, int, bytearray]]:
+        """(sequence, step, bytes) when the slot is filled and its bytes verify, else None (never raises)."""
         try:
             fd = self.segments.open(self.name, "read")
         except OSError:
@@ -179,7 +191,7 @@ class Slot:
             expected = self.keyed.digest(seq, step, size, world, xxhash.xxh3_128(data, seed=self.keyed.seed).digest())
             if not hmac.compare_digest(digest, expected):
                 return None
-            return seq, step, tensorfile.parse(data, str(self.path))
+            return seq, step, data
         except FAILURES:
             return None
         finally:
@@ -236,55 +248,99 @@ class Buffer:
 
 
 class MemorySnapshots:
-    """This rank's part of the node's snapshots (see the module's docstring)."""
+    """This rank's part of the node's snapshots (see the module's docstring). What goes into them is
+    the codec's (checkpoint/codec.py): the replicated one keeps the objects once per node (local
+    rank 0, `objects`) and each rank's own state (`own`); the sharded one each rank's file, its
+    pieces and every unsharded tensor (`own` alone)."""
 
     def __init__(self, segments: Segments, rank: int, local_rank: int, world_size: int) -> None:
         self.segments, self.rank, self.world_size = segments, rank, world_size
         self.writes_objects = local_rank == 0
         keyed = Keyed(segments.key)
-        self.objects = Buffer(segments, OBJECTS, keyed)
-        self.own = Buffer(segments, f"{RANK}{rank}", keyed)
+        self.buffers = {SHARED: Buffer(segments, SHARED, keyed), OWN: Buffer(segments, f"{RANK}{rank}", keyed)}
         self.seq = int(time.time() * 1000)  # grows across incarnations of the workers
         self.bytes = 0
         self.seconds: Optional[float] = None  # the last snapshot's cost on this rank
 
+    @property
+    def folder(self) -> Path:
+        return self.segments.path
+
     def plan(self, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> List[Tuple[Buffer, Any]]:
-        """What this rank writes now: its own state, and on local rank 0 the shared objects."""
-        out = [(self.own, plan({name: obj.state_dict() for name, obj in per_rank.items()}))]
-        if self.writes_objects:
-            out.append((self.objects, plan({name: obj.state_dict() for name, obj in objects.items()})))
-        return out
+        """What this rank writes now (buffer, layout), as the state's codec says."""
+        states = {name: obj.state_dict() for name, obj in objects.items()}
+        own = {name: obj.state_dict() for name, obj in per_rank.items()}
+        blobs = for_state(states).snapshot(states, own, self.writes_objects)
+        return [(self.buffers[name], layout) for name, layout in blobs.items()]
 
     def take(self, step: int, planned: List[Tuple[Buffer, Any]], halfway: Optional[Callable[[], None]] = None) -> None:
         started = time.perf_counter()
         self.seq += 1
+        shared = self.buffers[SHARED]
         self.bytes = sum(
-            buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is self.objects else None)
+            buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is shared or len(planned) == 1 else None)
             for buffer, layout in planned
         )
         self.seconds = time.perf_counter() - started
 
-    def steps(self) -> List[int]:
-        """The steps at which both this node's shared objects and this rank's own state are filled
-        (bytes are verified when loading), newest first."""
-        shared, own = self.objects.complete(self.world_size), self.own.complete(self.world_size)
-        return sorted((s for s in shared if s in own), reverse=True)
+    @property
+    def objects(self) -> Buffer:
+        return self.buffers[SHARED]
 
-    def load(self, step: int) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-        """(objects' states, this rank's states) at `step`, verified, else None."""
-        found = []
-        for buffer in (self.objects, self.own):
-            entry = buffer.complete().get(step)
-            got = entry[1].read() if entry else None
+    @property
+    def own(self) -> Buffer:
+        return self.buffers[OWN]
+
+    def _codec(self, objects: Optional[Dict[str, Any]]) -> Codec:
+        return for_state({n: o.state_dict() for n, o in objects.items()}) if objects is not None else ReplicatedCodec()
+
+    def steps(self, objects: Optional[Dict[str, Any]] = None) -> List[int]:
+        """The steps at which every buffer the codec of these live objects reads is filled on this
+        rank (bytes are verified when loading), newest first."""
+        filled = [set(self.buffers[name].complete(self.world_size)) for name in self._codec(objects).snapshot_blobs()]
+        return sorted(set.intersection(*filled), reverse=True)
+
+    def load(self, step: int, objects: Optional[Dict[str, Any]] = None) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+        """(objects' states, this rank's states) at `step` for these live objects, verified, else None."""
+        codec, blobs = self._codec(objects), {}
+        for name in codec.snapshot_blobs():
+            entry = self.buffers[name].complete().get(step)
+            got = entry[1].read_bytes() if entry else None
             if got is None or got[1] != step:
                 return None
-            found.append(got[2])
-        return found[0], found[1]
+            blobs[name] = got[2]
+        try:
+            return codec.load_snapshot(blobs, objects or {}, self.rank)
+        except FAILURES:
+            return None
 
     def discard_after(self, step: int) -> None:
-        self.own.discard_after(step)
+        self.buffers[OWN].discard_after(step)
         if self.writes_objects:
-            self.objects.discard_after(step)
+            self.buffers[SHARED].discard_after(step)
+
+
+def open_memory(
+    every: Any, segment: Optional[str], rank: int, local_rank: int, world_size: int
+) -> Tuple[Optional[MemorySnapshots], Optional[str]]:
+    """This rank's snapshots in the launch's private folder, or (None, why not); (None, None): off."""
+    if every == 0 or not segment:
+        return None, None
+    if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
+        return None, f"{SHM_DIR} is not a writable folder here"
+    try:
+        return MemorySnapshots(Segments(segment), rank, local_rank, world_size), None
+    except OSError as exc:
+        return None, f"the launch's private folder {SHM_DIR / segment} cannot be used ({exc.strerror or exc})"
+
+
+def announce_off(record: Callable[..., None], why: str) -> None:
+    log.warning(
+        "Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
+        "disk. (snapshot.every_n_steps=0 turns them off without this message.)",
+        why,
+    )
+    record(Event.SNAPSHOT_UNAVAILABLE, reason=why)
 
 
 class MemoryCadence:
@@ -293,62 +349,46 @@ class MemoryCadence:
     auto: every step when a snapshot costs under MEMORY_SHARE of a step, else the smallest interval
     at which it does, from the slowest rank's snapshot time and rank 0's step time (both agreed,
     so every rank snapshots at the same steps). The first snapshot checks, on every node, that two
-    copies fit in the shared-memory filesystem; if one node has no room, all of them go without."""
+    copies fit in the shared-memory filesystem; if one node has no room, all of them go without.
 
-    def __init__(self, run: Any, memory: MemorySnapshots, every: Any) -> None:
-        self.run, self.memory = run, memory
+    It is given what it uses: the snapshots, the ranks' collectives, an event sink, the tracked
+    state (objects and per-rank, name -> Stateful) and the snapshot fault's hook."""
+
+    def __init__(
+        self,
+        memory: MemorySnapshots,
+        every: Any,
+        comm: Any,
+        record: Callable[..., None],
+        tracked: Tuple[Dict[str, Any], Dict[str, Any]],
+        during_snapshot: Callable[[int], None],
+    ) -> None:
+        self.memory, self.comm, self.record, self.tracked, self.during_snapshot = memory, comm, record, tracked, during_snapshot
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)
         self._first = True
 
-    @classmethod
-    def start(cls, every: Any, run: Any) -> Optional["MemoryCadence"]:
-        if every == 0 or not run.launch.snapshot:
-            return None
-        if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
-            cls._off(run, f"{SHM_DIR} is not a writable folder here")
-            return None
-        try:
-            segments = Segments(run.launch.snapshot)
-        except OSError as exc:
-            cls._off(run, f"the launch's private folder {SHM_DIR / run.launch.snapshot} cannot be used ({exc.strerror or exc})")
-            return None
-        memory = MemorySnapshots(segments, run.rank, run.local_rank, run.world_size)
-        run.checkpointer.memory = memory
-        return cls(run, memory, every)
-
-    @staticmethod
-    def _off(run: Any, why: str) -> None:
-        log.warning(
-            "Snapshots in memory are off: %s. After a failure the run resumes from the newest checkpoint on "
-            "disk. (snapshot.every_n_steps=0 turns them off without this message.)",
-            why,
-        )
-        run.record.event(Event.SNAPSHOT_UNAVAILABLE, reason=why)
-        run._memory = run.checkpointer.memory = None
-
-    def at_step(self, step: int) -> None:
+    def at_step(self, step: int) -> bool:
+        """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
         if step % self.every:
-            return
-        run, memory = self.run, self.memory
+            return True
+        memory = self.memory
         started = time.perf_counter()
-        planned = memory.plan(run.checkpointer.objects, run.checkpointer.per_rank)
+        planned = memory.plan(*self.tracked)
+        announce = self._first
         if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
             self._first = False
             problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
-            if run.comm.max_each([1.0 if problem else 0.0])[0]:
-                self._off(run, problem or "another node's shared memory is too small for them")
-                return
-            announce = True
-        else:
-            announce = False
+            if self.comm.max_each([1.0 if problem else 0.0])[0]:
+                announce_off(self.record, problem or "another node's shared memory is too small for them")
+                return False
         try:
-            memory.take(step, planned, lambda: run.faults.during_snapshot(step))
+            memory.take(step, planned, lambda: self.during_snapshot(step))
         except OSError as exc:
-            self._off(run, f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
+            announce_off(self.record, f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
             raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
         memory.seconds = time.perf_counter() - started
-        if announce and run.rank == 0:
+        if announce and self.comm.rank == 0:
             log.info(
                 "Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)",
                 memory.bytes / 1e6,
@@ -356,24 +396,25 @@ class MemoryCadence:
                 f"auto: {self.every}" if self.auto else self.every,
             )
             self._record(memory.seconds)
+        return True
 
     def retune(self, step_seconds: Optional[float]) -> None:
         if not self.auto or not step_seconds:
             return
-        cost = self.run.comm.max_each([self.memory.seconds or 0.0])[0]
+        cost = self.comm.max_each([self.memory.seconds or 0.0])[0]
         every = max(1, math.ceil(cost / (MEMORY_SHARE * step_seconds)))
-        if every != self.every and self.run.rank == 0:
+        if every != self.every and self.comm.rank == 0:
             self.every = every
             self._record(cost, step_seconds=round(step_seconds, 5))
         self.every = every
 
     def _record(self, seconds: float, **fields: Any) -> None:
-        self.run.record.event(
+        self.record(
             Event.SNAPSHOT_CREATED,
             bytes=self.memory.bytes,
             every_n_steps=self.every,
             auto=self.auto,
-            segment=self.run.launch.snapshot,
+            segment=self.memory.segments.path.name,
             seconds=round(seconds, 5),
             **fields,
         )

@@ -25,7 +25,7 @@ from steadfast.contract.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.slow
 APP = ROOT / "tests" / "apps" / "fsdp_loop"
-SMALL = ["samples=720", "restart.max_restarts=6", "snapshot=off"]
+SMALL = ["samples=720", "restart.max_restarts=6"]
 
 
 def project(tmp_path: Path) -> Path:

@@ -17,7 +17,6 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, Iterator
 
 import pytest
@@ -30,7 +29,7 @@ from helpers import env
 from steadfast.checkpoint import tensorfile
 from steadfast.contract import shm
 from steadfast.contract.env import LaunchEnv
-from steadfast.snapshots import HEADER, HEADER_BYTES, MAGIC, Keyed, MemoryCadence, MemorySnapshots
+from steadfast.snapshots import HEADER, HEADER_BYTES, MAGIC, Keyed, MemorySnapshots, announce_off, open_memory
 from steadfast.state import Progress, RNGState
 
 OTHER_UID = 65534  # nobody
@@ -106,15 +105,9 @@ def _cadence_refuses(launch: shm.LaunchFolder, tmp_path: Path) -> str:
 
     (tmp_path / "records").mkdir(exist_ok=True)
     record = RunRecord(tmp_path / "records", 0)
-    run = SimpleNamespace(
-        launch=SimpleNamespace(snapshot=launch.name),
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        record=record,
-        checkpointer=SimpleNamespace(memory=None),
-    )
-    assert MemoryCadence.start(1, run) is None
+    memory, why = open_memory(1, launch.name, 0, 0, 1)
+    assert memory is None and why
+    announce_off(record.event, why)
     events = [json.loads(line) for line in (tmp_path / "records" / "events.jsonl").read_text().splitlines()]
     return next(e["reason"] for e in events if e["event"] == "snapshot_unavailable")
 

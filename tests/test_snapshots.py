@@ -288,15 +288,12 @@ def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_
 def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_percent_of_the_time(
     launch: shm.LaunchFolder, tmp_path: Path
 ) -> None:
-    from types import SimpleNamespace
-
     from steadfast.comm import Comm
     from steadfast.records import RunRecord
     from steadfast.snapshots import MEMORY_SHARE, MemoryCadence
 
-    run = SimpleNamespace(comm=Comm(), rank=0, record=RunRecord(tmp_path, 0), launch=SimpleNamespace(snapshot=launch.name))
-    memory = _memory(launch)
-    cadence = MemoryCadence(run, memory, "auto")
+    memory, record = _memory(launch), RunRecord(tmp_path, 0)
+    cadence = MemoryCadence(memory, "auto", Comm(), record.event, ({}, {}), lambda step: None)
     step = 0.010  # seconds per step
     for cost, every in (
         (0.1 * MEMORY_SHARE * step, 1),
@@ -309,7 +306,7 @@ def test_auto_takes_a_snapshot_every_step_when_cheap_and_spaces_them_to_two_perc
         assert cadence.every == every and cost / every <= MEMORY_SHARE * step * 1.0001, (cost, cadence.every)
     recorded = [e["every_n_steps"] for e in events(tmp_path) if e["event"] == "snapshot_created"]
     assert recorded == [5], recorded  # each change of the interval is recorded, with the cost it came from
-    fixed = MemoryCadence(run, memory, 3)
+    fixed = MemoryCadence(memory, 3, Comm(), record.event, ({}, {}), lambda step: None)
     memory.seconds = 100 * step
     fixed.retune(step)
     assert fixed.every == 3  # a number the user set is kept

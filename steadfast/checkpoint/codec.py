@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from .tensorwrite import Layout
 
+SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
+
 
 class Collectives(Protocol):
     """What the checkpoint code needs of the ranks' collectives (steadfast.comm.Comm provides it)."""
@@ -83,6 +85,10 @@ class Codec(ABC):
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
         rank keeps the node's copy of what every rank shares)."""
+
+    @abstractmethod
+    def snapshot_blobs(self) -> List[str]:
+        """The buffers a rank reads back to restore from a snapshot ("objects": the node's shared copy; "own": its own)."""
 
     @abstractmethod
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -138,10 +138,11 @@ def _dims(value: Any, count: Optional[int] = None) -> bool:
     )
 
 
-def tensor_table_problem(table: Any, files: Dict[str, Any]) -> Optional[str]:
+def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = True) -> Optional[str]:
     """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
     dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
-    exactly (their sizes add up to it; without overlap, checked where they are at most MAX_PAIRWISE)."""
+    exactly (their sizes add up to it; without overlap, checked where they are at most MAX_PAIRWISE).
+    Without `covering` (one rank's snapshot: its own pieces only) the pieces may cover part of it."""
     if not isinstance(table, dict) or len(table) > MAX_TENSORS:
         return f"must be a JSON object of at most {MAX_TENSORS} tensors"
     for key, entry in table.items():
@@ -166,7 +167,7 @@ def tensor_table_problem(table: Any, files: Dict[str, Any]) -> Optional[str]:
             if any(o + n > w for o, n, w in zip(piece[1], piece[2], whole)):
                 return f"{what}: a piece lies outside its shape"
             total += math.prod(piece[2])
-        if total != math.prod(whole):
+        if total != math.prod(whole) and (covering or total > math.prod(whole)):
             return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
         if len(pieces) <= MAX_PAIRWISE and any(_overlap(a, b) for i, a in enumerate(pieces) for b in pieces[i + 1 :]):
             return f"{what}: two pieces overlap"

@@ -13,11 +13,10 @@ from typing import Any, Dict, List, Tuple
 
 from . import fileio, tensorfile
 from . import manifest as mf
-from .codec import Codec, Collectives, Loaded, Planned, Unsaveable
+from .codec import OWN, SHARED, Codec, Collectives, Loaded, Planned, Unsaveable
 from .tensorwrite import Layout
 
 RANKS = "ranks"  # the file of every rank's own state: ranks.bin
-OBJECTS_BLOB, OWN_BLOB = "objects", "own"
 
 
 class ReplicatedCodec(Codec):
@@ -53,14 +52,17 @@ class ReplicatedCodec(Codec):
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        out = {OWN_BLOB: tensorfile.plan(own)}
+        out = {OWN: tensorfile.plan(own)}
         if writes_objects:
-            out[OBJECTS_BLOB] = tensorfile.plan(objects)
+            out[SHARED] = tensorfile.plan(objects)
         return out
 
+    def snapshot_blobs(self) -> List[str]:
+        return [SHARED, OWN]
+
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        shared = tensorfile.parse(blobs[OBJECTS_BLOB], OBJECTS_BLOB)
-        mine = tensorfile.parse(blobs[OWN_BLOB], OWN_BLOB)
+        shared = tensorfile.parse(blobs[SHARED], SHARED)
+        mine = tensorfile.parse(blobs[OWN], OWN)
         if not isinstance(shared, dict) or not all(name in shared for name in objects) or not isinstance(mine, dict):
             raise tensorfile.TensorFileError("the snapshot does not hold every tracked object", "contents")
         return shared, mine

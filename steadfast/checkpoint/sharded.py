@@ -31,7 +31,7 @@ import torch
 
 from . import fileio, tensorfile
 from . import manifest as mf
-from .codec import Codec, Collectives, Loaded, Planned, Unsaveable
+from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable
 from .shards import Box, fill, is_dtensor, like, piece_of, target_box, volume
 from .sources import BufferSource, FolderSource, Source
 from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
@@ -39,9 +39,8 @@ from .tensorwrite import Layout, _place, _Planner
 
 FORMAT = mf.SHARDED_FORMAT
 OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,95}")  # no '.': a tensor's key is "<object>.<path>"
-SNAPSHOT_BLOB = "own"
-OBJECTS, OWN = "objects", "own"
-PIECES_KEY = "steadfast.pieces"  # a rank file's metadata: the pieces it holds (key -> [dtype, whole, offset, shape])
+OBJECTS, RANK_STATE = "objects", "own"  # a rank file's tree: the objects' skeletons (rank 0), its own state
+PIECES_KEY = "steadfast.pieces"  # a rank file's metadata: every key it knows and the pieces it holds
 OWN_PREFIX = "@rank"  # names of this rank's own tensors (object names start with a letter or digit)
 
 
@@ -119,9 +118,9 @@ def plan(objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicate
         if skeleton:
             tree[OBJECTS] = {"__d": [[name, node] for name, node in encoded.items()]}
         planner.own = True
-        tree[OWN] = planner.encode(own, OWN_PREFIX, 1)
+        tree[RANK_STATE] = planner.encode(own, OWN_PREFIX, 1)
     layout = Layout({"__d": [[k, v] for k, v in tree.items()]}, planner.entries, _place(planner.entries))
-    layout.metadata = {PIECES_KEY: json.dumps(planner.pieces, separators=(",", ":"))}
+    layout.metadata = {PIECES_KEY: json.dumps({"keys": planner.keys, "pieces": planner.pieces}, separators=(",", ":"))}
     return RankFile(layout, planner.pieces, planner.keys)
 
 
@@ -177,7 +176,7 @@ class Reader:
             shifted = [(n, c, s, b - begin, e - begin) for n, c, s, b, e in own_rows]
             tensors = tensorfile.tensors_over(data, 0, shifted)
         tree = tensorfile.decode(skeleton, tensors, name, refs=True)
-        if not isinstance(tree, dict) or OWN not in tree:
+        if not isinstance(tree, dict) or RANK_STATE not in tree:
             raise TensorFileError(f"{name}: not a rank file of a sharded checkpoint (no skeleton)", "format")
         return tree
 
@@ -281,7 +280,7 @@ def load(
     missing = [name for name in objects if name not in skeletons]
     if missing:
         raise TensorFileError(f"the checkpoint holds no {', '.join(missing)}", "missing")
-    own = None if rank_file is None else root[OWN] if rank_file == root_file else reader.tree(rank_file)[OWN]
+    own = None if rank_file is None else root[RANK_STATE] if rank_file == root_file else reader.tree(rank_file)[RANK_STATE]
     states = {}
     for name, obj in objects.items():
         params = _optimizer_params(obj)
@@ -338,16 +337,25 @@ class ShardedCodec(Codec):
         return Loaded(states, own_state, saved)
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        return {SNAPSHOT_BLOB: plan(objects, own, skeleton=True, replicated=True).layout}
+        return {OWN: plan(objects, own, skeleton=True, replicated=True).layout}
+
+    def snapshot_blobs(self) -> List[str]:
+        return [OWN]
 
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        source = BufferSource({SNAPSHOT_BLOB: blobs[SNAPSHOT_BLOB]})
+        source = BufferSource({OWN: blobs[OWN]})
         reader = Reader(source, {})
-        header = reader.header(SNAPSHOT_BLOB)
+        header = reader.header(OWN)
         try:
-            pieces = json.loads((header.meta or {}).get(PIECES_KEY, "{}"))
-            reader.table = {k: {"dtype": c, "shape": w, "pieces": [[SNAPSHOT_BLOB, o, s]]} for k, (c, w, o, s) in pieces.items()}
-        except (ValueError, TypeError) as exc:
+            known = json.loads((header.meta or {}).get(PIECES_KEY, "{}"))
+            table = {k: {"dtype": c, "shape": w, "pieces": []} for k, (c, w) in known["keys"].items()}
+            for k, (_, _, offset, shape) in known["pieces"].items():
+                table[k]["pieces"].append([OWN, offset, shape])
+        except (ValueError, TypeError, KeyError) as exc:
             raise TensorFileError(f"the snapshot's table of pieces is unreadable ({exc})", "format") from None
-        states, own_state = load(reader, SNAPSHOT_BLOB, objects, root_file=SNAPSHOT_BLOB)
+        problem = mf.tensor_table_problem(table, {OWN: {}}, covering=False)
+        if problem:
+            raise TensorFileError(f"the snapshot's table of pieces: {problem}", "contents")
+        reader.table = table
+        states, own_state = load(reader, OWN, objects, root_file=OWN)
         return states, own_state
