@@ -159,7 +159,9 @@ def test_incompatible_config_is_refused_and_safe_change_accepted(tmp_path: Path,
     assert summary(folder)["epochs_completed"] == 5
 
 
-def test_missing_key_in_a_verified_checkpoint_names_file_and_key(tmp_path: Path, baseline: dict) -> None:
+def test_a_verified_checkpoint_missing_a_key_is_unusable_and_the_previous_one_is_used(tmp_path: Path, baseline: dict) -> None:
+    """Its files verify, but it does not fit the model: it is named (file or folder, and the key), set
+    aside, and the run continues from the checkpoint before, ending with the baseline's weights."""
     folder = finished_copy(baseline, tmp_path)
     ckpt = newest(folder)
     state = tensorfile.load(ckpt / "model.bin")
@@ -168,9 +170,13 @@ def test_missing_key_in_a_verified_checkpoint_names_file_and_key(tmp_path: Path,
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"]["model.bin"] = {"bytes": size, "checksum": digest}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none")
-    assert proc.returncode != 0
-    assert str(ckpt / "model.bin") in proc.stderr and "net.1.bias" in proc.stderr
+    proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none", check=True)
+    invalid = event_of(folder, "checkpoint_invalid")
+    assert invalid["path"] == str(ckpt) and "net.1.bias" in invalid["error"], invalid
+    assert "net.1.bias" in proc.stderr and str(ckpt) in proc.stderr
+    assert event_of(folder, "checkpoint_set_aside")["path"] == str(ckpt)
+    assert event_of(folder, "resumed")["step"] < manifest["step"]
+    assert_same_weights(folder, baseline)
 
 
 def test_second_launch_on_a_busy_folder_refuses_and_a_dead_lock_holder_does_not_block(tmp_path: Path, baseline: dict) -> None:

@@ -4,7 +4,7 @@ For a state that holds DTensors (FSDP2's parameters and optimizer state), a chec
 file per rank, `rank<r>.bin`, in the tensor file format (safetensors plus the skeleton):
 - every rank's file holds the pieces of the sharded tensors that this rank stores (a replicated
   piece is stored once, by coordinate 0 of the mesh dimensions it is replicated over) and this
-  rank's own state (its RNG states: `PER_RANK`);
+  rank's own state (its RNG states, the run's per-rank objects);
 - rank 0's file also holds the skeleton of every object's state and the tensors that are not
   sharded (a step counter, the loop's progress).
 Every tensor of the objects (sharded or not) is a key in the manifest's tensor table, which says
@@ -74,6 +74,8 @@ class _ShardPlanner(_Planner):
     def leaf(self, t: torch.Tensor, path: str) -> Any:
         if self.own:
             return super().leaf(t, path)
+        if path in self.keys:  # the key must name one tensor on every rank (e.g. dict keys "a.b" and a -> b)
+            raise TypeError(f"two tensors of the state have the same key {path!r}; rename one")
         if is_dtensor(t):
             piece = piece_of(t, path)
             code = self._code(t, path)
