@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from .checkpoint import manifest
-from .checkpoint.codec import Collectives
+from .checkpoint.codec import Collectives, Loaded
 from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
-from .checkpoint.restore import misfit
+from .checkpoint.restore import check_fits
 from .config import Resume, Settings
 from .contract.env import LaunchEnv
 from .faults import FaultInjector
@@ -150,10 +150,7 @@ class Checkpointer:
             if loaded is None:
                 raise ValueError(f"this rank's snapshot of step {step} is missing or does not verify")
             shared, own = loaded
-            for name, obj in self.objects.items():
-                problem = misfit(obj.state_dict(), shared.get(name), name)
-                if problem:
-                    raise ValueError(f"the snapshot does not fit this run's {name}: {problem}")
+            check_fits(Loaded(shared, own, self.comm.world_size), self.objects, self.per_rank)
         except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as exc:
             error = str(exc)
         if comm.max_each([1.0 if error else 0.0])[0]:  # some rank's bytes did not verify or fit

@@ -68,6 +68,12 @@ class Progress:
         """Checked whole before anything is set: ValueError names the first key that is wrong (an
         unknown key, a count that is not a non-negative int, a world size that is not positive);
         a key the state does not have keeps its value (a checkpoint of an older version)."""
+        self.check_state(state)
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def check_state(self, state: Any) -> None:
+        """ValueError when `state` cannot be loaded (a resume asks before it applies anything)."""
         if not isinstance(state, dict):
             raise ValueError(f"progress: the state must be a dict, not a {type(state).__name__}")
         for key, value in state.items():
@@ -79,8 +85,6 @@ class Progress:
                     raise ValueError(f"progress {key!r}: must be None or an int from 1 to {MAX_WORLD_SIZE}, not {_show(value)}")
             else:
                 raise ValueError(f"progress: unknown key {_show(key)}")
-        for key, value in state.items():
-            setattr(self, key, value)
 
 
 class RNGState:
@@ -93,6 +97,10 @@ class RNGState:
             "numpy": np.random.get_state(),
             "python": random.getstate(),
         }
+
+    def check_state(self, state: Any) -> None:
+        """ValueError when `state` cannot be loaded (a resume asks before it applies anything)."""
+        _checked_rng(state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Every generator's state is checked (types, sizes, ranges) before any is set; ValueError

@@ -440,3 +440,43 @@ def test_a_state_that_cannot_be_stored_is_refused_by_name_before_anything_is_wri
         m.save(1, model_state(1), {}, {"commit": 7})
     m.close()
     assert mf.committed(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+# ---- a checkpoint that parses but does not fit is unusable: it falls back, nothing half-applied --
+def _fits_test(tmp_path: Path, bad_objects: Dict[str, Any], bad_own: Dict[str, Any]) -> None:
+    from steadfast.state import Progress, RNGState
+
+    model = torch.nn.Linear(4, 3)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    m = manager(tmp_path, keep_last=3)
+    m.save(1, {"model": model, "progress": Progress(global_step=1)}, {"rng": RNGState()}, {})
+    m.wait()
+    m.save(2, bad_objects, bad_own, {})
+    m.close()
+    events = Recorder()
+    live, progress, rng = torch.nn.Linear(4, 3), Progress(), RNGState()
+    restored = manager(tmp_path, events=events).restore({"model": live, "progress": progress}, {"rng": rng}, False)
+    assert restored is not None and restored.step == 1
+    assert all(torch.equal(v, good[k]) for k, v in live.state_dict().items()) and progress.global_step == 1
+    assert events.of(Event.CHECKPOINT_INVALID) and events.of(Event.CHECKPOINT_SET_ASIDE)
+
+
+def test_a_weight_reshaped_with_the_same_bytes_falls_back(tmp_path: Path) -> None:
+    from steadfast.state import Progress, RNGState
+
+    w = torch.nn.Linear(4, 3).state_dict()
+    reshaped = Box({"weight": w["weight"].reshape(4, 3).clone(), "bias": w["bias"]})
+    _fits_test(tmp_path, {"model": reshaped, "progress": Progress(global_step=2)}, {"rng": RNGState()})
+
+
+def test_a_short_rng_state_falls_back_before_anything_is_applied(tmp_path: Path) -> None:
+    from steadfast.state import Progress, RNGState
+
+    short = Box({**RNGState().state_dict(), "torch": torch.zeros(10, dtype=torch.uint8)})
+    _fits_test(tmp_path, {"model": torch.nn.Linear(4, 3), "progress": Progress(global_step=2)}, {"rng": short})
+
+
+def test_a_progress_of_the_wrong_type_falls_back(tmp_path: Path) -> None:
+    from steadfast.state import RNGState
+
+    _fits_test(tmp_path, {"model": torch.nn.Linear(4, 3), "progress": Box({"global_step": "abc"})}, {"rng": RNGState()})

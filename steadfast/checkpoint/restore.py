@@ -47,8 +47,8 @@ def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
     if isinstance(live, torch.Tensor):
         if not isinstance(saved, torch.Tensor):
             return f"{path or 'the state'}: a tensor was expected, the checkpoint holds a {type(saved).__name__}"
-        if tuple(live.shape) != tuple(saved.shape):
-            return f"{path}: shape {list(saved.shape)} in the checkpoint, {list(live.shape)} here"
+        if tuple(live.shape) != tuple(saved.shape) or live.dtype != saved.dtype:
+            return f"{path}: {saved.dtype} {list(saved.shape)} in the checkpoint, {live.dtype} {list(live.shape)} here"
         return None
     if isinstance(live, dict):
         if not isinstance(saved, dict):
@@ -63,6 +63,21 @@ def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
                 if problem:
                     return problem
     return None
+
+
+def check_fits(loaded: Loaded, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> None:
+    """ValueError naming what does not fit, before anything is applied: each object's state against
+    its live state (`misfit`), and against the object's own `check_state` where it has one (the
+    loop's progress, the RNG states: they refuse a state without setting any of it)."""
+    own = loaded.own or {}
+    for name, obj in [*objects.items(), *(per_rank.items() if loaded.own is not None else [])]:
+        state = loaded.objects.get(name) if name in objects else own.get(name)
+        problem = misfit(obj.state_dict(), state, name) if name in objects else None
+        if problem:
+            raise ValueError(f"does not fit this run's {name}: {problem}")
+        check = getattr(obj, "check_state", None)
+        if check is not None:
+            check(state)
 
 
 def verify(path: Path, checksums: bool = True) -> Optional[str]:
@@ -214,13 +229,10 @@ class Resume:
             loaded = for_manifest(manifest).load(
                 path, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
             )
-            for name, obj in objects.items():
-                problem = misfit(obj.state_dict(), loaded.objects.get(name), name)
-                if problem:
-                    raise fileio.FileCheckError(f"{path}: does not fit this run's {name}: {problem}", "contents")
+            check_fits(loaded, objects, per_rank)
             return loaded, None, False
         except (ValueError, TypeError, RuntimeError, OverflowError, RecursionError) as exc:  # bad for good
-            return None, f"rank {self.comm.rank}: {exc}", True
+            return None, f"rank {self.comm.rank}: {path}: {exc}", True
         except (OSError, MemoryError) as exc:  # could not be read now
             return None, f"rank {self.comm.rank}: {type(exc).__name__}: {exc}", False
 
