@@ -480,3 +480,30 @@ def test_a_progress_of_the_wrong_type_falls_back(tmp_path: Path) -> None:
     from steadfast.state import RNGState
 
     _fits_test(tmp_path, {"model": torch.nn.Linear(4, 3), "progress": Box({"global_step": "abc"})}, {"rng": RNGState()})
+
+
+def test_the_orphan_fence_is_checked_right_before_the_rename_that_commits(tmp_path: Path) -> None:
+    """The launcher may go after the last file is written and before the commit: an orphaned worker
+    must not commit then either (the fence used to run only after each file)."""
+    from steadfast.checkpointer import LauncherGone
+
+    class Hooks:
+        def __init__(self) -> None:
+            self.calls: List[str] = []
+
+        def during_save(self, step: int, files_written: int) -> None:
+            self.calls.append("file")
+
+        def before_commit(self, step: int) -> None:
+            self.calls.append("commit")
+            raise LauncherGone("the launcher is gone")
+
+        def after_commit(self, step: int, path: Path) -> None:
+            self.calls.append("after")
+
+    hooks = Hooks()
+    m = manager(tmp_path, hooks=hooks)
+    with pytest.raises(CheckpointError, match="the launcher is gone"):
+        m.save(1, model_state(1), {}, {})
+    assert hooks.calls[-1] == "commit" and "after" not in hooks.calls
+    assert not mf.committed(tmp_path) and not [p for p in tmp_path.iterdir() if p.name.startswith(mf.TMP_PREFIX)]
