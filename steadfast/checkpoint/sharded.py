@@ -32,7 +32,7 @@ import torch
 from . import fileio, tensorfile
 from . import manifest as mf
 from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable
-from .shards import Box, fill, is_dtensor, like, piece_of, target_box, volume
+from .shards import Box, fill, is_dtensor, like, overlap, piece_of, target_box, volume
 from .sources import BufferSource, FolderSource, Source
 from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
 from .tensorwrite import Layout, _place, _Planner
@@ -154,6 +154,7 @@ class Reader:
         self.source = source
         self.table = table
         self._headers: Dict[str, tensorfile.Header] = {}
+        self._rows: Dict[str, Dict[str, tensorfile.Row]] = {}  # file -> its tensor table by name
 
     def header(self, name: str) -> tensorfile.Header:
         header = self._headers.get(name)
@@ -192,11 +193,17 @@ class Reader:
         return self._pieces(key)[1]
 
     def region(self, key: str, box: Box) -> torch.Tensor:
-        """The values of tensor `key` in `box`, read from the pieces that overlap it (only their rows in it)."""
+        """The values of tensor `key` in `box`, read from the pieces that overlap it (only their rows
+        in it). A box that is exactly one saved piece (a resume on the same world size) is that
+        piece's bytes, not copied."""
         code, whole, pieces = self._pieces(key)
         offset, shape = box
         if len(offset) != len(whole) or any(o < 0 or o + n > w for o, n, w in zip(offset, shape, whole)):
             raise TensorFileError(f"tensor {key[:120]!r}: {box} is outside its shape {list(whole)}", "contents")
+        exact = [p for p in pieces if p.offset == tuple(offset) and p.shape == tuple(shape)]
+        if exact and volume(shape):
+            rows = shape[0] if shape else 1
+            return self._rows_of(key, code, exact[0], 0, rows).reshape(shape)
         out = torch.empty(shape, dtype=DTYPES[code])
         covered = 0
         for piece in pieces:
@@ -207,30 +214,37 @@ class Reader:
             )
         return out
 
-    def _fill_from(self, key: str, code: str, piece: _Piece, out: torch.Tensor, box: Box) -> int:
-        from .shards import overlap
+    def _row(self, file: str, key: str) -> tensorfile.Row:
+        rows = self._rows.get(file)
+        if rows is None:
+            rows = self._rows[file] = {row[0]: row for row in self.header(file).table}
+        row = rows.get(key)
+        if row is None:
+            raise TensorFileError(f"{file}: does not hold tensor {key[:120]!r} as the tensor table says", "contents")
+        return row
 
+    def _rows_of(self, key: str, code: str, piece: _Piece, first: int, rows: int) -> torch.Tensor:
+        """Rows [first, first + rows) of a saved piece (a 0-d piece: its one value), as a flat tensor."""
+        _, row_code, shape, begin, _ = row = self._row(piece.file, key)
+        if row_code != code or tuple(shape) != piece.shape:
+            raise TensorFileError(f"{piece.file}: does not hold tensor {row[0][:120]!r} as the tensor table says", "contents")
+        row_bytes = volume(shape[1:]) * ITEMSIZE[code] if shape else ITEMSIZE[code]
+        data = self.source.read(piece.file, self.header(piece.file).data_start + begin + first * row_bytes, rows * row_bytes)
+        raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        if raw.data_ptr() % ITEMSIZE[code]:  # a file not written by us may leave a span unaligned
+            raw = raw.clone()
+        return raw.view(DTYPES[code])
+
+    def _fill_from(self, key: str, code: str, piece: _Piece, out: torch.Tensor, box: Box) -> int:
         common = overlap(box, (piece.offset, piece.shape)) if piece.shape else ((), ())
         if common is None:
             return 0
-        header = self.header(piece.file)
-        row = next((r for r in header.table if r[0] == key), None)
-        if row is None or row[1] != code or tuple(row[2]) != piece.shape:
-            raise TensorFileError(f"{piece.file}: does not hold tensor {key[:120]!r} as the tensor table says", "contents")
-        _, _, shape, begin, _ = row
-        if not shape:  # a 0-d tensor
-            rows, first = 1, 0
-            row_bytes = ITEMSIZE[code]
-        else:
-            first, rows = common[0][0] - piece.offset[0], common[1][0]
-            row_bytes = volume(shape[1:]) * ITEMSIZE[code]
-        data = self.source.read(piece.file, header.data_start + begin + first * row_bytes, rows * row_bytes)
-        values = torch.frombuffer(data, dtype=torch.uint8).view(DTYPES[code]) if data else torch.empty(0, dtype=DTYPES[code])
-        if not shape:
-            out.copy_(values.reshape(()))
+        if not piece.shape:  # a 0-d tensor
+            out.copy_(self._rows_of(key, code, piece, 0, 1).reshape(()))
             return 1
-        part = values.reshape((rows, *shape[1:]))
-        part_box = ((piece.offset[0] + first, *piece.offset[1:]), (rows, *shape[1:]))
+        first, rows = common[0][0] - piece.offset[0], common[1][0]
+        part = self._rows_of(key, code, piece, first, rows).reshape((rows, *piece.shape[1:]))
+        part_box = ((piece.offset[0] + first, *piece.offset[1:]), (rows, *piece.shape[1:]))
         return fill(out, box, part, part_box)
 
 
@@ -326,10 +340,14 @@ class ShardedCodec(Codec):
         dir_fd = fileio.open_folder(path)
         source = FolderSource(dir_fd, path, {n: spec["bytes"] for n, spec in files.items()})
         try:
-            for i, name in enumerate(sorted(files)):  # every file verified whole, by one rank each
-                if i % world_size == rank:
-                    fileio.verify_file(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd)
             mine = file_name(rank) if rank < saved else None
+            for i, name in enumerate(sorted(files)):  # every file verified whole, by one rank each
+                if i % world_size != rank:
+                    continue
+                if name == mine:  # its own file: read once, verified, and the pieces taken from memory
+                    source.hold(name, fileio.read_verified(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd))
+                else:
+                    fileio.verify_file(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd)
             states, own_state = load(Reader(source, manifest["tensors"]), mine, objects)
         finally:
             source.close()

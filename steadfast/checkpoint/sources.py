@@ -16,16 +16,22 @@ class Source(Protocol):
 
     def size(self, name: str) -> int: ...
 
-    def read(self, name: str, offset: int, length: int) -> bytearray: ...
+    def read(self, name: str, offset: int, length: int) -> Any:
+        """`length` bytes at `offset` of file `name`: a writable buffer (a tensor may be made over it)."""
 
 
 class FolderSource:
     """The files of a committed checkpoint folder, opened without following links and checked to be
-    regular files of the manifest's size."""
+    regular files of the manifest's size; a file already read whole (and verified) is served from
+    memory (`hold`), so a rank that verified its own file does not read it twice."""
 
     def __init__(self, dir_fd: int, where: Any, sizes: Dict[str, int]) -> None:
         self.dir_fd, self.where, self.sizes = dir_fd, where, sizes
         self._fds: Dict[str, int] = {}
+        self._held: Dict[str, memoryview] = {}
+
+    def hold(self, name: str, data: bytearray) -> None:
+        self._held[name] = memoryview(data)
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -45,7 +51,12 @@ class FolderSource:
         self._fd(name)
         return self.sizes[name]
 
-    def read(self, name: str, offset: int, length: int) -> bytearray:
+    def read(self, name: str, offset: int, length: int) -> Any:
+        held = self._held.get(name)
+        if held is not None:
+            if offset + length > held.nbytes:
+                raise TensorFileError(f"{self.where / name}: ended before byte {offset + length}", "size")
+            return held[offset : offset + length]
         fd, buf = self._fd(name), bytearray(length)
         view, pos = memoryview(buf), 0
         while pos < length:
@@ -59,21 +70,22 @@ class FolderSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._held.clear()
 
 
 class BufferSource:
     """Files held in memory (a snapshot): name -> bytes."""
 
     def __init__(self, files: Dict[str, Any]) -> None:
-        self.files = {name: memoryview(data).cast("B") for name, data in files.items()}
+        self.files = {name: memoryview(data).cast("B") for name, data in files.items()}  # writable buffers
 
     def size(self, name: str) -> int:
         if name not in self.files:
             raise TensorFileError(f"{name}: not in this snapshot", "missing")
         return self.files[name].nbytes
 
-    def read(self, name: str, offset: int, length: int) -> bytearray:
+    def read(self, name: str, offset: int, length: int) -> Any:
         view = self.files[name]
         if offset + length > view.nbytes:
             raise TensorFileError(f"{name}: ends before byte {offset + length}", "size")
-        return bytearray(view[offset : offset + length])
+        return view[offset : offset + length]
