@@ -339,8 +339,10 @@ def run_baseline(
     trace: Optional[Path] = None,
     sample_cpu: bool = False,
     loader: str = "dataloader",
+    script: Optional[Path] = None,
 ) -> Run:
-    """bench/baseline_ddp.py under torchrun; loader "slices": batches indexed out of the tensors, no DataLoader."""
+    """bench/baseline_ddp.py (or `script`, which takes the same flags: bench/baseline_fsdp.py) under
+    torchrun; loader "slices": batches indexed out of the tensors, no DataLoader."""
     folder = work.path / "baseline" / work.name(label)
     folder.mkdir(parents=True)
     records = folder / "records.jsonl"
@@ -349,7 +351,7 @@ def run_baseline(
         "--standalone",
         "--nproc_per_node",
         str(job.workers),
-        str(ROOT / "bench" / "baseline_ddp.py"),
+        str(script or ROOT / "bench" / "baseline_ddp.py"),
         *job.baseline_args(),
         "--loader",
         loader,

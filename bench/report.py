@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import report_sharded
 from .common import RESULTS, ROOT, median, sources_text
 
 OUT = ROOT / "BENCHMARKS.md"
@@ -107,7 +108,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step = (
+    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sh = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -119,6 +120,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "scaling",
             "stop_agreement",
             "step_cost",
+            "sharded",
         )
     )
     m = run_all.get("machine") or next((x["machine"] for x in (hot, st, rec, gp, ck, hv, sc) if x and "machine" in x), {})
@@ -373,7 +375,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         sn = sc_step["snapshot"]
         rows.append(
             [
-                "9",
+                "8",  # bench.step_cost's figure (section 8)
                 f"a snapshot in memory ({f((sn.get('bytes_per_node') or 0) / 1e6, 1)} MB per node): its cost per step at"
                 f" `snapshot.every_n_steps=auto` (every {sn['auto_every_n_steps']} step(s)); every step",
                 f"{100 * sn['auto_share_of_step']:.2f}%; {100 * sn['every_step_share_of_step']:.1f}%",
@@ -381,6 +383,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                 status(sn["auto_share_of_step"], "<=", 0.02),
             ]
         )
+    if sh:
+        rows += report_sharded.rows(sh)
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
 
@@ -783,6 +787,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             f"Auto chose every {t.get('auto_every_n_steps')} steps here (a step without it: {f(t.get('bare_ms_per_step'), 2)} ms).",
             "",
         ]
+    if sh:
+        lines += report_sharded.section(sh, in_suite="sharded" in ran)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

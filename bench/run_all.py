@@ -37,9 +37,13 @@ SUITE: List[tuple] = [
     ("goodput", "bench.goodput", [], (240, 130)),
     ("horovod", "bench.horovod", [], (60, 35)),
     ("scaling", "bench.scaling", [], (150, 46)),
+    ("sharded", "bench.sharded", [], (380, 170)),
 ]
 QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"]}
-TINY_ARGS = {"checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"]}
+TINY_ARGS = {
+    "checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"],
+    "sharded": ["--tiny", "--no-drop-caches"],
+}
 
 
 def git_state() -> Dict[str, Any]:

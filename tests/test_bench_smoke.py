@@ -140,6 +140,38 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
     assert _positive(big["ours/baseline steps_per_s"]) and _positive(big["ours/baseline ttfs"])
 
 
+@pytest.mark.slow
+def test_sharded_bench_smoke(tmp_path: Path) -> None:
+    r = _run_bench(tmp_path, "sharded", "--no-drop-caches", "--dir", str(tmp_path), timeout=400)
+    st = r["state"]
+    assert set(st["throughput"]) == {"2", "3"} and set(st["memory"]) == {"2", "3"} and set(st["restore"]) == {"1", "2", "3"}
+    for t in st["throughput"].values():
+        assert _positive(t["sharded/raw throughput"]) and all(_positive(b) for b in t["rank_file_bytes"])
+    for m in st["memory"].values():
+        assert {"gathered", "sharded"} <= set(m) and all(m[k]["peak_reset_ok"] for k in ("gathered", "sharded"))
+        assert m["gathered"]["files"] == 3 and m["sharded"]["files"] in (2, 3)  # model, optimizer, ranks; a file per rank
+    assert all(e["verified"] and _positive(e["warm_s"]["median"]) for e in st["restore"].values())
+    assert len(st["restore"]["3"]["warm_rchar_MB_per_rank"]) == 3
+    assert isinstance(st["memory_vs_ranks"]["sharded rank0 peak does not grow with the ranks"], bool)
+    assert _positive(r["hot_loop"]["ours/baseline steps_per_s"]) and _positive(
+        r["hot_loop"]["ours/baseline steps per CPU-second"]
+    )
+    assert set(r["targets"]) >= {
+        "save throughput per rank, sharded / raw fsync write (2 workers)",
+        "hot loop steps/s, ours / hand-written FSDP2",
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["sharded.json"]  # the scratch folder is removed
+
+    from bench.report import write_report
+
+    (tmp_path / "sharded.json").rename(tmp_path / "results.json")
+    results = tmp_path / "results"
+    results.mkdir()
+    (tmp_path / "results.json").rename(results / "sharded.json")
+    text = write_report(results, tmp_path / "BENCHMARKS.md").read_text()
+    assert "## 9. Sharded state (FSDP2)" in text and "| 9 | sharded save throughput per rank" in text
+
+
 def test_report_renders_from_the_smoke_results(tmp_path: Path) -> None:
     from bench.report import write_report
 

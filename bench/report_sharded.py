@@ -1,0 +1,210 @@
+"""BENCHMARKS.md's rows and section for bench.sharded (FSDP2 sharded state); bench/report.py calls these."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+SECTION = "9"
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _status(value: Optional[float], op: str, goal: float) -> str:
+    if value is None:
+        return "not measured"
+    return "**met**" if (value >= goal if op == ">=" else value <= goal) else "**missed**"
+
+
+def _med(d: Optional[Dict[str, Any]], *keys: str) -> Optional[float]:
+    for k in keys:
+        d = (d or {}).get(k)
+    return d.get("median") if isinstance(d, dict) else None
+
+
+def rows(sh: Dict[str, Any]) -> List[List[str]]:
+    """The summary table's rows."""
+    st, hot, r = sh["state"], sh["hot_loop"], sh["ratios"]
+    out: List[List[str]] = []
+    for w, goal in (("2", 0.9), ("3", None)):
+        v = r.get(f"save throughput per rank, sharded / raw fsync write ({w} workers)")
+        out.append(
+            [
+                SECTION,
+                f"sharded save throughput per rank / raw fsync'd write of the same bytes, {w} workers",
+                _f(v),
+                f">= {goal}" if goal else "-",
+                _status(v, ">=", goal) if goal else "reported",
+            ]
+        )
+    mem, grows = st["memory"], st["memory_vs_ranks"]
+    peaks = "; ".join(
+        f"{w}: {_f(_med(mem.get(w), 'gathered', 'rank0_peak_above_rss_MB'), 0)} / {_f(_med(mem.get(w), 'sharded', 'rank0_peak_above_rss_MB'), 0)}"
+        for w in ("2", "3")
+    )
+    ok = grows.get("sharded rank0 peak does not grow with the ranks")
+    out.append(
+        [
+            SECTION,
+            "rank 0's peak memory during a save, MB above its RSS, gathered / sharded, by workers",
+            peaks,
+            "sharded does not grow with the ranks",
+            "not measured" if ok is None else "**met**" if ok else "**missed**",
+        ]
+    )
+    mode = "cold" if any("cold_s" in e for e in st["restore"].values()) else "warm"
+    out.append(
+        [
+            SECTION,
+            f"restore of a checkpoint saved on 2 workers, time on 1; on 3 / on 2 ({mode})",
+            "; ".join(_f(r.get(f"restore time, saved on 2 loaded on {w} / on 2 ({mode})")) for w in ("1", "3")),
+            "-",
+            "reported",
+        ]
+    )
+    v = r.get("hot loop steps/s, ours / hand-written FSDP2")
+    out.append(
+        [SECTION, "FSDP2 hot loop: steps/s, ours (parallel=fsdp) / hand-written FSDP2 loop (wall clock)", _f(v, 3), ">= 0.97"]
+        + [_status(v, ">=", 0.97)]
+    )
+    v = hot.get("ours/baseline steps per CPU-second")
+    out.append([SECTION, "the same per CPU-second (low-noise view)", _f(v, 3), ">= 0.97", _status(v, ">=", 0.97)])
+    return out
+
+
+def _table(header: List[str], body: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *["| " + " | ".join(x) + " |" for x in body], ""]
+
+
+def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
+    """## 9. Sharded state (FSDP2)."""
+    st, hot = sh["state"], sh["hot_loop"]
+    s = st["state"]
+    fl = sh.get("foreign_load") or {}
+    when = (
+        ""
+        if in_suite
+        else f" (run alone at {sh.get('started', '?')}, commit {(sh.get('git') or {}).get('commit', '?')}; not part of the suite run above)"
+    )
+    lines = [
+        f"## {SECTION}. Sharded state (FSDP2)",
+        "",
+        f"`{sh['command']}`{when}. The state: {s['blocks']} Linear layers of {s['width']} x {s['width']} under FSDP2"
+        f" (`fully_shard` on each and on the model) and AdamW after one step, {s['state_MB (parameters + AdamW)']} MB in all;"
+        f" groups of 1, 2 and 3 worker processes on Gloo (forked from one forkserver that imported torch and the library once),"
+        f" through the real `CheckpointManager` and `TorchDistComm`; {sh['rounds']} round(s) of 5 groups in a rotated order,"
+        f" {sh['pairs_per_group']} save/raw pairs and {sh['restores_per_group']} restores per group; page cache {sh['page_cache']}."
+        f" Other tenants used a median {100 * ((fl.get('state groups') or {}).get('median') or 0):.0f}% of the machine during"
+        " the groups (max"
+        f" {100 * ((fl.get('state groups') or {}).get('max') or 0):.0f}%).",
+        "",
+        "Save throughput: a synchronous sharded save (every rank writes, fsyncs and reads back its own file; rank 0 commits)"
+        " against every rank writing a file of its rank file's size with one fsync, at the same time; alternated, each after"
+        " the previous one's files were removed; a sample's time is its slowest rank's.",
+        "",
+    ]
+    lines += _table(
+        ["workers", "rank file (MB)", "sharded save (s)", "raw write (s)", "MB/s per rank, sharded", "raw", "sharded / raw"],
+        [
+            [
+                w,
+                "/".join(_f(b / 1e6, 0) for b in t["rank_file_bytes"]),
+                _f(t["sharded_save_s"]["median"], 3),
+                _f(t["raw_fsync_write_s"]["median"], 3),
+                _f(t["sharded_save_MB_per_s_per_rank"], 0),
+                _f(t["raw_fsync_write_MB_per_s_per_rank"], 0),
+                _f(t["sharded/raw throughput"]),
+            ]
+            for w, t in st["throughput"].items()
+        ],
+    )
+    lines += [
+        "Rank 0's peak memory during one save, the first thing a fresh group does after its step: `gathered` ="
+        " `get_model_state_dict`/`get_optimizer_state_dict` (full_state_dict, cpu_offload) on every rank, then rank 0 saves the"
+        f" whole state (replicated format), what the library did before sharded checkpoints; `sharded` = the save above"
+        f" (`save (s)`: that save's time, a process's first). {sh.get('memory_measure', '')}.",
+        "",
+    ]
+    body = []
+    for w, m in st["memory"].items():
+        for method in ("gathered", "sharded"):
+            e = m.get(method)
+            if e:
+                body.append(
+                    [
+                        w,
+                        method,
+                        _f(e["rank0_peak_above_rss_MB"]["median"], 1),
+                        ", ".join(_f(x, 1) for x in e["every_rank_peak_above_rss_MB (median)"]),
+                        _f(e["rank0_rss_before_MB"], 0),
+                        _f(e["save_s"]["median"], 2),
+                        _f(e["checkpoint_bytes"] / 1e6, 0),
+                    ]
+                )
+    lines += _table(
+        [
+            "workers",
+            "save",
+            "rank 0 peak above RSS (MB)",
+            "every rank's (MB)",
+            "rank 0 RSS before (MB)",
+            "save (s)",
+            "checkpoint (MB)",
+        ],
+        body,
+    )
+    lines += [
+        "Restore of the checkpoint saved by 2 workers into a fresh FSDP2 model and AdamW (no optimizer state yet) of each"
+        " world size, through `CheckpointManager.restore`; every restored state checked against the saved one. MB read per"
+        " rank: /proc/self/io rchar during a warm restore (each file is also verified whole, by one rank each).",
+        "",
+    ]
+    lines += _table(
+        ["workers", "cold (s)", "/ 2 workers", "warm (s)", "/ 2 workers", "MB read per rank (warm)", "verified"],
+        [
+            [
+                w,
+                _f(_med(e, "cold_s"), 3),
+                _f(e.get("/2 workers (cold)")),
+                _f(_med(e, "warm_s"), 3),
+                _f(e.get("/2 workers (warm)")),
+                ", ".join(_f(x, 0) for x in e.get("warm_rchar_MB_per_rank", [])),
+                "yes" if e.get("verified") else "no",
+            ]
+            for w, e in sorted(st["restore"].items())
+        ],
+    )
+    j = hot["job"]
+    lines += [
+        f"FSDP2 hot loop: `python -m pipeline.train {' '.join(o for o in hot['overrides'] if o.startswith(('parallel', 'trainer.optimizer')))}`"
+        f" vs `bench/baseline_fsdp.py` (fully_shard on every Linear and the model, AdamW, batches sliced from the tensors)"
+        f" under torchrun, 2 workers, MLP {j['hidden']}, batch {j['batch_size']} per worker, {j['steps_per_epoch']} steps;"
+        f" {hot['rounds']} alternated rounds; steps/s: the median 10-step interval after {hot['warmup_steps']} warm-up steps."
+        f" Snapshot interval ours settled on (auto): {hot.get('ours_snapshot_every_n_steps')}.",
+        "",
+    ]
+    lines += _table(
+        [
+            "run",
+            "steps/s (median)",
+            "min",
+            "max",
+            "CPU ms per step (all processes)",
+            "other tenants' share",
+            "time to first step (s)",
+        ],
+        [
+            [
+                k,
+                _f(v["median"], 1),
+                _f(v["min"], 1),
+                _f(v["max"], 1),
+                _f(hot["cpu_ms_per_step"][k]["median"], 1),
+                _f((hot["foreign_load"].get(k) or {}).get("median")),
+                _f(hot["ttfs_s"][k]["median"]),
+            ]
+            for k, v in hot["steps_per_s (median interval)"].items()
+        ],
+    )
+    return lines
