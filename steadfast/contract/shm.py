@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import List
 
+from .pids import alive
+
 SHM_DIR = Path(os.environ.get("STEADFAST_SHM_DIR") or "/dev/shm")  # the variable: a test's stand-in
 
 
@@ -47,16 +49,6 @@ def remove_orphans(run_dir: Path) -> List[Path]:
     except OSError:
         return removed
     for pid in {p.name.split(".", 1)[0].rsplit("-", 1)[1] for p in found}:
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             removed += remove(prefix(run_dir, int(pid)))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
