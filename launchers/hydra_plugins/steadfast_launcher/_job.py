@@ -109,6 +109,7 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
         collective_timeout_s=job.restart.collective_timeout_s,
         launcher_pid=os.getpid(),
         snapshot=shm.prefix(run_dir, os.getpid()),
+        rank_env=backend.spec.rank_env,
     )
     for leaked in shm.remove_orphans(run_dir):
         log.info("Removed %s, a snapshot segment left by a launcher of this run that is gone", leaked)

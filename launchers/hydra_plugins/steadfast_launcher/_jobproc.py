@@ -33,6 +33,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from steadfast.contract.stop import signal_name
 
 from . import _backends, _payload
+from ._compat.hydra_job_return import returned
 from ._context import LaunchContext
 from ._job import run_one
 from ._ledger import COMPLETED, FAILED, INTERRUPTED
@@ -171,7 +172,7 @@ def _portable(ret: JobReturn) -> JobReturn:
         cloudpickle.loads(cloudpickle.dumps(ret))
         return ret
     except Exception as exc:
-        value = ret._return_value
+        value = returned(ret)
         if ret.status == JobStatus.COMPLETED:
             ret.status = JobStatus.FAILED
             ret.return_value = JobFailed(f"the task's return value could not be pickled back to the launcher: {exc}")

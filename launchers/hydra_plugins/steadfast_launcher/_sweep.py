@@ -24,6 +24,7 @@ from steadfast.contract.keys import override_key
 from steadfast.contract.stop import signal_name
 
 from . import _backends, _ledger, _packing, _payload
+from ._compat.hydra_job_return import returned
 from ._context import LaunchContext
 from ._job import run_one
 from ._jobproc import JobProcess
@@ -111,16 +112,17 @@ class Sweep:
         fields: Dict[str, Any] = dict(restarts=restarts, ended_at=round(time.time(), 3), wall_seconds=wall)
         for stale in ("result", "result_pickle", "result_unavailable", "result_repr"):
             rec.pop(stale, None)
+        value = returned(ret)
         if interrupted:
             self.status[job.idx] = INTERRUPTED
-            fields.update(status=INTERRUPTED, error=first_line(ret._return_value))
+            fields.update(status=INTERRUPTED, error=first_line(value))
         elif ret.status == JobStatus.COMPLETED:
-            self.status[job.idx], self.results[job.idx] = COMPLETED, ret._return_value
-            fields.update(status=COMPLETED, error=None, **_ledger.encode_result(ret._return_value))
+            self.status[job.idx], self.results[job.idx] = COMPLETED, value
+            fields.update(status=COMPLETED, error=None, **_ledger.encode_result(value))
         else:
             self.status[job.idx] = FAILED
-            fields.update(status=FAILED, error=str(ret._return_value).strip())
-            if isinstance(ret._return_value, Refused):
+            fields.update(status=FAILED, error=str(value).strip())
+            if isinstance(value, Refused):
                 self.refused.add(job.idx)
             if self.failed_first is None:
                 self.failed_first = job

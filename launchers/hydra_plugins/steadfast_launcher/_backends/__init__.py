@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Attempt, Backend, backend_class, backend_from, of, register
+from ._registry import backend_class, backend_from, of, register
+from .base import Attempt, Backend
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
+    if not _module.name.startswith("_") and _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["Attempt", "Backend", "backend_class", "backend_from", "of", "register"]

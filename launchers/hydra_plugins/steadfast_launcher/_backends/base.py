@@ -1,7 +1,6 @@
 """The one interface between the launcher and a way of starting workers (in the spirit of torch
-elastic's agent and submitit's executors), and the registration every backend module ends with:
-everything that differs between backends is in their modules, and nothing outside `_backends/`
-asks which backend a job uses."""
+elastic's agent and submitit's executors): everything that differs between backends is in their
+modules, and nothing outside `_backends/` asks which backend a job uses."""
 
 from __future__ import annotations
 
@@ -9,18 +8,14 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-
-from steadfast.contract import backends
 from steadfast.contract.backends import BackendConf, BackendSpec
 from steadfast.contract.env import ENV_ATTEMPT
-from steadfast.contract.schemas import RestartConf, bad
+from steadfast.contract.schemas import RestartConf
 
 from .._payload import PayloadRef
-from .._types import ConfigError, Outcome
+from .._types import Outcome
 
 
 @dataclass(frozen=True)
@@ -102,51 +97,6 @@ class Backend(ABC):
         """The workers did not stop within restart.preemption_grace_s: have the backend stop them
         (True), or leave it to the supervisor, which kills them (False)."""
         return False
-
-
-_CLASSES: Dict[Type[BackendConf], Type[Backend]] = {}
-
-
-def register(backend: Type[Backend]) -> Type[Backend]:
-    """A backend module's last word (a class decorator): its spec in the contract's registry, its
-    class for `of`, its schema as `backend/schema_<name>` in Hydra's ConfigStore (what its YAML file
-    extends through its defaults list)."""
-    spec = backend.spec
-    backends.register(spec)
-    _CLASSES[spec.schema] = backend
-    ConfigStore.instance().store(group="backend", name=f"schema_{spec.name}", node=spec.schema, provider="steadfast")
-    return backend
-
-
-def backend_class(spec: BackendSpec) -> Type[Backend]:
-    return _CLASSES[spec.schema]
-
-
-def of(conf: BackendConf) -> Backend:
-    """The backend that runs a job with this (typed) `backend` config (an app's subclass of a schema too)."""
-    spec = backends.spec_of(conf)
-    if spec is None:
-        raise TypeError(f"no backend is registered for {type(conf).__name__} (backend.name={conf.name!r})")
-    return backend_class(spec)(conf)
-
-
-def backend_from(node: object) -> BackendConf:
-    """A typed backend from a config node (typed or plain; none: the default backend), or a ConfigError naming the problem."""
-    if isinstance(node, BackendConf):
-        return node
-    if node is None:
-        return backends.default().schema()
-    name = (
-        OmegaConf.select(node, "name")
-        if isinstance(node, DictConfig)
-        else node.get("name")
-        if isinstance(node, Mapping)
-        else None
-    )
-    spec = backends.spec(str(name))
-    if spec is None:
-        raise ConfigError([bad("backend.name", name, f"one of {', '.join(backends.names())}")])
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.schema), node))  # type: ignore[return-value]
 
 
 def saved_environment(keys: Iterable[str]) -> Dict[str, Optional[str]]:

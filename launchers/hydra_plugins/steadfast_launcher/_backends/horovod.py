@@ -31,7 +31,8 @@ from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_h
 
 from .._compat.horovod_runner import runner_patched
 from .._types import Completed, Failed, Outcome
-from .base import Attempt, Backend, register, restore_environment, saved_environment
+from ._registry import register
+from .base import Attempt, Backend, restore_environment, saved_environment
 
 _FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 _PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")

@@ -11,7 +11,8 @@ from steadfast.contract.env import NONE
 from steadfast.contract.stop import Stopped
 
 from .._types import Completed, Failed, Outcome
-from .base import Attempt, Backend, register, restore_environment, saved_environment
+from ._registry import register
+from .base import Attempt, Backend, restore_environment, saved_environment
 
 
 @dataclass

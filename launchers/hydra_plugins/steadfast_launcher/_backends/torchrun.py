@@ -22,7 +22,8 @@ from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, request_s
 from .. import _forkserver
 from .._compat.torch_logging import render_tracebacks_first
 from .._types import Completed, Failed, Outcome
-from .base import Attempt, Backend, register, restore_environment, saved_environment
+from ._registry import register
+from .base import Attempt, Backend, restore_environment, saved_environment
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -10,6 +10,7 @@ tests/test_architecture.py fails if a third-party private name is touched outsid
 
   horovod_runner         horovod.run's workers' environment, shutdown events, Gloo check, result store
   hydra_compositions     the sweeper's composition of a job reused by the launcher
+  hydra_job_return       what a failed job raised, read from Hydra's JobReturn without raising it
   forkserver             multiprocessing's forkserver: its pid, and ending it with the launcher
   elastic_worker         torch elastic's worker wrapper (`_wrap`): let a worker end once it returned
   torch_logging          torch's log formatter: tracebacks rendered before it imports torch._dynamo
@@ -20,9 +21,8 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import metadata
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from packaging.specifiers import SpecifierSet
 
@@ -60,14 +60,13 @@ class Patch:
             return f"{type(exc).__name__}: {exc}"
 
 
+_checked: Dict[str, Optional[str]] = {}  # by patch name: what keeps it from applying (None: nothing)
+
+
 def applies(patch: Patch) -> bool:
-    """Whether to apply `patch` here (once per process it warns when not)."""
-    return _checked(patch) is None
-
-
-@lru_cache(maxsize=None)
-def _checked(patch: Patch) -> Optional[str]:
-    problem = patch.problem()
-    if problem is not None:
-        log.warning("steadfast: skipped the patch '%s' (%s); without it %s", patch.name, problem, patch.without)
-    return problem
+    """Whether to apply `patch` here (checked once per process, which warns when it does not)."""
+    if patch.name not in _checked:
+        _checked[patch.name] = problem = patch.problem()
+        if problem is not None:
+            log.warning("steadfast: skipped the patch '%s' (%s); without it %s", patch.name, problem, patch.without)
+    return _checked[patch.name] is None
