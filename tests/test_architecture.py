@@ -3,7 +3,8 @@
 - the launcher's modules import each other without cycles (function-level imports included);
 - the worker side (steadfast/) and the built-in app (pipeline/) use only the launcher's public
   contract, never its private modules;
-- steadfast.contract imports nothing of ours outside itself, and no torch;
+- steadfast.contract imports nothing of ours outside itself, and no torch (and but for naming.py, which
+  parses Hydra's overrides, no Hydra or OmegaConf);
 - no module holds more than MAX_STATEMENTS statements (lines where a statement starts: the
   measure does not move when the formatter splits a long call over several lines);
 - no parameter typed `Any` where one package calls another (the launcher's modules count as
@@ -140,6 +141,20 @@ def test_contract_imports_nothing_of_ours_outside_itself_and_no_torch() -> None:
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not offenders, "steadfast.contract must stand alone (no torch, nothing of ours outside it):\n" + "\n".join(offenders)
+
+
+def test_contract_schemas_and_records_import_no_hydra_or_omegaconf() -> None:
+    """Plain dataclasses and functions: only naming.py, which parses Hydra's override syntax and registers
+    OmegaConf resolvers, imports them (inside the functions that need them)."""
+    offenders = []
+    for path in _python_files(CONTRACT):
+        if path.name == "naming.py":
+            continue
+        name = module_name(path, ROOT, "").lstrip(".")
+        for target, line in imports(path, name):
+            if target.split(".")[0] in ("hydra", "omegaconf"):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not offenders, "the contract's schemas and records must not need Hydra or OmegaConf:\n" + "\n".join(offenders)
 
 
 def _statements(path: Path) -> int:
