@@ -17,6 +17,7 @@ nothing of ours and no torch:
   keys       which config keys change what is trained (run names, the resume guard)
   files      file names in the run folder, the atomic write, bounded validated reads
   pids       whether a process is still there
+  fits       whether a value fits a type hint (what the event records are checked with)
 
 A worker reports back through its return value (rank 0's becomes the job's), an exception (the
 job failed; it is restarted within `restart.max_restarts`), `StopRun` after it saved (every rank,

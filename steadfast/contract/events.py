@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 import os
 import socket
 import time
@@ -32,13 +31,10 @@ from typing import (
     Optional,
     Type,
     TypeVar,
-    Union,
-    get_args,
-    get_origin,
-    get_type_hints,
 )
 
 from .files import EVENTS_FILE, PathLike, read_jsonl
+from .fits import field_types, fits
 
 
 class Event(str, Enum):
@@ -367,34 +363,8 @@ STOP_EVENTS = (Event.PREEMPTED, Event.MEMORY_LIMIT)
 LAUNCH_ENDS = (Event.JOB_COMPLETED, Event.JOB_FAILED, Event.JOB_INTERRUPTED, Event.JOB_STOPPED)
 
 
-_HINTS: Dict[Type[Record], Dict[str, Any]] = {}
-
-
 def _hints(cls: Type[Record]) -> Dict[str, Any]:
-    """The record type's fields and their types (its kind's and the header's, not `extra`)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = {k: v for k, v in get_type_hints(cls).items() if k != "extra" and not k.isupper()}
-    return _HINTS[cls]
-
-
-def _fits(hint: Any, value: Any) -> bool:
-    """Whether `value` is of the declared type (None always is: every field is optional)."""
-    if value is None or hint is Any:
-        return True
-    origin = get_origin(hint)
-    if origin is Union:
-        return any(_fits(arg, value) for arg in get_args(hint) if arg is not type(None))
-    if origin is list:
-        return isinstance(value, (list, tuple))
-    if origin is dict:
-        return isinstance(value, Mapping)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return isinstance(value, hint)
+    return {k: v for k, v in field_types(cls).items() if k != "extra"}
 
 
 def check(kind: Event, fields: Mapping[str, Any]) -> None:
@@ -404,7 +374,7 @@ def check(kind: Event, fields: Mapping[str, Any]) -> None:
     unknown = sorted(k for k in fields if k not in hints)
     if unknown and not cls.OPEN:
         raise TypeError(f"event {Event(kind).value}: no field(s) {', '.join(unknown)} (its fields: {', '.join(hints)})")
-    wrong = [f"{k}={v!r} (expected {hints[k]})" for k, v in fields.items() if k in hints and not _fits(hints[k], v)]
+    wrong = [f"{k}={v!r} (expected {hints[k]})" for k, v in fields.items() if k in hints and not fits(hints[k], v)]
     if wrong:
         raise TypeError(f"event {Event(kind).value}: {'; '.join(wrong)}")
 
@@ -460,7 +430,7 @@ def typed(raw: Mapping[str, Any]) -> Record:
     fields the type does not declare are kept in `extra`."""
     cls = RECORDS[Event(raw["event"])]
     hints = {**_hints(cls), "time": float, "host": str, "pid": int}
-    own = {k: v for k, v in raw.items() if k in hints and _fits(hints[k], v)}
+    own = {k: v for k, v in raw.items() if k in hints and fits(hints[k], v)}
     extra = {k: v for k, v in raw.items() if k not in hints and k != "event"}
     return cls(**own, extra=extra)
 
@@ -468,17 +438,6 @@ def typed(raw: Mapping[str, Any]) -> Record:
 def records(folder: PathLike, since: Optional[float] = None, kinds: Optional[Iterable[Event]] = None) -> List[Record]:
     """`read`, typed."""
     return [typed(r) for r in read(folder, since=since, kinds=kinds)]
-
-
-def first(records: Iterable[Dict[str, Any]], kind: Event, **match: Any) -> Optional[Dict[str, Any]]:
-    for record in records:
-        if record.get("event") == Event(kind).value and all(record.get(k) == v for k, v in match.items()):
-            return record
-    return None
-
-
-def last(records: Iterable[Dict[str, Any]], kind: Event, **match: Any) -> Optional[Dict[str, Any]]:
-    return first(reversed(list(records)), kind, **match)
 
 
 T = TypeVar("T", bound=Record)
