@@ -130,7 +130,6 @@ def test_the_contract_asks_the_registry(monkeypatch: pytest.MonkeyPatch) -> None
     backends.register(backends.BackendSpec("toy_unit", _ToyConf, "none", ("lanes",), rank_env))
     assert keys.names_run("backend.lanes") is True and keys.checked_on_resume("backend.lanes") is False
     assert _ToyConf().problems() == [] and "toy_unit" in backends.names()
-    assert backends.spec_of(_ToyConf()) is backends.spec("toy_unit")
     with pytest.raises(ValueError, match="registered by"):  # another module may not take its name
         backends.register(backends.BackendSpec("toy_unit", type("Other", (_ToyConf,), {}), "none", (), rank_env))
 

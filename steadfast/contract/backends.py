@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, List, Mapping, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 from .schemas import MISSING, bad
 
@@ -134,12 +134,6 @@ def schema_of(name: str) -> Type[BackendConf]:
     if found is None:
         raise KeyError(f"no backend {name!r} is registered (registered: {', '.join(names()) or 'none'})")
     return found.schema
-
-
-def spec_of(conf: BackendConf) -> Optional[BackendSpec]:
-    """The backend whose schema `conf` is (an app's subclass of a schema too)."""
-    by_schema: Mapping[type, BackendSpec] = {s.schema: s for s in _REGISTRY.values()}
-    return next((by_schema[t] for t in type(conf).__mro__ if t in by_schema), None)
 
 
 def default() -> BackendSpec:

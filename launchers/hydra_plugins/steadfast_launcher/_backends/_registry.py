@@ -3,7 +3,10 @@
 
 Its state lives here (and in steadfast.contract.backends), in a module whose name starts with an
 underscore: Hydra's plugin scan executes every other module under hydra_plugins a second time,
-which would empty it.
+which would empty it. For the same reason a backend is found by its name, never by its schema's
+class: the scan may run after a job's config was typed (a parallel sweep's job process unpickles
+its job, then restores Hydra's state, which scans), and the module it executes again defines the
+classes anew.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from steadfast.contract.schemas import bad
 from .._types import ConfigError
 from .base import Backend
 
-_CLASSES: Dict[Type[BackendConf], Type[Backend]] = {}
+_CLASSES: Dict[str, Type[Backend]] = {}  # by backend name
 
 
 def register(backend: Type[Backend]) -> Type[Backend]:
@@ -29,20 +32,20 @@ def register(backend: Type[Backend]) -> Type[Backend]:
     extends through its defaults list)."""
     spec = backend.spec
     backends.register(spec)
-    _CLASSES[spec.schema] = backend
+    _CLASSES[spec.name] = backend
     ConfigStore.instance().store(group="backend", name=f"schema_{spec.name}", node=spec.schema, provider="steadfast")
     return backend
 
 
 def backend_class(spec: BackendSpec) -> Type[Backend]:
-    return _CLASSES[spec.schema]
+    return _CLASSES[spec.name]
 
 
 def of(conf: BackendConf) -> Backend:
     """The backend that runs a job with this (typed) `backend` config (an app's subclass of a schema too)."""
-    spec = backends.spec_of(conf)
+    spec = backends.spec(conf.name)
     if spec is None:
-        raise TypeError(f"no backend is registered for {type(conf).__name__} (backend.name={conf.name!r})")
+        raise TypeError(f"no backend is registered as {conf.name!r} ({type(conf).__name__})")
     return backend_class(spec)(conf)
 
 
