@@ -61,7 +61,7 @@ class Completed:
 
 @dataclass(frozen=True)
 class Failed:
-    cause: str  # one line naming the first failed worker and why
+    cause: str  # the first failed worker and why (a job's end: the whole message for the person)
     restarts: int = 0  # restarts the backend made itself before it gave up
 
 
