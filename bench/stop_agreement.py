@@ -97,7 +97,7 @@ def _hvd_worker(n: int) -> List[float]:
 def bare_horovod(n: int) -> List[float]:
     import horovod
 
-    from hydra_plugins.steadfast_launcher._backends.horovod import TUNING
+    from hydra_plugins.steadfast_launcher._compat.horovod_runner import TUNING
 
     sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]

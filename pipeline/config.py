@@ -15,8 +15,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from steadfast.config import CheckpointConf, FaultConf, LoggerConf, ParallelConf, Resume, RunConf, SnapshotConf, register_configs
-from steadfast.contract import naming
-from steadfast.contract.schemas import BackendConf, ClusterConf, RestartConf, bad
+from steadfast.contract import backends, naming
+from steadfast.contract.backends import BackendConf
+from steadfast.contract.schemas import ClusterConf, RestartConf, bad, positive
 from steadfast.preflight import resolved
 
 
@@ -232,10 +233,8 @@ TASK_SCHEMAS: Dict[str, Type[TaskConfig]] = {
 
 def typed(cfg: DictConfig) -> TrainConfig:
     """The job config as typed objects (the frozen config the worker gets is plain)."""
-    from steadfast.contract.schemas import BACKEND_SCHEMAS
-
     schema = OmegaConf.structured(TrainConfig)
-    schema.backend = OmegaConf.structured(BACKEND_SCHEMAS[cfg.backend.name])
+    schema.backend = OmegaConf.structured(backends.schema_of(cfg.backend.name))
     for group, schemas in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS), ("task", TASK_SCHEMAS)):
         node = cfg[group]
         if "_target_" not in node and node.get("name") in schemas:
@@ -251,44 +250,37 @@ def preflight(job_cfg: DictConfig) -> List[str]:
     except Exception as exc:  # a type or key error that composition let through (e.g. in a user's node)
         return [str(exc).splitlines()[0]]
     out: List[str] = []
-
-    def positive(key: str, value: Any, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if value is None or value <= 0:
-            out.append(bad(key, value, "a number > 0" + (", or null to disable" if allow_none else "")))
-
     t = c.trainer
-    positive("trainer.max_epochs", t.max_epochs)
-    positive("trainer.lr", t.lr)
-    positive("trainer.log_every_n_steps", t.log_every_n_steps)
-    positive("trainer.num_threads", t.num_threads, allow_none=True)
-    positive("trainer.stop_check_every_n_steps", t.stop_check_every_n_steps, allow_none=True)
-    positive("trainer.max_rss_mb", t.max_rss_mb, allow_none=True)
-    positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches)
+    out += positive("trainer.max_epochs", t.max_epochs)
+    out += positive("trainer.lr", t.lr)
+    out += positive("trainer.log_every_n_steps", t.log_every_n_steps)
+    out += positive("trainer.num_threads", t.num_threads, allow_none=True)
+    out += positive("trainer.stop_check_every_n_steps", t.stop_check_every_n_steps, allow_none=True)
+    out += positive("trainer.max_rss_mb", t.max_rss_mb, allow_none=True)
+    out += positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches)
     if t.weight_decay < 0:
         out.append(bad("trainer.weight_decay", t.weight_decay, "a number >= 0"))
     d = c.data
     if isinstance(d, DataConfig):
-        positive("data.batch_size", d.batch_size)
+        out += positive("data.batch_size", d.batch_size)
         if not 0 < d.val_fraction < 1:
             out.append(bad("data.val_fraction", d.val_fraction, "a fraction strictly between 0 and 1"))
         if d.num_workers < 0:
             out.append(bad("data.num_workers", d.num_workers, "an integer >= 0"))
         if isinstance(d, SyntheticConfig):
             for key in ("num_samples", "num_features"):
-                positive(f"data.{key}", getattr(d, key))
+                out += positive(f"data.{key}", getattr(d, key))
             if d.num_classes < 2:
                 out.append(bad("data.num_classes", d.num_classes, "an integer >= 2"))
         if isinstance(d, SyntheticRegressionConfig):
             for key in ("num_samples", "num_features", "num_targets", "hidden"):
-                positive(f"data.{key}", getattr(d, key))
+                out += positive(f"data.{key}", getattr(d, key))
             if d.noise < 0:
                 out.append(bad("data.noise", d.noise, "a number >= 0"))
         if isinstance(d, TextConfig):
-            positive("data.block_size", d.block_size)
-            positive("data.stride", d.stride, allow_none=True)
-            positive("data.max_chars", d.max_chars)
+            out += positive("data.block_size", d.block_size)
+            out += positive("data.stride", d.stride, allow_none=True)
+            out += positive("data.max_chars", d.max_chars)
     for group, node, schemas in (
         ("model", cfg.model, MODEL_SCHEMAS),
         ("data", cfg.data, DATA_SCHEMAS),
@@ -302,7 +294,7 @@ def preflight(job_cfg: DictConfig) -> List[str]:
         out.append(bad("model.dropout", c.model.dropout, "a fraction in [0, 1)"))
     if isinstance(c.model, TransformerConfig):
         for key in ("n_layer", "n_head", "n_embd"):
-            positive(f"model.{key}", getattr(c.model, key))
+            out += positive(f"model.{key}", getattr(c.model, key))
         if c.model.n_head > 0 and c.model.n_embd % c.model.n_head:
             out.append(bad("model.n_embd", c.model.n_embd, f"a multiple of model.n_head={c.model.n_head}"))
     return out + _mismatches(c)

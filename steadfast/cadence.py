@@ -36,15 +36,11 @@ def young_daly(save_s: float, mtbf_s: float) -> float:
 def history(run_dir: Path) -> Tuple[float, int, Optional[float]]:
     """The run's wall time before this launch, its failures so far and the cost of its newest save,
     if any, read from its events (what `auto` starts from when a run is launched again)."""
-    recorded = events.read(run_dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED, Event.CHECKPOINT_SAVED))
-    launches = [e["time"] for e in recorded if e["event"] == Event.LAUNCH]
-    attempts = sum(1 for e in recorded if e["event"] == Event.ATTEMPT_STARTED)
-    stops = sum(1 for e in recorded if e["event"] == Event.PREEMPTED)
-    costs = [
-        e["seconds"]
-        for e in recorded
-        if e["event"] == Event.CHECKPOINT_SAVED and isinstance(e.get("seconds"), (int, float)) and e["seconds"] >= 0
-    ]
+    recorded = events.records(run_dir, kinds=(Event.LAUNCH, Event.ATTEMPT_STARTED, Event.PREEMPTED, Event.CHECKPOINT_SAVED))
+    launches = [r.time for r in recorded if isinstance(r, events.Launch)]
+    attempts = sum(1 for r in recorded if isinstance(r, events.AttemptStarted))
+    stops = sum(1 for r in recorded if isinstance(r, events.Preempted))
+    costs = [r.seconds for r in recorded if isinstance(r, events.CheckpointSaved) and r.seconds is not None and r.seconds >= 0]
     return (
         (max(0.0, time.time() - launches[0]) if launches else 0.0),
         max(0, attempts - stops - len(launches) + 1),

@@ -2,9 +2,10 @@
 
 `checkpoint`, `snapshot`, `parallel`, `fault`, `logger`, `run` and `resume` configure what every task gets from
 `steadfast.Run`, the built-in trainer and a user's own loop alike; `backend`, `restart` and
-`cluster` are the launcher's (steadfast.contract.schemas). The YAML options of these groups live
-in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search path). Choice fields are
-Enums, so a bad value fails at composition, naming the key and listing what is allowed.
+`cluster` are the launcher's (steadfast.contract.schemas, and each backend's own module). The YAML
+options of these groups live in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search
+path). Choice fields are Enums, so a bad value fails at composition, naming the key and listing
+what is allowed.
 """
 
 from __future__ import annotations
@@ -124,18 +125,12 @@ class LoggerConf:
 
 def register_configs() -> None:
     """Store the schemas the YAML options of the library's groups extend (called by the launcher
-    plugin's config module, which Hydra imports before it composes any app's config)."""
+    plugin's config module, which Hydra imports before it composes any app's config; the launcher's
+    own groups, `backend`, `restart` and `cluster`, are stored there)."""
     from hydra.core.config_store import ConfigStore
-
-    from .contract.schemas import ClusterConf, HorovodBackendConf, LocalBackendConf, RestartConf, TorchrunBackendConf
 
     cs = ConfigStore.instance()
     for group, name, node in (
-        ("backend", "schema_torchrun", TorchrunBackendConf),
-        ("backend", "schema_horovod", HorovodBackendConf),
-        ("backend", "schema_local", LocalBackendConf),
-        ("restart", "schema", RestartConf),
-        ("cluster", "schema", ClusterConf),
         ("checkpoint", "schema", CheckpointConf),
         ("fault", "schema", FaultConf),
         ("logger", "schema", LoggerConf),

@@ -29,13 +29,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .config import FaultKind
 from .contract.events import Event
 
-KILLING = ("kill", "crash_in_save", "crash_in_snapshot")  # SIGKILL: the process ends without a word
-FAILING = (*KILLING, "exception", "save_error")  # the attempt fails (its event says `fails`)
-SAVE_KINDS = ("crash_in_save", "save_error", "hang_in_save")
-STEP_KINDS = ("kill", "hang", "exception", "sigterm")
-HANG_KINDS = ("hang", "hang_in_backward", "hang_in_save")
+# The kinds (steadfast.config.FaultKind, their one definition) by how and where they fire.
+KILLING = frozenset({FaultKind.kill, FaultKind.crash_in_save, FaultKind.crash_in_snapshot})  # SIGKILL: no last word
+FAILING = KILLING | {FaultKind.exception, FaultKind.save_error}  # the attempt fails (its event says `fails`)
+SAVE_KINDS = frozenset({FaultKind.crash_in_save, FaultKind.save_error, FaultKind.hang_in_save})  # in a checkpoint's writing
+WRITER_KINDS = SAVE_KINDS | {FaultKind.corrupt_checkpoint}  # fire on a rank that writes checkpoint files
+STEP_KINDS = frozenset({FaultKind.kill, FaultKind.hang, FaultKind.exception, FaultKind.sigterm})
+HANG_KINDS = frozenset({FaultKind.hang, FaultKind.hang_in_backward, FaultKind.hang_in_save})
 
 
 class InjectedFault(RuntimeError):
@@ -45,13 +48,13 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     def __init__(self, cfg: Any, rank: int, run_dir: Path, record_event: Callable[..., None]) -> None:
         self.cfg, self.rank, self.record_event = cfg, rank, record_event
-        self.kind = str(getattr(cfg.kind, "value", cfg.kind)) if cfg is not None else "none"
-        self.active = self.kind != "none" and cfg.rank == rank
-        self.counter = run_dir / "faults" / f"{self.kind}-rank{rank}-step{cfg.at_step}.count" if self.active else None
+        self.kind = FaultKind(getattr(cfg.kind, "value", cfg.kind)) if cfg is not None else FaultKind.none
+        self.active = self.kind is not FaultKind.none and cfg.rank == rank
+        self.counter = run_dir / "faults" / f"{self.kind.value}-rank{rank}-step{cfg.at_step}.count" if self.active else None
 
     @property
     def wants_backward_hook(self) -> bool:
-        return self.active and self.kind == "hang_in_backward"
+        return self.active and self.kind is FaultKind.hang_in_backward
 
     def after_step(self, step: int) -> None:
         if self.active and step == self.cfg.at_step and self.kind in STEP_KINDS and self._claim():
@@ -59,12 +62,12 @@ class FaultInjector:
 
     def in_backward(self, step: int) -> None:
         """Called from a gradient hook while step `step` runs its backward pass."""
-        if self.active and step == self.cfg.at_step and self.kind == "hang_in_backward" and self._claim():
+        if self.active and step == self.cfg.at_step and self.kind is FaultKind.hang_in_backward and self._claim():
             self._fire(step)
 
     def during_snapshot(self, step: int) -> None:
         """Called in the middle of copying the snapshot in memory of `step` (half of it is copied)."""
-        if self.active and step >= self.cfg.at_step and self.kind == "crash_in_snapshot" and self._claim():
+        if self.active and step >= self.cfg.at_step and self.kind is FaultKind.crash_in_snapshot and self._claim():
             self._fire(step)
 
     def during_save(self, step: int, files_written: int) -> None:
@@ -74,8 +77,10 @@ class FaultInjector:
 
     def after_commit(self, step: int, path: Path) -> None:
         """fault=corrupt_checkpoint: damage the checkpoint just committed (flip the last byte of its largest file)."""
-        if self.active and step >= self.cfg.at_step and self.kind == "corrupt_checkpoint" and self._claim():
-            self.record_event(Event.FAULT_FIRED, fault=self.kind, rank=self.rank, step=step, path=str(path), pid=os.getpid())
+        if self.active and step >= self.cfg.at_step and self.kind is FaultKind.corrupt_checkpoint and self._claim():
+            self.record_event(
+                Event.FAULT_FIRED, fault=self.kind.value, rank=self.rank, step=step, path=str(path), pid=os.getpid()
+            )
             from .checkpoint import manifest as mf
 
             files = mf.read(path)["files"]  # the largest file: the model's (or rank 0's, in the sharded format)
@@ -99,14 +104,14 @@ class FaultInjector:
     def _fire(self, step: int) -> None:
         kind = self.kind
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
-        self.record_event(Event.FAULT_FIRED, fault=kind, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
+        self.record_event(Event.FAULT_FIRED, fault=kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
         if kind in KILLING:
             os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "sigterm":
+        elif kind is FaultKind.sigterm:
             os.kill(os.getpid(), signal.SIGTERM)
-        elif kind == "save_error":
+        elif kind is FaultKind.save_error:
             raise OSError(errno.ENOSPC, f"No space left on device (injected by fault=save_error at step {step})")
-        elif kind == "exception":
+        elif kind is FaultKind.exception:
             raise InjectedFault(f"fault=exception injected at step {step} on rank {self.rank}")
         elif kind in HANG_KINDS:
             from .contract.stop import stop_requested

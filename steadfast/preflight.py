@@ -17,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .checkpoint import manifest
 from .config import Resume, Settings, settings_from
-from .contract.schemas import bad
+from .contract import backends
+from .contract.schemas import bad, positive
+from .faults import WRITER_KINDS
 
 
 def resolved(job_cfg: DictConfig) -> DictConfig:
@@ -44,16 +46,9 @@ def check(job_cfg: DictConfig) -> List[str]:
     except ValueError as exc:
         return [str(exc)]
     out: List[str] = []
-
-    def positive(key: str, value: Any, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            out.append(bad(key, value, "a number > 0" + (", or null to disable" if allow_none else "")))
-
     ck = s.checkpoint
-    positive("checkpoint.every_n_epochs", ck.every_n_epochs, allow_none=True)
-    positive("checkpoint.every_n_steps", ck.every_n_steps, allow_none=True)
+    out += positive("checkpoint.every_n_epochs", ck.every_n_epochs, allow_none=True)
+    out += positive("checkpoint.every_n_steps", ck.every_n_steps, allow_none=True)
     if ck.every_n_seconds != "auto":
         if isinstance(ck.every_n_seconds, str):
             try:
@@ -84,7 +79,7 @@ def check(job_cfg: DictConfig) -> List[str]:
                 "at least 2 with checkpoint.async_save=true (the newest may still be writing)",
             )
         )
-    positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
+    out += positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
     f = s.fault
     if f.kind.value != "none":
         if f.at_step < 1:
@@ -92,19 +87,9 @@ def check(job_cfg: DictConfig) -> List[str]:
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
         sharded = s.parallel.kind.value == "fsdp"  # every rank writes its own file of a sharded checkpoint
-        if f.kind.value in ("crash_in_save", "save_error", "corrupt_checkpoint", "hang_in_save") and f.rank != 0 and not sharded:
+        if f.kind in WRITER_KINDS and f.rank != 0 and not sharded:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
-    backend = OmegaConf.select(cfg, "backend.name", default=None)
-    if s.parallel.kind.value == "fsdp" and backend is not None and backend != "torchrun":
-        out.append(
-            f"parallel=fsdp needs backend=torchrun (backend={backend}: "
-            + (
-                "Horovod has no sharded data parallelism"
-                if backend == "horovod"
-                else "one in-process worker has nothing to shard over"
-            )
-            + "); choose parallel=ddp or backend=torchrun"
-        )
+    out += _sharding_problems(s, OmegaConf.select(cfg, "backend.name", default=None))
     if s.parallel.kind.value != "fsdp" and s.parallel.units:
         out.append(
             bad("parallel.units", s.parallel.units, "empty unless parallel.kind=fsdp (the modules FSDP shards one by one)")
@@ -120,6 +105,15 @@ def check(job_cfg: DictConfig) -> List[str]:
             "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none"
         )
     return out + _resume_problems(job_cfg, cfg, s)
+
+
+def _sharding_problems(s: Settings, backend: Optional[str]) -> List[str]:
+    """parallel=fsdp on a backend that cannot shard parameters (what it says about itself)."""
+    spec = backends.spec(str(backend)) if backend is not None else None
+    if s.parallel.kind.value != "fsdp" or spec is None or not spec.cannot_shard:
+        return []
+    able = " or ".join(f"backend={b.name}" for b in backends.specs() if not b.cannot_shard)
+    return [f"parallel=fsdp needs {able} (backend={backend}: {spec.cannot_shard}); choose parallel=ddp or {able}"]
 
 
 def _not_writable(folder: Path) -> Optional[str]:

@@ -90,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     job = [o for o in job if not o.lstrip("+~").startswith(("run.name=", "hydra.sweep.dir="))]
     if not fault:
         fault = ["fault=kill_rank"]
+    import hydra_plugins.steadfast_launcher.backends  # noqa: F401  (the backends' world-size keys name runs)
+
     from .contract.naming import run_name
 
     name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", args.name or run_name(job))  # a folder name Hydra overrides can carry

@@ -11,9 +11,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import pipeline.config as schema
+from hydra_plugins.steadfast_launcher._backends.horovod import HorovodBackendConf
+from hydra_plugins.steadfast_launcher._backends.torchrun import TorchrunBackendConf
 from steadfast import preflight as library
 from steadfast.contract import naming
-from steadfast.contract.schemas import HorovodBackendConf, RestartConf, TorchrunBackendConf
+from steadfast.contract.schemas import RestartConf
 
 SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "pipeline" / "conf" / "train.yaml").run.safe_to_change)
 
@@ -74,7 +76,8 @@ def test_every_preset_composes(group: str, options: list[str]) -> None:
 def test_out_of_range_values_are_named(override: str, key: str) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from steadfast.contract.schemas import backend_from, restart_from
+    from hydra_plugins.steadfast_launcher._backends import backend_from
+    from hydra_plugins.steadfast_launcher._types import restart_from
 
     cfg = composed(override)
     HydraConfig.instance().set_config(cfg)

@@ -36,6 +36,7 @@ def test_the_preloaded_server_has_one_thread_and_none_of_the_launcher_s_files(tm
         """
         import json, multiprocessing, os
         from hydra_plugins.steadfast_launcher import _forkserver
+        from hydra_plugins.steadfast_launcher._compat.forkserver import server_pid
 
         def child(queue):
             queue.put(os.getppid())
@@ -49,7 +50,7 @@ def test_the_preloaded_server_has_one_thread_and_none_of_the_launcher_s_files(tm
             worker.start()  # returns once the server has imported PRELOAD and forked
             parent = queue.get()
             worker.join()
-            server = _forkserver.server_pid()
+            server = server_pid()
             fds = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
             print(json.dumps({"server": server, "worker_parent": parent, "threads": len(os.listdir(f"/proc/{server}/task")),
                               "fds": fds, "held": os.path.realpath(held.name)}))

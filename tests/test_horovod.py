@@ -106,7 +106,7 @@ def test_workers_get_a_real_cycle_time_and_response_cache(monkeypatch: pytest.Mo
     from horovod.runner import _HorovodArgs
     from horovod.runner.common.util import config_parser
 
-    from hydra_plugins.steadfast_launcher._backends.horovod import TUNING, tuned
+    from hydra_plugins.steadfast_launcher._compat.horovod_runner import TUNING, tuned
 
     for key in TUNING:
         monkeypatch.delenv(key, raising=False)
@@ -123,10 +123,10 @@ def test_workers_get_a_real_cycle_time_and_response_cache(monkeypatch: pytest.Mo
 
 def test_the_launchers_gloo_check_gives_horovods_own_answer() -> None:
     """horovod.run asks whether Horovod was built with Gloo at every launch; the launcher answers
-    with the same call in a new interpreter that does not import torch (see _backends/horovod.py)."""
+    with the same call in a new interpreter that does not import torch (see _compat/horovod_runner.py)."""
     from horovod.common.util import gloo_built as horovods_check
 
-    from hydra_plugins.steadfast_launcher._backends.horovod import gloo_built
+    from hydra_plugins.steadfast_launcher._compat.horovod_runner import gloo_built
 
     assert gloo_built() is True and horovods_check() is True  # scripts/install_horovod.sh builds with Gloo
 

@@ -10,12 +10,12 @@ horovod = pytest.importorskip("horovod", reason="Horovod is not installed: bash 
 
 
 def test_hosts_reach_horovod_run_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from omegaconf import OmegaConf
-
-    from hydra_plugins.steadfast_launcher._backends.horovod import HorovodBackend
+    from hydra_plugins.steadfast_launcher._backends import Attempt
+    from hydra_plugins.steadfast_launcher._backends.horovod import HorovodBackend, HorovodBackendConf
     from hydra_plugins.steadfast_launcher._payload import PayloadRef
-    from hydra_plugins.steadfast_launcher._types import Job
-    from steadfast.contract.schemas import HorovodBackendConf, RestartConf
+    from hydra_plugins.steadfast_launcher._types import Completed
+    from hydra_plugins.steadfast_launcher._worker import run_rank
+    from steadfast.contract.schemas import RestartConf
 
     seen = {}
 
@@ -26,7 +26,7 @@ def test_hosts_reach_horovod_run_unchanged(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(horovod, "run", fake_run)
     backend = HorovodBackendConf(np=4, hosts="h1:2,h2:2")
     assert backend.problems() == []
-    job = Job(idx=0, overrides=[], config=OmegaConf.create({}), backend=backend, restart=RestartConf())
-    result = HorovodBackend(backend).launch(PayloadRef("payload", "0" * 64, 0), job, {}, tmp_path)
+    attempt = Attempt(run_rank, PayloadRef("payload", "0" * 64, 0), {}, tmp_path, RestartConf())
+    outcome = HorovodBackend(backend).launch(attempt)
     assert seen["hosts"] == "h1:2,h2:2" and seen["num_proc"] == 4 and seen["use_gloo"]
-    assert result == {"status": "completed"}
+    assert outcome == Completed({"status": "completed"})

@@ -181,8 +181,7 @@ def test_new_restart_settings_are_checked() -> None:
 
 
 def test_agent_leaves_stop_signals_to_the_launcher_and_waits_the_grace(tmp_path: Path) -> None:
-    from hydra_plugins.steadfast_launcher._backends.torchrun import launch_config
-    from steadfast.contract.schemas import TorchrunBackendConf
+    from hydra_plugins.steadfast_launcher._backends.torchrun import TorchrunBackendConf, launch_config
 
     config = launch_config(TorchrunBackendConf(), RestartConf(preemption_grace_s=12.5), "r", tmp_path)
     assert config.shutdown_timeout == 13
@@ -314,7 +313,7 @@ def test_verify_recovery_splits_the_fault_schedule_from_the_job() -> None:
 AGENT_LOGS_A_FAILURE = """
 import logging, sys
 import torch.distributed.elastic.multiprocessing.api  # what the launcher imports to run the agent
-from hydra_plugins.steadfast_launcher._backends.torchrun import render_tracebacks_first
+from hydra_plugins.steadfast_launcher._compat.torch_logging import render_tracebacks_first
 if sys.argv[1] == "rendered":
     render_tracebacks_first("torch.distributed.elastic")
 log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")

@@ -6,15 +6,18 @@ in a normal Hydra job). What the two sides promise each other lives here, in mod
 nothing of ours and no torch:
 
   env        the launch environment, as a typed `LaunchEnv` (run folder, attempt, launch id,
-             the collective library to initialise, the reference world size, timeouts)
-  events     the event vocabulary of `events.jsonl`, its one writer and its one reader
+             the collective library to initialise, the backend's rank variables, timeouts)
+  events     the event vocabulary of `events.jsonl`: a record type per kind, one writer, one reader
   summary    `summary.json`: derived from the events by its one writer, the launcher
   exits      exit codes (EXIT_PREEMPTED: stopped on request, run the same command to continue)
-  stop       stop requests: signals set a flag; a task saves and raises `StopRun`
+  stop       stop requests: signals set a flag; a task saves and raises `StopRun` (a `StopReason`)
   heartbeat  progress counters the launcher's hang watchdog reads; stack dumps on request
-  schemas    the launcher's backend, restart, cluster and launcher schemas
+  backends   the backend registry: each backend's schema, world-size keys and rank variables
+  schemas    the restart and cluster schemas, and how a config check words a problem
   keys       which config keys change what is trained (run names, the resume guard)
   files      file names in the run folder, the atomic write, bounded validated reads
+  pids       whether a process is still there
+  fits       whether a value fits a type hint (what the event records are checked with)
 
 A worker reports back through its return value (rank 0's becomes the job's), an exception (the
 job failed; it is restarted within `restart.max_restarts`), `StopRun` after it saved (every rank,
@@ -24,7 +27,7 @@ at the same step), and events.
 from .env import LaunchEnv, NotLaunched, current_rank, restart_count, run_dir
 from .events import Event
 from .exits import EXIT_PREEMPTED, exit_code
-from .stop import PREEMPTED, STOP_SIGNALS, Stopped, StopRun, signal_name, stop_requested
+from .stop import PREEMPTED, STOP_SIGNALS, Stopped, StopReason, StopRun, signal_name, stop_requested
 from .summary import Status
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "PREEMPTED",
     "STOP_SIGNALS",
     "Status",
+    "StopReason",
     "StopRun",
     "Stopped",
     "current_rank",

@@ -1,10 +1,10 @@
 """The launch environment: what the launcher tells every worker, as one typed object.
 
 The launcher builds a `LaunchEnv` per launch and exports it with `to_environ()`; a worker reads it
-back with `LaunchEnv.current()`. Besides these, each backend sets its own variables (torch
-elastic's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT; Horovod's
-HOROVOD_RANK, HOROVOD_SIZE, ...); `rank`, `world_size`, `local_rank` and `local_world_size` read
-whichever the backend set, so a worker never needs to know which backend started it.
+back with `LaunchEnv.current()`. Besides these, each backend sets its own variables for a worker's
+rank, world size and restarts; the launcher names them in the LaunchEnv (`rank_env`, the backend's
+RankEnv: see steadfast.contract.backends), and `rank`, `world_size`, `local_rank`, `local_world_size`
+and `restart_count` read them, so a worker never needs to know which backend started it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-ENV_BACKEND = "STEADFAST_BACKEND"  # the launcher's backend (torchrun, horovod, local): for records
+from .backends import TORCH_DISTRIBUTED, RankEnv
+from .pids import alive
+
+ENV_BACKEND = "STEADFAST_BACKEND"  # the launcher's backend (its registered name): for records
 ENV_COLLECTIVE = "STEADFAST_COLLECTIVE"  # the collective library a worker initialises (COLLECTIVES)
 ENV_RUN_DIR = "STEADFAST_RUN_DIR"  # the job's output folder (absolute); the launcher created it
 ENV_ATTEMPT = "STEADFAST_ATTEMPT"  # how many times the launcher itself relaunched this job (0 first)
@@ -24,6 +27,7 @@ ENV_REFERENCE_WORLD_SIZE = "STEADFAST_REFERENCE_WORLD_SIZE"  # the job's full si
 ENV_COLLECTIVE_TIMEOUT = "STEADFAST_COLLECTIVE_TIMEOUT_S"  # restart.collective_timeout_s
 ENV_SNAPSHOT = "STEADFAST_SNAPSHOT"  # the launch's private snapshot folder in shared memory, a name in shm.SHM_DIR (empty: none)
 ENV_LAUNCHER_PID = "STEADFAST_LAUNCHER_PID"  # the launcher process on this host: workers never commit once it is gone
+ENV_RANK_ENV = "STEADFAST_RANK_ENV"  # the names of the backend's rank variables (a RankEnv, as JSON)
 
 TORCH = "torch"  # torch.distributed (Gloo on CPU, NCCL on GPUs)
 HOROVOD = "horovod"
@@ -58,6 +62,7 @@ class LaunchEnv:
     collective_timeout_s: float = 600.0
     snapshot: str = ""
     launcher_pid: int = 0
+    rank_env: RankEnv = TORCH_DISTRIBUTED
 
     def to_environ(self) -> Dict[str, str]:
         return {
@@ -71,6 +76,7 @@ class LaunchEnv:
             ENV_COLLECTIVE_TIMEOUT: repr(float(self.collective_timeout_s)),
             ENV_SNAPSHOT: self.snapshot,
             ENV_LAUNCHER_PID: str(self.launcher_pid),
+            ENV_RANK_ENV: self.rank_env.to_json(),
         }
 
     @classmethod
@@ -89,7 +95,7 @@ class LaunchEnv:
         except ValueError:
             launch_time, timeout = 0.0, 600.0
         return cls(
-            backend=env.get(ENV_BACKEND) or "local",
+            backend=env.get(ENV_BACKEND, ""),
             collective=collective if collective in COLLECTIVES else NONE,
             run_dir=Path(run_dir),
             attempt=_int(env, ENV_ATTEMPT, default=0),
@@ -99,6 +105,7 @@ class LaunchEnv:
             collective_timeout_s=timeout,
             snapshot=env.get(ENV_SNAPSHOT, ""),
             launcher_pid=_int(env, ENV_LAUNCHER_PID, default=0),
+            rank_env=rank_env(env),
         )
 
     @classmethod
@@ -108,50 +115,44 @@ class LaunchEnv:
     # What the backend set (read live: an elastic restart changes them between incarnations).
     @property
     def rank(self) -> int:
-        return _int(os.environ, "RANK", "HOROVOD_RANK", default=0)
+        return _int(os.environ, self.rank_env.rank, default=0)
 
     @property
     def world_size(self) -> int:
-        return _int(os.environ, "WORLD_SIZE", "HOROVOD_SIZE", default=1)
+        return _int(os.environ, self.rank_env.world_size, default=1)
 
     @property
     def local_rank(self) -> int:
-        return _int(os.environ, "LOCAL_RANK", "HOROVOD_LOCAL_RANK", default=0)
+        return _int(os.environ, self.rank_env.local_rank, default=0)
 
     @property
     def local_world_size(self) -> int:
-        return _int(os.environ, "LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", default=1)
+        return _int(os.environ, self.rank_env.local_world_size, default=1)
 
     def launcher_alive(self) -> bool:
         """False once the launcher that started this worker is gone (killed): an orphaned worker
         must not commit into a run folder that a new launch may already hold."""
-        if not self.launcher_pid:
-            return True
-        try:
-            os.kill(self.launcher_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        try:  # a zombie has exited too
-            with open(f"/proc/{self.launcher_pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return True
+        return not self.launcher_pid or alive(self.launcher_pid)
 
     @property
     def restart_count(self) -> int:
-        """Restarts of this job so far: the launcher's relaunches plus the elastic agent's restarts."""
-        return self.attempt + _int(os.environ, "TORCHELASTIC_RESTART_COUNT", default=0)
+        """Restarts of this job so far: the launcher's relaunches plus the backend's own restarts."""
+        return self.attempt + _int(os.environ, self.rank_env.restart_count, default=0)
+
+
+def rank_env(env: Optional[Mapping[str, str]] = None) -> RankEnv:
+    """The rank variables the launcher named (torch.distributed's outside a launch)."""
+    env = os.environ if env is None else env
+    return RankEnv.from_json(env.get(ENV_RANK_ENV) or "") or TORCH_DISTRIBUTED
 
 
 def current_rank() -> int:
     """This process's global rank, whichever backend started it (0 outside a launch)."""
-    return _int(os.environ, "RANK", "HOROVOD_RANK", default=0)
+    return _int(os.environ, rank_env().rank, default=0)
 
 
 def restart_count() -> int:
-    return _int(os.environ, ENV_ATTEMPT, default=0) + _int(os.environ, "TORCHELASTIC_RESTART_COUNT", default=0)
+    return _int(os.environ, ENV_ATTEMPT, default=0) + _int(os.environ, rank_env().restart_count, default=0)
 
 
 def run_dir() -> Path:

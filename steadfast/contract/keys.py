@@ -4,8 +4,9 @@ A key that changes what is trained (the model, the data, the optimizer, the seed
 run (`run.name` is derived from such overrides) and must match when a run resumes from a
 checkpoint. A key that does not (how many epochs, how often to save, how workers start, ...)
 neither renames the run nor is refused on resume, so running again with `trainer.max_epochs=40`
-continues the 20-epoch run. One row differs on purpose: how many workers there are names the run,
-but a resume with another world size is the world-size policy's business, not config drift.
+continues the 20-epoch run. One kind of row differs on purpose: how many workers there are names the
+run, but a resume with another world size is the world-size policy's business, not config drift. Those
+rows come from the backend registry (each backend declares the keys that set its world size).
 
 An app adds its own neutral keys with `run.safe_to_change` (a list of keys or `prefix.`es).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
+
+from . import backends
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,16 @@ RULES: Tuple[KeyRule, ...] = (
         "parallel.", True, False, "how the model is spread over the ranks: names the run; a resume with another layout reshards"
     ),
     KeyRule("backend.name", True, False, "the world size's layout: names the run; resuming with another is elastic"),
-    KeyRule("backend.nproc_per_node", True, False, "the world size: names the run; resuming with another is elastic"),
-    KeyRule("backend.nnodes", True, False, "the world size: names the run; resuming with another is elastic"),
-    KeyRule("backend.np", True, False, "the world size: names the run; resuming with another is elastic"),
+    # here: each registered backend's world-size keys (rules())
     KeyRule("backend.", False, False, "how the workers start and meet (rendezvous, start method, timeouts)"),
 )
+WORLD_SIZE = "the world size: names the run; resuming with another is elastic"
+
+
+def rules() -> Tuple[KeyRule, ...]:
+    """RULES with the registered backends' world-size keys before the catch-all `backend.` row."""
+    sizes = tuple(KeyRule(key, True, False, WORLD_SIZE) for key in backends.world_size_keys())
+    return (*RULES[:-1], *sizes, RULES[-1])
 
 
 def rule(key: str, safe_to_change: Iterable[str] = ()) -> Optional[KeyRule]:
@@ -58,7 +66,7 @@ def rule(key: str, safe_to_change: Iterable[str] = ()) -> Optional[KeyRule]:
         row = KeyRule(str(prefix), False, False, "declared by the app in run.safe_to_change")
         if row.matches(key):
             return row
-    return next((r for r in RULES if r.matches(key)), None)
+    return next((r for r in rules() if r.matches(key)), None)
 
 
 def names_run(key: str, safe_to_change: Iterable[str] = ()) -> bool:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from .keys import names_run, override_key
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 MAX_NAME = 80
 SWEEPS = "sweeps"  # sweeps get their own folder under the output root: <root>/sweeps/<sweep name>/<run name>
@@ -101,7 +104,7 @@ def sweep_subdir(root: str, sweep_folder: str, run: str) -> str:
     return "." if os.path.normpath(str(sweep_folder)) == os.path.normpath(f"{root}/{run}") else str(run)
 
 
-def master_is_sweep(master: Any) -> bool:
+def master_is_sweep(master: "DictConfig") -> bool:
     """`is_sweep` for a composed master config (the one the sweeper and the launcher get)."""
     from omegaconf import OmegaConf
 

@@ -1,9 +1,10 @@
 """Stop requests: SIGTERM, SIGINT and SIGHUP only set a flag; the task acts on it at a step boundary.
 
 In a worker, the ranks agree on the step to stop at, save it, and raise `StopRun`; the worker then
-returns a `Stopped` marker instead of its result, so no backend sees a failure or restarts
+returns a `Stopped` value instead of its result, so no backend sees a failure or restarts
 anything, and the launcher ends the job (exit code EXIT_PREEMPTED after SIGTERM). In the launcher,
-the same flag tells its supervisor to forward the signal to the workers.
+the same flag tells its supervisor to forward the signal to the workers, and a backend's launch
+that ended on purpose is a `Stopped` too (one of the launch's outcomes).
 """
 
 from __future__ import annotations
@@ -11,12 +12,27 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional, TypedDict
+from dataclasses import dataclass
+from enum import Enum
+from types import FrameType
+from typing import Any, Dict, Optional, TypedDict, Union
 
 from .exits import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
-PREEMPTED = "preempted"  # Stopped.reason of a stop on request
+
+
+class StopReason(str, Enum):
+    """Why a task stopped early on purpose (after it saved); the stop event it records is named so."""
+
+    PREEMPTED = "preempted"  # a stop request: the same command continues (exit code EXIT_PREEMPTED)
+    MEMORY_LIMIT = "memory_limit"  # trainer.max_rss_mb: not restarted, it would happen again
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PREEMPTED = StopReason.PREEMPTED
 
 
 class _StopState(TypedDict):
@@ -27,7 +43,7 @@ class _StopState(TypedDict):
 _state: _StopState = {"signal": None, "time": None}
 
 
-def _on_stop_signal(signum: int, frame: Any) -> None:
+def _on_stop_signal(signum: int, frame: Optional[FrameType]) -> None:
     if _state["signal"] is None:
         _state["time"] = time.time()
         _state["signal"] = signum
@@ -71,36 +87,32 @@ def clear_stop() -> None:
     _state.update({"signal": None, "time": None})
 
 
-def signal_name(signum: Optional[int]) -> str:
+def signal_name(signum: Optional[int], unknown: str = "none") -> str:
+    """SIGTERM for 15; `unknown` for no signal; "signal N" for a number that names none."""
+    if not signum:
+        return unknown
     try:
-        return signal.Signals(signum).name if signum else "none"
+        return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
 
 
+@dataclass(frozen=True)
 class Stopped:
-    """What a worker returns instead of its result when it stopped early on purpose.
+    """What a worker returns instead of its result when it stopped early on purpose, and the outcome
+    of a launch that ended so.
 
-    reason: PREEMPTED (a stop request; exit_code EXIT_PREEMPTED) or another word for a stop that
-    must not be restarted (e.g. "memory_limit", exit_code 1); step: where it stopped; saved:
-    whether that step is committed; message: one line for the person who runs the job; signal:
-    the stop request's signal number.
+    step: where it stopped; saved: whether that step is committed; message: one line for the person
+    who runs the job; exit_code: the process's (EXIT_PREEMPTED for a stop request); signal: the stop
+    request's signal number.
     """
 
-    def __init__(
-        self,
-        reason: str,
-        step: Optional[int],
-        saved: bool,
-        message: str,
-        exit_code: int = EXIT_PREEMPTED,
-        signal: Optional[int] = None,
-    ) -> None:
-        self.reason, self.step, self.saved, self.message = reason, step, saved, message
-        self.exit_code, self.signal = exit_code, signal
-
-    def __repr__(self) -> str:
-        return f"Stopped(reason={self.reason!r}, step={self.step}, saved={self.saved}, signal={self.signal})"
+    reason: StopReason
+    step: Optional[int] = None
+    saved: bool = False
+    message: str = ""
+    exit_code: int = EXIT_PREEMPTED
+    signal: Optional[int] = None
 
 
 class StopRun(Exception):
@@ -108,7 +120,7 @@ class StopRun(Exception):
 
     def __init__(
         self,
-        reason: str,
+        reason: Union[StopReason, str],
         step: Optional[int],
         saved: bool,
         message: str,
@@ -116,4 +128,4 @@ class StopRun(Exception):
         signum: Optional[int] = None,
     ) -> None:
         super().__init__(message)
-        self.marker = Stopped(reason=reason, step=step, saved=saved, message=message, exit_code=exit_code, signal=signum)
+        self.marker = Stopped(StopReason(reason), step=step, saved=saved, message=message, exit_code=exit_code, signal=signum)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Type
 
 from . import events
 from .events import Event
@@ -30,8 +30,14 @@ class Status(str, Enum):
         return self.value
 
 
-# the fields of a stop event that the summary reports
-_STOP_FIELDS = {"step": "stop_step", "saved": "stop_saved", "signal": "stop_signal", "message": "error"}
+# What a task's own stop record (preempted, memory_limit) tells the summary, by summary key.
+_STOP_FIELDS = {"stop_step": "step", "stop_saved": "saved", "stop_signal": "signal", "error": "message"}
+# The task's own record of a launch that ended with this status.
+_OWN_RECORD: Dict[Status, Type[events.Record]] = {
+    Status.COMPLETED: events.TrainingCompleted,
+    Status.PREEMPTED: events.Preempted,
+    Status.MEMORY_LIMIT: events.MemoryLimit,
+}
 
 
 def read(run_dir: Optional[PathLike]) -> Dict[str, Any]:
@@ -62,22 +68,21 @@ def write(
     """
     run_dir = Path(run_dir)
     status = Status(status)
-    recorded = events.read(run_dir, since=since, kinds=(Event.TRAINING_COMPLETED, *events.STOP_EVENTS))
-    if not hosts_rank0 and (status == Status.COMPLETED or events.last(recorded, Event.TRAINING_COMPLETED) is not None):
+    recorded = events.records(run_dir, since=since, kinds=(Event.TRAINING_COMPLETED, *events.STOP_EVENTS))
+    if not hosts_rank0 and (status is Status.COMPLETED or events.newest(recorded, events.TrainingCompleted) is not None):
         return read(run_dir)
-    own = {
-        Status.COMPLETED: Event.TRAINING_COMPLETED,
-        Status.PREEMPTED: Event.PREEMPTED,
-        Status.MEMORY_LIMIT: Event.MEMORY_LIMIT,
-    }.get(status)
-    record = events.last(recorded, own) if own is not None else None
+    own = _OWN_RECORD.get(status)
+    record = events.newest(recorded, own) if own is not None else None
     summary: Dict[str, Any] = {}
-    if record is not None and isinstance(record.get("result"), dict):
-        summary.update(record["result"])
-    if status in (Status.PREEMPTED, Status.MEMORY_LIMIT):
+    result = getattr(record, "result", None)
+    if isinstance(result, dict):
+        summary.update(result)
+    if isinstance(record, events.TaskStopped):
         summary.update(stop_step=None, stop_saved=False)
-        if record is not None:
-            summary.update({name: record.get(key) for key, name in _STOP_FIELDS.items() if key in record})
+        given = record.fields()
+        summary.update({name: given[key] for name, key in _STOP_FIELDS.items() if key in given})
+    elif status in (Status.PREEMPTED, Status.MEMORY_LIMIT):
+        summary.update(stop_step=None, stop_saved=False)
     summary.update({k: v for k, v in extra.items() if v is not None and summary.get(k) is None})
     summary["status"] = status.value
     summary.setdefault("restarts", restarts)

@@ -8,15 +8,15 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, Iterable, List, Union
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from steadfast.contract.schemas import ConfigError, SteadfastLauncherConf, backend_from, cluster_from, restart_from
-
 from . import _backends, _ledger
-from ._types import Job, Settings
+from ._context import LaunchContext
+from ._types import ConfigError, Job, Settings, cluster_from, restart_from
+from .config import SteadfastLauncherConf
 
 
 def settings(master: DictConfig) -> Settings:
@@ -29,14 +29,14 @@ def settings(master: DictConfig) -> Settings:
     return Settings(**values)
 
 
-def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: str) -> Job:
-    sweep_config = launcher.compositions.compose(launcher.config, overrides)
+def prepare(ctx: LaunchContext, overrides: List[str], idx: int, sweep_dir: str) -> Job:
+    sweep_config = ctx.compositions.compose(ctx.config, overrides)
     with read_write(sweep_config.hydra), open_dict(sweep_config):
         sweep_config.hydra.job.id = idx
         sweep_config.hydra.job.num = idx
         sweep_config.hydra.sweep.dir = sweep_dir
     HydraConfig.instance().set_config(sweep_config)  # lets ${hydra:...} resolve while we check it
-    backend = backend_from(OmegaConf.select(sweep_config, "hydra.launcher.backend"))
+    backend = _backends.backend_from(OmegaConf.select(sweep_config, "hydra.launcher.backend"))
     restart = restart_from(OmegaConf.select(sweep_config, "hydra.launcher.restart"))
     job = Job(idx=idx, overrides=overrides, config=sweep_config, backend=backend, restart=restart)
     subdir = OmegaConf.select(sweep_config, "hydra.sweep.subdir")
@@ -73,7 +73,7 @@ def check_folders(jobs: List[Job]) -> None:
         raise ConfigError(problems)
 
 
-def _listed(hooks: Any) -> List[str]:
+def _listed(hooks: Union[None, str, Iterable[object]]) -> List[str]:
     return [] if not hooks else [str(hooks)] if isinstance(hooks, str) else [str(h) for h in hooks]
 
 

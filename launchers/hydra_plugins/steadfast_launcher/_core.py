@@ -10,38 +10,38 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, configure_log, setup_globals
 from omegaconf import DictConfig
 
 from steadfast.contract.naming import master_is_sweep
-from steadfast.contract.schemas import ConfigError
 
 from . import _compose, _slurm
+from ._context import LaunchContext
 from ._ledger import Ledger
 from ._leftovers import SweepFolderSnapshot
 from ._locks import lock_sweep, unlock_sweep
 from ._sweep import Sweep
-from ._types import Refused
+from ._types import ConfigError, Refused
 
 log = logging.getLogger(__name__)
 
 
-def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
+def launch(ctx: LaunchContext, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
     setup_globals()
-    master: DictConfig = launcher.config
+    master: DictConfig = ctx.config
     configure_log(master.hydra.hydra_logging, master.hydra.verbose)
     # The sweep folder is resolved once, from the sweep's own config, and every job gets that
     # folder: a job's config could resolve it differently (it sees its own overrides, a later clock).
     HydraConfig.instance().set_config(master)
     sweep_dir = str(master.hydra.sweep.dir)
     sweeping = master_is_sweep(master)
-    before: Optional[SweepFolderSnapshot] = getattr(launcher, "sweep_folder_before", None)
+    before: Optional[SweepFolderSnapshot] = ctx.sweep_folder_before
     try:
         settings = _compose.settings(master)
-        jobs = [_compose.prepare(launcher, list(o), initial_job_idx + i, sweep_dir) for i, o in enumerate(job_overrides)]
+        jobs = [_compose.prepare(ctx, list(o), initial_job_idx + i, sweep_dir) for i, o in enumerate(job_overrides)]
         _compose.check_folders(jobs)
         Path(sweep_dir).mkdir(parents=True, exist_ok=True)
         ledger = None
@@ -59,7 +59,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
                     "command": {"task": list(master.hydra.overrides.task), "hydra": list(master.hydra.overrides.hydra)},
                 },
             )
-        sweep = Sweep(launcher, jobs, settings, ledger, sweep_dir)
+        sweep = Sweep(ctx, jobs, settings, ledger, sweep_dir)
         _compose.preflight([j for j in jobs if sweep.completed_result(j) is None])
     except (ConfigError, Refused):
         if before is not None and initial_job_idx == 0:  # nothing of this launch ran: leave nothing behind

@@ -30,13 +30,13 @@ import atexit
 import contextlib
 import multiprocessing
 import os
-import signal
 import sys
 import uuid
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
 from . import _payload
+from ._compat import forkserver as forkserver_compat
 from ._payload import PayloadRef
 
 # Imported once in the server, in this order: this module first (it records the server's
@@ -85,31 +85,9 @@ _owner: "list[int]" = []  # the process that started the server (atexit handlers
 
 def _stop() -> None:
     """At the launcher's exit: end the server and reap it, so it does not outlive the launcher and
-    its workers' CPU time counts as this process's children's (what `time` and rusage report).
-    multiprocessing itself never waits for it. The server is killed, not asked to end: it holds
-    nothing but imported modules (its workers are gone by now), and its own interpreter teardown,
-    torch's modules, would add 0.2-0.3 s to every launcher's exit."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    pid, alive = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
-    if pid is None or alive is None or _owner != [os.getpid()]:
-        return
-    os.close(alive)
-    server._forkserver_alive_fd = None  # type: ignore[attr-defined]
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ChildProcessError, ProcessLookupError):
-        pass
-    server._forkserver_pid = None  # type: ignore[attr-defined]
-
-
-def server_pid() -> "int | None":
-    """The running server's process id (None before it started)."""
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    its workers' CPU time counts as this process's children's (what `time` and rusage report)."""
+    if _owner == [os.getpid()]:
+        forkserver_compat.stop_server()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,10 @@
 """One job: lock its folders, run it through Hydra's run_job, freeze its config, hand the workers
-their payload, launch and relaunch within restart.max_restarts, and write its summary.
+their payload, launch and relaunch within restart.max_restarts, and record how it ended.
+
+How a launch ended is a value (Completed, Stopped, Failed: see _types) from the backend up to the
+relaunch loop, and how the job ended is one too, up to `_run`, which hands it to Hydra the way
+Hydra's run_job expects a task to end (its value returned; JobFailed or Interrupted raised). On the
+way, `_record_end` writes the job's last event and its summary.json: the one place either is written.
 
 Both ways of running a sweep's jobs (in the launcher's process, or one launcher process per job)
 call `run_one`.
@@ -8,11 +13,11 @@ call `run_one`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, cast
@@ -23,25 +28,26 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from steadfast.contract import events, shm, summary
-from steadfast.contract.env import ENV_ATTEMPT, ENV_LAUNCH_ID, ENV_LAUNCH_TIME, LaunchEnv
+from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv
 from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
 from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
 from steadfast.contract.heartbeat import stop_marker
-from steadfast.contract.stop import PREEMPTED, Stopped, request_stop, restore_handlers, signal_name, stop_requested
+from steadfast.contract.stop import Stopped, StopReason, request_stop, restore_handlers, signal_name, stop_requested
 from steadfast.contract.summary import Status
 
 from . import _backends, _payload
-from ._backends import Backend
+from ._backends import Attempt, Backend
 from ._locks import RunLock
-from ._payload import PayloadRef
 from ._signals import LaunchSignals
 from ._supervise import Supervisor
-from ._types import Interrupted, Job, JobFailed, Refused, WorkerFailure, job_return, signame
+from ._types import Completed, Failed, Interrupted, Job, JobFailed, Outcome, Refused, job_return
+from ._worker import run_rank
 
 log = logging.getLogger(__name__)
 
 PAYLOAD_PREFIX = "steadfast-job-"  # the job's private folder under the system's temporary folder
+_STATUS_OF: Dict[StopReason, Status] = {StopReason.PREEMPTED: Status.PREEMPTED, StopReason.MEMORY_LIMIT: Status.MEMORY_LIMIT}
 
 
 def run_one(hydra_context: HydraContext, task_function: TaskFunction, job: Job) -> JobReturn:
@@ -72,17 +78,21 @@ def _run(job: Job, task_function: TaskFunction, task_cfg: DictConfig) -> Any:
     """Runs in the launcher process, inside Hydra's run_job (output folder made, HydraConfig set).
     A stop request at any moment, even before the workers exist, ends it with a recorded summary."""
     started = time.time()
+    assert job.run_dir is not None
     try:
-        return _run_job(job, task_function, task_cfg, started)
-    except KeyboardInterrupt as stop:
-        if getattr(stop, "recorded", False) or job.run_dir is None:
-            raise
-        env = {ENV_LAUNCH_TIME: repr(started), ENV_ATTEMPT: "0"}
-        events.append(job.run_dir, Event.JOB_INTERRUPTED, attempt=0, signal=signame(getattr(stop, "signum", None)))
-        _end_on_stop_request(job.run_dir, job, started, env, getattr(stop, "signum", None))
+        outcome = _run_job(job, task_function, task_cfg, started)
+    except KeyboardInterrupt as stop:  # before the relaunch loop took over (the config, the payload)
+        outcome = _end_on_request(job, job.run_dir, started, started, 0, getattr(stop, "signum", None))
+    if isinstance(outcome, Completed):
+        return outcome.value
+    if isinstance(outcome, Failed):
+        raise JobFailed(outcome.cause, outcome.restarts)
+    if outcome.reason is StopReason.PREEMPTED:  # the sweep stops (exit code EXIT_PREEMPTED after SIGTERM)
+        raise Interrupted(outcome.message, signum=outcome.signal)
+    raise JobFailed(outcome.message)  # stopped on purpose, not to be restarted (e.g. trainer.max_rss_mb)
 
 
-def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, started: float) -> Any:
+def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, started: float) -> Outcome:
     run_dir = job.run_dir
     assert run_dir is not None
     backend = _backends.of(job.backend)
@@ -104,6 +114,7 @@ def _run_job(job: Job, task_function: TaskFunction, task_cfg: DictConfig, starte
         collective_timeout_s=job.restart.collective_timeout_s,
         launcher_pid=os.getpid(),
         snapshot=segments.name,
+        rank_env=backend.spec.rank_env,
     )
     for leaked in shm.remove_orphans(run_dir, keep=segments.name):
         log.info("Removed %s, the snapshots of a launch of this run whose launcher is gone", leaked)
@@ -117,108 +128,156 @@ def _attempts(
     job: Job,
     task_function: TaskFunction,
     run_dir: Path,
-    backend: Any,
+    backend: Backend,
     launch: LaunchEnv,
     frozen: DictConfig,
     started: float,
     multi_node: Optional[str],
-) -> Any:
-    """The relaunch loop: one attempt after another, up to the restart budget."""
-    events.append(run_dir, Event.LAUNCH, backend=backend.name, overrides=filter_overrides(job.overrides))
+) -> Outcome:
+    """The relaunch loop: one attempt after another, up to the restart budget; how the job ended."""
+    events.write(run_dir, events.Launch(backend=backend.name, overrides=list(filter_overrides(job.overrides))))
     log.info("Run folder: %s", run_dir)
     attempts = 1 if backend.restarts_itself else job.restart.max_restarts + 1
     first_failure: Optional[str] = None
-    last = WorkerFailure("no attempt ran")
+    last = Failed("no attempt ran")
     with _payload.scratch(PAYLOAD_PREFIX) as private:
         payload = _payload.write(private, "payload.pkl", (task_function, frozen, job.config, Singleton.get_state()))
         for attempt in range(attempts):
             env = LaunchEnv(**{**launch.__dict__, "attempt": attempt}).to_environ()
             if attempt:
-                events.append(run_dir, Event.RELAUNCH, attempt=attempt, cause=last.args[0])
+                events.write(run_dir, events.Relaunch(attempt=attempt, cause=last.cause))
                 log.warning("Relaunching %s (restart %d of %d)", job.label, attempt, job.restart.max_restarts)
+            launched = time.time()
             try:
-                result = run_attempt(backend, payload, job, env, run_dir)
-            except WorkerFailure as failure:
-                last = failure
-                first_failure = first_failure or first_recorded_failure(run_dir, started) or failure.args[0]
+                outcome = run_attempt(backend, Attempt(run_rank, payload, env, run_dir, job.restart))
+            except KeyboardInterrupt as stop:  # a signal outside the launch's own handling of it
+                return _end_on_request(job, run_dir, started, started, attempt, getattr(stop, "signum", None))
+            if isinstance(outcome, Failed):
+                last = outcome
+                first_failure = first_failure or first_recorded_failure(run_dir, started) or outcome.cause
                 continue
-            except KeyboardInterrupt as stop:
-                events.append(run_dir, Event.JOB_INTERRUPTED, attempt=attempt, signal=signame(getattr(stop, "signum", None)))
-                raise
-            hosted_rank0 = multi_node is None or result is not None
-            if not hosted_rank0:  # global rank 0 ran on another node
-                log.info("%s: global rank 0 ran on another node; its result is in %s", job.label, run_dir / SUMMARY_FILE)
-            events.append(run_dir, Event.JOB_COMPLETED, relaunches=attempt)
-            job.restarts = attempt
-            summary.write(
-                run_dir,
-                Status.COMPLETED,
-                since=started,
-                restarts=attempt,
-                wall_seconds=time.time() - started,
-                hosts_rank0=hosted_rank0,
-            )
-            return result
+            if isinstance(outcome, Stopped) and outcome.reason is StopReason.PREEMPTED:
+                noted = stop_requested() or outcome.signal or signal.SIGTERM
+                return _end_on_request(job, run_dir, launched, started, attempt, noted)
+            if isinstance(outcome, Stopped):
+                return _end_stopped(job, run_dir, outcome, started, attempt)
+            return _end_completed(job, run_dir, outcome, started, attempt, multi_node)
     restarts = last.restarts if backend.restarts_itself else attempts - 1
+    return _end_failed(job, run_dir, last, first_failure, started, restarts, multi_node)
+
+
+def _end_completed(
+    job: Job, run_dir: Path, done: Completed, started: float, attempt: int, multi_node: Optional[str]
+) -> Completed:
+    hosted_rank0 = multi_node is None or done.value is not None
+    if not hosted_rank0:  # global rank 0 ran on another node
+        log.info("%s: global rank 0 ran on another node; its result is in %s", job.label, run_dir / SUMMARY_FILE)
+    job.restarts = attempt
+    _record_end(
+        run_dir, events.JobCompleted(relaunches=attempt), Status.COMPLETED, started, started, attempt, hosts_rank0=hosted_rank0
+    )
+    return done
+
+
+def _end_failed(
+    job: Job, run_dir: Path, last: Failed, first_failure: Optional[str], started: float, restarts: int, multi_node: Optional[str]
+) -> Failed:
     job.restarts = restarts
     message = f"{job.label} failed after {restarts} restart(s) (restart.max_restarts={job.restart.max_restarts}). "
-    if first_failure and first_failure != last.args[0]:
-        message += f"First failure: {first_failure}. Last failure: {last.args[0]}"
+    if first_failure and first_failure != last.cause:
+        message += f"First failure: {first_failure}. Last failure: {last.cause}"
     else:
-        message += f"Cause: {last.args[0]}"
-    events.append(
-        run_dir,
-        Event.JOB_FAILED,
-        restarts=restarts,
-        error=message,
-        **({"host": socket.gethostname(), "pid": os.getpid()} if multi_node else {}),
+        message += f"Cause: {last.cause}"
+    record = events.JobFailed(restarts=restarts, error=message)
+    _record_end(run_dir, record, Status.FAILED, started, started, restarts, error=message, hosts_rank0=multi_node is None)
+    return Failed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {EVENTS_FILE})", restarts)
+
+
+def _end_stopped(job: Job, run_dir: Path, stopped: Stopped, started: float, attempt: int) -> Stopped:
+    """The workers stopped on purpose for a reason that must not be restarted (it would happen again)."""
+    record = events.JobStopped(reason=stopped.reason.value, step=stopped.step, message=stopped.message)
+    status = _STATUS_OF.get(stopped.reason, Status.FAILED)
+    _record_end(run_dir, record, status, started, started, attempt, error=stopped.message, stop_step=stopped.step)
+    return dataclasses.replace(stopped, message=f"{job.label} stopped: {stopped.message}\nRun folder: {run_dir}")
+
+
+def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attempt: int, noted: Optional[int]) -> Stopped:
+    """A stop request ended the job (`noted`: the signal it came with, if it said): recorded, with where
+    the workers stopped (their stop event since `since`) and whether that step is committed."""
+    signum = stop_requested() or noted or signal.SIGTERM
+    stop = events.newest(events.records(run_dir, since=since, kinds=(Event.PREEMPTED,)), events.Preempted)
+    name = stop.signal if stop is not None and stop.signal else signal_name(signum)
+    if stop is not None and stop.saved:
+        how = f"stopped at step {stop.step}, checkpoint committed: no step lost"
+    else:
+        how = (
+            "stopped before the workers could save (restart.preemption_grace_s="
+            f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint"
+        )
+    record = events.JobInterrupted(attempt=attempt, signal=signal_name(noted, unknown="a signal"))
+    _record_end(run_dir, record, Status.PREEMPTED, since, started, attempt, stop_signal=name)
+    message = (
+        f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
+        f"(exit code {EXIT_PREEMPTED} after SIGTERM)."
     )
+    log.warning("%s", message)
+    return Stopped(
+        StopReason.PREEMPTED, step=stop.step if stop else None, saved=bool(stop and stop.saved), message=message, signal=signum
+    )
+
+
+def _record_end(
+    run_dir: Path,
+    last: events.Record,
+    status: Status,
+    since: float,
+    started: float,
+    restarts: int,
+    error: Optional[str] = None,
+    hosts_rank0: bool = True,
+    **extra: Any,
+) -> None:
+    """The job's last event and its summary.json (derived from the events since `since`): the one place
+    either is written."""
+    events.write(run_dir, last)
+    wall = time.time() - started
     summary.write(
-        run_dir,
-        Status.FAILED,
-        since=started,
-        restarts=restarts,
-        wall_seconds=time.time() - started,
-        error=message,
-        hosts_rank0=multi_node is None,
+        run_dir, status, since=since, restarts=restarts, wall_seconds=wall, error=error, hosts_rank0=hosts_rank0, **extra
     )
-    raise JobFailed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {EVENTS_FILE})", restarts)
 
 
 def first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
     """The earliest failure recorded in this launch: a worker's error, a hang the watchdog found,
     or an injected fault (workers killed by a signal record nothing themselves)."""
-    for event in events.read(run_dir, since=since, kinds=(Event.WORKER_FAILED, Event.HANG_DETECTED, Event.FAULT_FIRED)):
-        kind = event["event"]
-        if kind == Event.WORKER_FAILED:
-            return f"rank {event.get('rank')} on {event.get('host')}: {event.get('error')} (at {event.get('where')})"
-        if kind == Event.HANG_DETECTED:
+    for record in events.records(run_dir, since=since, kinds=(Event.WORKER_FAILED, Event.HANG_DETECTED, Event.FAULT_FIRED)):
+        if isinstance(record, events.WorkerFailed):
+            return f"rank {record.rank} on {record.host}: {record.error} (at {record.where})"
+        if isinstance(record, events.HangDetected):
             return (
-                f"rank {event.get('rank')} on {event.get('host')} hung after step {event.get('step')} "
-                f"(no progress for {event.get('seconds_without_progress')} s, at {event.get('where')}; "
+                f"rank {record.rank} on {record.host} hung after step {record.step} "
+                f"(no progress for {record.seconds_without_progress} s, at {record.where}; "
                 f"stacks in logs/stacks/)"
             )
-        if event.get("fails") is True:  # a rehearsed failure (hangs: see hang_detected)
-            return f"rank {event.get('rank')} on {event.get('host')}: fault={event.get('fault')} injected at step {event.get('step')}"
+        if isinstance(record, events.FaultFired) and record.fails is True:  # a rehearsed failure (hangs: see hang_detected)
+            return f"rank {record.rank} on {record.host}: fault={record.fault} injected at step {record.step}"
     return None
 
 
-def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
-    """`backend.launch` under supervision; turns the ways a launch can end into what the relaunch loop expects.
+def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
+    """`backend.launch` under supervision, and how it ended with what the launcher knows added:
 
-    - a result: returned;
-    - a `Stopped` marker from the workers (they saved and stopped on purpose): for a
-      preemption, `Interrupted` (the sweep stops; exit code EXIT_PREEMPTED after SIGTERM); for any
-      other stop (e.g. trainer.max_rss_mb), `JobFailed` (not restarted: it would happen again);
-    - a stop request that ended the launch otherwise (grace expired, a worker killed by it before
-      it could save): `Interrupted` as well; the newest committed checkpoint is intact;
-    - a worker failure: `WorkerFailure`, named after the watchdog's finding if it killed a hung rank.
+    - Completed: rank 0's value;
+    - Failed: the workers failed, named after the watchdog's finding if it killed a hung rank;
+    - Stopped: the workers saved and stopped on purpose (their StopRun); or a stop request ended the
+      launch otherwise (before the workers started, grace expired, a worker killed by it before it
+      could save): reason PREEMPTED, and the newest committed checkpoint is intact.
 
     For the launch's duration SIGTERM/SIGINT/SIGHUP in the launcher set the stop flag and are
     passed on to the registered workers, which stop cleanly (see LaunchSignals, Supervisor).
     """
-    env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{env.get(ENV_LAUNCH_TIME, time.time())}")
-    if env.get(ENV_ATTEMPT, "0") == "0":
+    env, run_dir = attempt.env, attempt.run_dir
+    env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{time.time()}")
+    if attempt.number == 0:
         log.info(
             "Logs: %s (launcher), %s (one per rank)%s",
             _launcher_log(run_dir),
@@ -227,20 +286,17 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
         )
     handler = LaunchSignals(run_dir, env[ENV_LAUNCH_ID], in_process=backend.in_process)
     previous = handler.install()
-    launched = time.time()
-    result: Any = None
     try:
         with contextlib.ExitStack() as stack:
             if stop_requested() is not None:  # asked before the workers started: nothing to launch or save
-                stack.close()
-                return _end_on_stop_request(run_dir, job, launched, env)
+                return Stopped(StopReason.PREEMPTED, signal=stop_requested())
             supervisor = (
                 None
                 if backend.in_process
                 else stack.enter_context(
                     Supervisor(
                         run_dir,
-                        job.restart,
+                        attempt.restart,
                         env[ENV_LAUNCH_ID],
                         backend.stop_on_grace_expired,
                         on_overdue=handler.interrupt_main,
@@ -249,80 +305,23 @@ def run_attempt(backend: Backend, payload: PayloadRef, job: Job, env: Dict[str, 
                 )
             )
             try:
-                result = backend.launch(payload, job, env, run_dir)
-            except WorkerFailure as failure:
-                if stop_requested() is None:
-                    if supervisor is not None and supervisor.last_hang:  # the watchdog knows more than "killed by SIGKILL"
-                        failure.args = (
-                            f"{supervisor.last_hang} (killed by the watchdog after restart.hang_timeout_s="
-                            f"{job.restart.hang_timeout_s:g})",
-                        )
-                    raise
-                log.warning("%s", failure.args[0])
-            except KeyboardInterrupt as stop:
+                outcome = backend.launch(attempt)
+            except KeyboardInterrupt as stop:  # the launch abandoned (a second signal; overdue after the grace)
                 request_stop(getattr(stop, "signum", None) or signal.SIGINT)
-            else:
-                if not isinstance(result, Stopped):
-                    return result
-                if result.reason != PREEMPTED:
-                    status = Status(result.reason) if result.reason in {s.value for s in Status} else Status.FAILED
-                    summary.write(
-                        run_dir,
-                        status,
-                        since=_launch_time(env),
-                        restarts=int(env.get(ENV_ATTEMPT, "0")),
-                        wall_seconds=time.time() - _launch_time(env),
-                        error=result.message,
-                        stop_step=result.step,
-                    )
-                    events.append(run_dir, Event.JOB_STOPPED, reason=result.reason, step=result.step, message=result.message)
-                    raise JobFailed(f"{job.label} stopped: {result.message}\nRun folder: {run_dir}")
-        return _end_on_stop_request(run_dir, job, launched, env, getattr(result, "signal", None))
+                return Stopped(StopReason.PREEMPTED, signal=stop_requested())
+            if isinstance(outcome, Failed) and stop_requested() is not None:  # killed while it stopped on request
+                log.warning("%s", outcome.cause)
+                return Stopped(StopReason.PREEMPTED, signal=stop_requested())
+            if isinstance(outcome, Failed) and supervisor is not None and supervisor.last_hang:
+                # the watchdog knows more than "killed by SIGKILL"
+                timeout = attempt.restart.hang_timeout_s
+                return Failed(
+                    f"{supervisor.last_hang} (killed by the watchdog after restart.hang_timeout_s={timeout:g})", outcome.restarts
+                )
+            return outcome
     finally:
         restore_handlers(previous)
         stop_marker(run_dir, env[ENV_LAUNCH_ID]).unlink(missing_ok=True)
-
-
-def _end_on_stop_request(run_dir: Path, job: Job, launched: float, env: Dict[str, str], signum: Optional[int] = None) -> Any:
-    """A stop request ended the launch: record it and raise Interrupted with where the workers stopped."""
-    signum = stop_requested() or signum or signal.SIGTERM
-    message = _preempted(run_dir, job, launched, signum, env)
-    log.warning("%s", message)
-    stop = Interrupted(message, signum=signum)
-    stop.recorded = True  # type: ignore[attr-defined]
-    raise stop
-
-
-def _launch_time(env: Dict[str, str]) -> float:
-    try:
-        return float(env.get(ENV_LAUNCH_TIME) or time.time())
-    except ValueError:
-        return time.time()
-
-
-def _preempted(run_dir: Path, job: Job, since: float, signum: int, env: Dict[str, str]) -> str:
-    """Summary and message of a stop on request: where the workers stopped, and whether it is committed."""
-    stop = events.last(events.read(run_dir, since=since, kinds=(Event.PREEMPTED,)), Event.PREEMPTED)
-    name = str(stop.get("signal")) if stop and stop.get("signal") else signal_name(signum)
-    if stop and stop.get("saved"):
-        how = f"stopped at step {stop.get('step')}, checkpoint committed: no step lost"
-    else:
-        how = (
-            "stopped before the workers could save (restart.preemption_grace_s="
-            f"{job.restart.preemption_grace_s:g}); they resume from the newest committed checkpoint"
-        )
-    summary.write(
-        run_dir,
-        Status.PREEMPTED,
-        since=since,
-        restarts=int(env.get(ENV_ATTEMPT, "0")),
-        wall_seconds=time.time() - _launch_time(env),
-        stop_signal=name,
-    )
-    return (
-        f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-        f"(exit code {EXIT_PREEMPTED} after SIGTERM)."
-    )
 
 
 def _launcher_log(run_dir: Path) -> str:

@@ -23,19 +23,24 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from types import FrameType
+from typing import IO, Any, Dict, List, Optional, TextIO, Tuple
 
 import cloudpickle
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 
+from steadfast.contract.stop import signal_name
+
 from . import _backends, _payload
+from ._compat.hydra_job_return import returned
+from ._context import LaunchContext
 from ._job import run_one
 from ._ledger import COMPLETED, FAILED, INTERRUPTED
 from ._packing import Machine
 from ._payload import PayloadRef
 from ._signals import handling_signals
-from ._types import Interrupted, Job, JobFailed, job_return, signame
+from ._types import Interrupted, Job, JobFailed, job_return
 
 log = logging.getLogger(__name__)
 _print_lock = threading.Lock()
@@ -44,18 +49,18 @@ _print_lock = threading.Lock()
 class JobProcess:
     """The parent's handle on one job's launcher process, which runs in its own session."""
 
-    def __init__(self, launcher: Any, job: Job, box: Machine, units: List[int], scratch: Path) -> None:
+    def __init__(self, ctx: LaunchContext, job: Job, box: Machine, units: List[int], scratch: Path) -> None:
         self.job, self.units, self.stop_sent = job, units, False
         self.result_path = scratch / f"job{job.idx}.result"
-        config = launcher.config
+        config = ctx.config
         ref = _payload.write(
             scratch,
             f"job{job.idx}.payload",
             {
                 "parent": os.getpid(),
                 "hydra_state": Singleton.get_state(),
-                "hydra_context": launcher.hydra_context,
-                "task_function": launcher.task_function,
+                "hydra_context": ctx.hydra_context,
+                "task_function": ctx.task_function,
                 "job": job,
                 "hydra_logging": config.hydra.hydra_logging,
                 "verbose": config.hydra.verbose,
@@ -117,7 +122,7 @@ class JobProcess:
         job = self.job
         if not isinstance(out, dict):
             code = self.popen.returncode
-            how = f"killed by {signame(-code)}" if code is not None and code < 0 else f"exit code {code}"
+            how = f"killed by {signal_name(-code, unknown='a signal')}" if code is not None and code < 0 else f"exit code {code}"
             if self.stop_sent:
                 return INTERRUPTED, None, f"; its launcher process ended ({how})"
             return (
@@ -135,7 +140,7 @@ class JobProcess:
         return out["status"], out["ret"], ""
 
 
-def _forward(stream: Any, sink: Any, prefix: str) -> None:
+def _forward(stream: IO[bytes], sink: TextIO, prefix: str) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         with _print_lock:
@@ -167,7 +172,7 @@ def _portable(ret: JobReturn) -> JobReturn:
         cloudpickle.loads(cloudpickle.dumps(ret))
         return ret
     except Exception as exc:
-        value = ret._return_value
+        value = returned(ret)
         if ret.status == JobStatus.COMPLETED:
             ret.status = JobStatus.FAILED
             ret.return_value = JobFailed(f"the task's return value could not be pickled back to the launcher: {exc}")
@@ -190,7 +195,7 @@ def main(payload: PayloadRef, result_path: str) -> int:
     job: Job = p["job"]
     state: Dict[str, Any] = {"signum": None, "in_job": True}
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Optional[FrameType]) -> None:
         state["signum"] = state["signum"] or signum
         if state["in_job"]:
             raise Interrupted(signum=signum)

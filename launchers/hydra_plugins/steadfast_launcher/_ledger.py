@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from omegaconf import DictConfig, OmegaConf
+
 from steadfast.contract.files import atomic_write, read_json_object
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,9 @@ def job_key(overrides: Sequence[str]) -> str:
     return " ".join(sorted(str(o) for o in overrides)) or "(defaults)"
 
 
-def config_digest(task_cfg: Any) -> str:
+def config_digest(task_cfg: DictConfig) -> str:
     """sha256 of a job's config as composed (unresolved, without the hydra node)."""
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.masked_copy(task_cfg, [k for k in task_cfg.keys() if k != "hydra"])
+    node = OmegaConf.masked_copy(task_cfg, [str(k) for k in task_cfg.keys() if k != "hydra"])
     return hashlib.sha256(OmegaConf.to_yaml(node).encode()).hexdigest()
 
 

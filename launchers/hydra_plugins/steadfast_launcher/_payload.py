@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import cloudpickle
 
 from steadfast.contract.files import read_regular
+from steadfast.contract.pids import alive
 
 
 class PayloadError(RuntimeError):
@@ -65,13 +66,10 @@ def _remove_orphans(prefix: str) -> None:
         pid = entry.name[len(prefix) :].partition("-")[0]
         try:
             st = entry.stat(follow_symlinks=False)
-            if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            os.kill(int(pid), 0)  # still running: its folder
-        except ProcessLookupError:
-            shutil.rmtree(entry.path, ignore_errors=True)
         except OSError:
             continue
+        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -84,7 +82,7 @@ def scratch(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write(folder: Path, name: str, value: Any) -> PayloadRef:
+def write(folder: Path, name: str, value: object) -> PayloadRef:
     data = cloudpickle.dumps(value)
     path = folder / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)

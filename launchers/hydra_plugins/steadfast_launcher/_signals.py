@@ -6,17 +6,19 @@ import contextlib
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from types import FrameType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 from steadfast.contract.heartbeat import read_heartbeats
+from steadfast.contract.pids import alive
 from steadfast.contract.stop import STOP_SIGNALS, request_stop, signal_name, stop_requested
 
-from ._supervise import HOST, alive, kill, mark_stop
+from ._supervise import HOST, kill, mark_stop
 from ._types import Interrupted
 
 
 @contextlib.contextmanager
-def handling_signals(handler: Callable[[int, Any], None]) -> Iterator[Callable[[], None]]:
+def handling_signals(handler: Callable[[int, Optional[FrameType]], None]) -> Iterator[Callable[[], None]]:
     """Route SIGTERM/SIGINT/SIGHUP to `handler` (main thread only); yields a function that
     installs it again (torch elastic's agent replaces the handlers while it runs); restores on exit."""
     if threading.current_thread() is not threading.main_thread():
@@ -49,14 +51,14 @@ class LaunchSignals:
     def __init__(self, run_dir: Path, launch_id: str, in_process: bool) -> None:
         self.run_dir, self.launch_id, self.in_process = run_dir, launch_id, in_process
         self.count, self.force = 0, False
-        self.forwarded: set = set()  # shared with the supervisor: every worker gets the signal once
+        self.forwarded: Set[int] = set()  # shared with the supervisor: every worker gets the signal once
 
     def install(self) -> Dict[signal.Signals, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
 
-    def __call__(self, signum: int, frame: Any) -> None:
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
         self.count += 1
         request_stop(signum)
         if self.force or self.count > 1:

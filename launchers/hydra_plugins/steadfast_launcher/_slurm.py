@@ -28,22 +28,20 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from steadfast.contract import events
-from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
 from steadfast.contract.files import atomic_write
-from steadfast.contract.schemas import cluster_from
 
-from ._types import Job, job_return
+from ._types import Job, cluster_from, job_return
 
 log = logging.getLogger(__name__)
 
 SCRIPT_NAME = "job.sbatch"
 
 
-def cluster_of(config: Any) -> Dict[str, Any]:
+def cluster_of(config: DictConfig) -> Dict[str, Any]:
     """The job's cluster settings (hydra.launcher.cluster), as plain values."""
     import dataclasses
 
@@ -167,7 +165,7 @@ def submit_jobs(jobs: List[Job]) -> List[JobReturn]:
             returns.append(job_return(job, JobStatus.COMPLETED, {"slurm_script": str(script)}))
             continue
         job_id = submit(script)
-        events.append(job.run_dir, Event.SLURM_SUBMITTED, slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"])
+        events.write(job.run_dir, events.SlurmSubmitted(slurm_job_id=job_id, script=str(script), nodes=cluster["nodes"]))
         log.info(
             "%s: submitted as Slurm job %s (%d node(s)); script %s, output %s/slurm/<job id>.out",
             job.label,

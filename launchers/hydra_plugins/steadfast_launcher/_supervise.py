@@ -34,12 +34,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from steadfast.contract import events
-from steadfast.contract.events import Event
 from steadfast.contract.files import STACKS_DIR
 from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats, stop_marker
+from steadfast.contract.pids import alive
 from steadfast.contract.schemas import RestartConf
 from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
@@ -75,18 +75,6 @@ class _Incarnation:
     restart: int
     pids: List[int] = field(default_factory=list)
     recorded: bool = False
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
 
 
 def kill(pid: int, sig: int) -> None:
@@ -137,7 +125,7 @@ class Supervisor:
         launch_id: str,
         on_grace_expired: Optional[Callable[[], bool]] = None,
         on_overdue: Optional[Callable[[], None]] = None,
-        forwarded: Optional[set] = None,
+        forwarded: Optional[Set[int]] = None,
     ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
@@ -223,13 +211,14 @@ class Supervisor:
             return
         inc.recorded = True
         ranks = {self.workers[p].rank: self.workers[p].step for p in inc.pids}
-        events.append(
+        events.write(
             self.run_dir,
-            Event.ATTEMPT_ENDED,
-            restart=inc.restart,
-            last_step=max(ranks.values()),
-            steps={str(r): s for r, s in sorted(ranks.items())},
-            phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids},
+            events.AttemptEnded(
+                restart=inc.restart,
+                last_step=max(ranks.values()),
+                steps={str(r): s for r, s in sorted(ranks.items())},
+                phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids},
+            ),
         )
 
     # ---- preemption -----------------------------------------------------------------------------
@@ -258,12 +247,13 @@ class Supervisor:
                 name,
                 self.conf.preemption_grace_s,
             )
-            events.append(
+            events.write(
                 self.run_dir,
-                Event.PREEMPTION_GRACE_EXPIRED,
-                signal=name,
-                grace_s=self.conf.preemption_grace_s,
-                ranks={str(w.rank): {"step": w.step, "phase": w.phase} for w in live},
+                events.PreemptionGraceExpired(
+                    signal=name,
+                    grace_s=self.conf.preemption_grace_s,
+                    ranks={str(w.rank): {"step": w.step, "phase": w.phase} for w in live},
+                ),
             )
             # the backend stops its own workers (so that torch elastic does not take our kill for a
             # failure and restart them); whatever is left a few seconds later is killed here
@@ -309,19 +299,20 @@ class Supervisor:
         if waiting:
             message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
         stacks = [str(self._stacks(w.rank)) for w in stuck]
-        events.append(
+        events.write(
             self.run_dir,
-            Event.HANG_DETECTED,
-            rank=first.rank,
-            step=first.step,
-            phase=first.phase,
-            seconds_without_progress=round(seconds, 2),
-            hang_timeout_s=self.hang_timeout,
-            restart=first.restart,
-            where=describe_frame(frames[first.rank][0] if frames[first.rank] else None),
-            suspects=[w.rank for w in suspects],
-            waiting=[w.rank for w in waiting],
-            stacks=stacks,
+            events.HangDetected(
+                rank=first.rank,
+                step=first.step,
+                phase=first.phase,
+                seconds_without_progress=round(seconds, 2),
+                hang_timeout_s=self.hang_timeout,
+                restart=first.restart,
+                where=describe_frame(frames[first.rank][0] if frames[first.rank] else None),
+                suspects=[w.rank for w in suspects],
+                waiting=[w.rank for w in waiting],
+                stacks=stacks,
+            ),
         )
         log.error("%s. Stacks: %s. Killing the stuck worker(s) so the group restarts.", message, ", ".join(stacks))
         for w in stuck:

@@ -13,20 +13,24 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from types import FrameType
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides
 
 from steadfast.contract import summary
 from steadfast.contract.exits import exit_code
 from steadfast.contract.keys import override_key
+from steadfast.contract.stop import signal_name
 
 from . import _backends, _ledger, _packing, _payload
+from ._compat.hydra_job_return import returned
+from ._context import LaunchContext
 from ._job import run_one
 from ._jobproc import JobProcess
 from ._ledger import COMPLETED, FAILED, INTERRUPTED, NOT_RUN, PENDING, RUNNING, SKIPPED, Ledger
 from ._signals import handling_signals
-from ._types import Interrupted, Job, JobFailed, Refused, Settings, first_line, job_return, signame
+from ._types import Interrupted, Job, JobFailed, Refused, Settings, first_line, job_return
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +41,12 @@ SCRATCH_PREFIX = "steadfast-jobs-"  # a parallel sweep's private folder: the job
 class Sweep:
     """Runs the jobs of one launch() call and keeps the ledger and the table up to date."""
 
-    def __init__(self, launcher: Any, jobs: List[Job], settings: Settings, ledger: Optional[Ledger], sweep_dir: str) -> None:
-        self.launcher, self.jobs, self.settings, self.ledger, self.sweep_dir = launcher, jobs, settings, ledger, sweep_dir
+    def __init__(self, ctx: LaunchContext, jobs: List[Job], settings: Settings, ledger: Optional[Ledger], sweep_dir: str) -> None:
+        self.ctx, self.jobs, self.settings, self.ledger, self.sweep_dir = ctx, jobs, settings, ledger, sweep_dir
         self.returns: Dict[int, JobReturn] = {}
         self.status: Dict[int, str] = {}
         self.results: Dict[int, Any] = {}
-        self.refused: set = set()  # jobs refused before anything was written (a folder in use)
+        self.refused: Set[int] = set()  # jobs refused before anything was written (a folder in use)
         self.signum: Optional[int] = None
         self.failed_first: Optional[Job] = None  # the failure that stopped the sweep (fail_fast)
         self.in_job = False
@@ -108,16 +112,17 @@ class Sweep:
         fields: Dict[str, Any] = dict(restarts=restarts, ended_at=round(time.time(), 3), wall_seconds=wall)
         for stale in ("result", "result_pickle", "result_unavailable", "result_repr"):
             rec.pop(stale, None)
+        value = returned(ret)
         if interrupted:
             self.status[job.idx] = INTERRUPTED
-            fields.update(status=INTERRUPTED, error=first_line(ret._return_value))
+            fields.update(status=INTERRUPTED, error=first_line(value))
         elif ret.status == JobStatus.COMPLETED:
-            self.status[job.idx], self.results[job.idx] = COMPLETED, ret._return_value
-            fields.update(status=COMPLETED, error=None, **_ledger.encode_result(ret._return_value))
+            self.status[job.idx], self.results[job.idx] = COMPLETED, value
+            fields.update(status=COMPLETED, error=None, **_ledger.encode_result(value))
         else:
             self.status[job.idx] = FAILED
-            fields.update(status=FAILED, error=str(ret._return_value).strip())
-            if isinstance(ret._return_value, Refused):
+            fields.update(status=FAILED, error=str(value).strip())
+            if isinstance(value, Refused):
                 self.refused.add(job.idx)
             if self.failed_first is None:
                 self.failed_first = job
@@ -140,7 +145,7 @@ class Sweep:
             log.warning(
                 "Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
                 "interrupted ones resume from their checkpoints.",
-                signame(self.signum),
+                signal_name(self.signum, unknown="a signal"),
             )
             sys.exit(exit_code(self.signum))
         return [self.returns[j.idx] for j in self.jobs]
@@ -152,7 +157,7 @@ class Sweep:
     def stop_reason(self) -> str:
         if self.signum is None and self.failed_first is not None:
             return f"stopped because {self.failed_first.label} failed and hydra.launcher.fail_fast=true"
-        return f"stopped by {signame(self.signum)}"
+        return f"stopped by {signal_name(self.signum, unknown='a signal')}"
 
     def _stopping(self) -> bool:
         return self.signum is not None or (self.settings.fail_fast and self.failed_first is not None)
@@ -215,13 +220,13 @@ class Sweep:
 
     # ---- one at a time, in this process
 
-    def _on_signal_sequential(self, signum: int, frame: Any) -> None:
+    def _on_signal_sequential(self, signum: int, frame: Optional[FrameType]) -> None:
         self.signum = self.signum or signum
         if self.in_job:
             raise Interrupted(signum=signum)
 
     def _run_sequential(self) -> None:
-        config = self.launcher.config
+        config = self.ctx.config
         with handling_signals(self._on_signal_sequential) as reinstall:
             for job in self.jobs:
                 if self._stopping():
@@ -232,7 +237,7 @@ class Sweep:
                 self._started(job)
                 try:
                     self.in_job = True
-                    ret = run_one(self.launcher.hydra_context, self.launcher.task_function, job)
+                    ret = run_one(self.ctx.hydra_context, self.ctx.task_function, job)
                 except KeyboardInterrupt as stop:
                     self.in_job = False
                     self.signum = getattr(stop, "signum", None) or self.signum or signal.SIGINT
@@ -246,7 +251,7 @@ class Sweep:
 
     # ---- several at once, one launcher process per job
 
-    def _on_signal_parallel(self, signum: int, frame: Any) -> None:
+    def _on_signal_parallel(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is not None:
             self._second_signal = True
         self.signum = self.signum or signum
@@ -315,7 +320,7 @@ class Sweep:
                 )
             units = box.take(job.procs)
             self._started(job)
-            running[job.idx] = JobProcess(self.launcher, job, box, units, scratch)
+            running[job.idx] = JobProcess(self.ctx, job, box, units, scratch)
 
 
 def _varying(jobs: List[Job]) -> set:

@@ -1,4 +1,5 @@
-"""What the launcher's modules share: the job, the sweep settings, the ways a job ends.
+"""What the launcher's modules share: the job, the sweep settings, a launch's outcomes, the errors
+Hydra reports, the typed settings read from a job's config.
 
 A leaf: imports nothing of the launcher's own, only Hydra, OmegaConf and steadfast.contract.
 """
@@ -6,16 +7,27 @@ A leaf: imports nothing of the launcher's own, only Hydra, OmegaConf and steadfa
 from __future__ import annotations
 
 import os
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from steadfast.contract.schemas import BackendConf, RestartConf
+from steadfast.contract.backends import BackendConf
+from steadfast.contract.schemas import ClusterConf, RestartConf
+from steadfast.contract.stop import Stopped, signal_name
+
+
+class ConfigError(CompactHydraException):
+    """A configuration that cannot run; raised before any worker starts. Hydra prints it without a traceback."""
+
+    def __init__(self, problems: List[str]) -> None:
+        self.problems = problems
+        head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in the configuration:"
+        rest = [] if len(problems) == 1 else [f"  - {p}" for p in problems]
+        super().__init__("\n".join([f"Invalid config: {head}", *rest]))
 
 
 class JobFailed(CompactHydraException):
@@ -31,19 +43,31 @@ class Refused(JobFailed):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A job (or the sweep) stopped by a signal; running the same command again resumes it."""
+    """A job (or the sweep) stopped by a signal; running the same command again resumes it. Raised
+    where Python delivers a signal (a handler) and where a job's end goes back to Hydra."""
 
     def __init__(self, message: str = "", signum: Optional[int] = None) -> None:
-        super().__init__(message or f"stopped by {signame(signum)}")
+        super().__init__(message or f"stopped by {signal_name(signum, unknown='a signal')}")
         self.signum = signum
 
 
-class WorkerFailure(Exception):
-    """Raised by a backend when the workers of one launch failed."""
+# ---- how one launch of a job's workers ended (what Backend.launch returns) ----
 
-    def __init__(self, message: str, restarts: int = 0) -> None:
-        super().__init__(message)
-        self.restarts = restarts
+
+@dataclass(frozen=True)
+class Completed:
+    value: Any  # rank 0's return value (None on a node that does not host rank 0)
+
+
+@dataclass(frozen=True)
+class Failed:
+    cause: str  # the first failed worker and why (a job's end: the whole message for the person)
+    restarts: int = 0  # restarts the backend made itself before it gave up
+
+
+# Stopped (steadfast.contract.stop): the workers saved and stopped on purpose (their StopRun), or
+# the backend was stopped by a stop request (reason PREEMPTED).
+Outcome = Union[Completed, Stopped, Failed]
 
 
 @dataclass
@@ -79,16 +103,27 @@ class Settings:
     skip_completed: bool = True
 
 
-def signame(signum: Optional[int]) -> str:
-    try:
-        return signal.Signals(signum).name  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return "a signal"
+def first_line(value: object) -> str:
+    text = str(value).strip()
+    return text.splitlines()[0] if text else type(value).__name__
 
 
-def first_line(exc: Any) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def restart_from(node: object) -> RestartConf:
+    """The typed `restart` settings of a config node (plain or typed); none: no restarts."""
+    if isinstance(node, RestartConf):
+        return node
+    if node is None:
+        return RestartConf(max_restarts=0)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RestartConf), node))  # type: ignore[return-value]
+
+
+def cluster_from(node: object) -> ClusterConf:
+    """The typed `cluster` settings of a config node (plain or typed); none: run here."""
+    if isinstance(node, ClusterConf):
+        return node
+    if node is None:
+        return ClusterConf()
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConf), node))  # type: ignore[return-value]
 
 
 def job_return(job: Job, status: JobStatus, value: Any) -> JobReturn:

@@ -1,5 +1,6 @@
 """What runs on every rank: read the job's payload, restore Hydra's state, call the task function,
-record a failure."""
+record a failure. Importing it registers the backends too (a task may ask the registry, e.g. an
+app that types its config with a backend's schema)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import FrameType
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -20,12 +20,12 @@ from hydra.core.utils import setup_globals
 
 from steadfast.contract import events
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, restart_count, run_dir
-from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_ORPHANED
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
 from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
 
-from . import _forkserver, _payload
+from . import _backends, _forkserver, _payload  # noqa: F401  (_backends: registers every backend)
+from ._compat.elastic_worker import end_once_returned
 from ._payload import PayloadRef
 
 
@@ -73,27 +73,9 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
 
 
 def _end_once_returned() -> None:
-    """Let this worker's process end as soon as torch elastic's wrapper has handed back its result.
-
-    The wrapper (`torch.distributed.elastic.multiprocessing.api._wrap`) puts the result in a
-    SimpleQueue, a synchronous pipe write, then waits for an event the agent sets once it has
-    collected every rank's result in its monitoring loop. When the agent is stopping the group
-    instead (a node joined or left: it SIGTERMs healthy workers, which save and return) it never
-    sets it and SIGKILLs them after 30 s, so a scale-up cost 30 s. Setting the event before
-    returning is safe: each worker still puts its result before it reads the event, and the event
-    only exists to wait for results that a feeder thread has not yet written, which a SimpleQueue
-    does not have. Found by walking up to the wrapper's frame; not there (Horovod, another torch),
-    nothing changes."""
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None:
-        event = frame.f_locals.get("queue_finished_reading_event") if frame.f_code.co_name == "_wrap" else None
-        if event is not None:
-            try:
-                event.set()
-            except Exception:  # the agent's side of it is gone: nothing to wait for anyway
-                pass
-            return
-        frame = frame.f_back
+    """Let this worker's process end as soon as torch elastic's wrapper has handed back its result
+    (see _compat.elastic_worker; not under torch elastic, nothing changes)."""
+    end_once_returned(sys._getframe(1))
 
 
 ORPHAN_CHECK_S = 0.5  # how often a worker looks whether its launcher is still there
@@ -119,18 +101,17 @@ def _record_rendezvous() -> None:
     """Rank 0 records where this launch's workers met (address:port, run id): sweep jobs never share them."""
     if current_rank() != 0:
         return
-    env = os.environ
-    fields: Dict[str, Union[int, str]] = {
-        "world_size": int(env.get("WORLD_SIZE") or env.get("HOROVOD_SIZE") or 1),
-        "restart": restart_count(),
-    }
-    port = env.get("MASTER_PORT") or env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-    if port:
-        fields["endpoint"] = f"{env.get('MASTER_ADDR') or env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:{port}"
-    if env.get("TORCHELASTIC_RUN_ID"):
-        fields["run_id"] = env["TORCHELASTIC_RUN_ID"]
     try:
-        events.append(run_dir(), Event.RENDEZVOUS, **fields)
+        launch = LaunchEnv.current()
+        names, env = launch.rank_env, os.environ
+        port = env.get(names.port) if names.port else None
+        record = events.Rendezvous(
+            world_size=launch.world_size,
+            restart=restart_count(),
+            endpoint=f"{env.get(names.address)}:{port}" if port else None,
+            run_id=(env.get(names.run_id) or None) if names.run_id else None,
+        )
+        events.write(launch.run_dir, record)
     except Exception:  # recording must never stop the job
         pass
 
@@ -139,14 +120,10 @@ def _record_failure(exc: BaseException) -> None:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
     try:
-        events.append(
-            run_dir(),
-            Event.WORKER_FAILED,
-            rank=current_rank(),
-            restart=restart_count(),
-            error=f"{type(exc).__name__}: {exc}",
-            where=where,
+        record = events.WorkerFailed(
+            rank=current_rank(), restart=restart_count(), error=f"{type(exc).__name__}: {exc}", where=where
         )
+        events.write(run_dir(), record)
     except Exception:  # recording must never hide the original error
         pass
 

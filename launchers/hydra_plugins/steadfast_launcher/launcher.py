@@ -12,8 +12,12 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from ._leftovers import SweepFolderSnapshot, snapshot
-from ._reuse import ReusedCompositions
+from steadfast.contract import backends
+
+from . import _backends
+from ._compat.hydra_compositions import ReusedCompositions
+from ._context import LaunchContext
+from ._leftovers import snapshot
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +26,10 @@ class SteadfastLauncher(Launcher):
     def __init__(self, **params: Any) -> None:
         # The launcher's own fields are re-read per job from the job's config (sweeps can vary them).
         self.params = params
-        self.config: Optional[DictConfig] = None
-        self.task_function: Optional[TaskFunction] = None
-        self.hydra_context: Optional[HydraContext] = None
-        self.sweep_folder_before: Optional[SweepFolderSnapshot] = None
-        self.compositions: Optional[ReusedCompositions] = None
+        self.context: Optional[LaunchContext] = None
         self._launched = False
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
-        self.compositions = ReusedCompositions.install(hydra_context.config_loader)
         # The sweep's config is Hydra's config from here on, so `${hydra:...}` resolves in
         # hydra.sweep.dir (a single job's sweep folder is its run folder, named by run.name) when
         # the sweeper creates it; and what is there before the sweeper writes is noted, so a
@@ -43,42 +39,41 @@ class SteadfastLauncher(Launcher):
             sweep_dir = str(config.hydra.sweep.dir)
         except Exception:  # the sweeper reports it
             sweep_dir = None
-        self.sweep_folder_before = snapshot(sweep_dir)
-        if _forkserver_wanted(config):
-            from . import _forkserver
-
-            _forkserver.start()
+        self.context = LaunchContext(
+            config=config,
+            hydra_context=hydra_context,
+            task_function=task_function,
+            compositions=ReusedCompositions.install(hydra_context.config_loader),
+            sweep_folder_before=snapshot(sweep_dir),
+        )
+        _warm_up(config)
         self._launched = False
         atexit.register(self._never_launched)
 
     def _never_launched(self) -> None:
         """Hydra refused the sweep itself (e.g. a swept value its composition rejects) after its
         sweeper wrote multirun.yaml: the launcher never ran, so what the sweeper wrote goes too."""
-        if not self._launched and self.sweep_folder_before is not None:
-            self.sweep_folder_before.restore()
+        before = self.context.sweep_folder_before if self.context is not None else None
+        if not self._launched and before is not None:
+            before.restore()
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from . import _core
 
-        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        assert self.context is not None, "Hydra sets a launcher up before it launches"
         self._launched = True
-        return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return _core.launch(self.context, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
 
 
-def _forkserver_wanted(config: DictConfig) -> bool:
-    """Will this launch most likely fork its workers from the forkserver (torchrun, the default
-    start method, on this machine)? Then the server starts now: its imports (torch, ~3 s here) are
-    the longest part of a launch's start-up, and they run while Hydra composes and checks the jobs.
-    A guess from the sweep's own config: a job that does not use the server leaves it idle, and it
-    ends with the launcher either way."""
+def _warm_up(config: DictConfig) -> None:
+    """Let the backend the sweep's own config names (most likely its jobs' backend) start what its
+    launches will need, while Hydra composes and checks the jobs (e.g. torchrun's forkserver, whose
+    imports are the longest part of a launch's start-up). Not for a job submitted elsewhere (Slurm)."""
     try:
-        backend = OmegaConf.select(config, "hydra.launcher.backend")
+        node = OmegaConf.select(config, "hydra.launcher.backend")
         cluster = OmegaConf.select(config, "hydra.launcher.cluster.name", default="none")
-        return (
-            backend is not None
-            and backend.get("name") == "torchrun"
-            and backend.get("start_method") == "forkserver"
-            and cluster in (None, "none")
-        )
+        spec = backends.spec(str(node.get("name"))) if node is not None else None
+        if spec is not None and cluster in (None, "none"):
+            _backends.backend_class(spec).warm_up(node)
     except Exception:  # a config the launcher reports on properly later
-        return False
+        return

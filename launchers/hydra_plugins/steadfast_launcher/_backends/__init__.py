@@ -1,28 +1,18 @@
-"""The backend registry: one Backend class per schema of steadfast.contract.schemas.BACKEND_SCHEMAS
-(the one map from a backend's name to its schema). The rest of the launcher asks a job's backend,
-`of(job.backend)`, and never which one it is."""
+"""The backends: every other module of this package is one (its schema, its `Backend` class and its
+registration, `@register`), with its YAML file in steadfast/conf/backend/. Importing this package
+imports them all, so a new backend is one new module here and one YAML file. The rest of the
+launcher asks a job's backend, `of(job.backend)`, and never which one it is."""
 
 from __future__ import annotations
 
-from typing import Dict, Type
+import importlib
+import pkgutil
 
-from steadfast.contract.schemas import BACKEND_SCHEMAS, BackendConf
+from ._registry import backend_class, backend_from, of, register
+from .base import Attempt, Backend
 
-from .base import Backend
-from .horovod import HorovodBackend
-from .local import LocalBackend
-from .torchrun import TorchrunBackend
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_") and _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
-REGISTRY: Dict[Type[BackendConf], Type[Backend]] = {cls.schema: cls for cls in (TorchrunBackend, HorovodBackend, LocalBackend)}
-assert set(REGISTRY) == set(BACKEND_SCHEMAS.values()), "every backend schema needs exactly one Backend"
-
-
-def of(conf: BackendConf) -> Backend:
-    """The backend that runs a job with this (typed) `backend` config (an app's subclass of a schema too)."""
-    schema = next((t for t in type(conf).__mro__ if t in REGISTRY), None)
-    if schema is None:
-        raise TypeError(f"no backend is registered for {type(conf).__name__} (backend.name={conf.name!r})")
-    return REGISTRY[schema](conf)
-
-
-__all__ = ["Backend", "REGISTRY", "of"]
+__all__ = ["Attempt", "Backend", "backend_class", "backend_from", "of", "register"]

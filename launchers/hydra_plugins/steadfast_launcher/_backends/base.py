@@ -1,30 +1,48 @@
 """The one interface between the launcher and a way of starting workers (in the spirit of torch
-elastic's agent and submitit's executors): everything that differs between backends is here,
-and nothing outside `_backends/` asks which backend a job uses."""
+elastic's agent and submitit's executors): everything that differs between backends is in their
+modules, and nothing outside `_backends/` asks which backend a job uses."""
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional
 
-from steadfast.contract.schemas import BackendConf
+from steadfast.contract.backends import BackendConf, BackendSpec
+from steadfast.contract.env import ENV_ATTEMPT
+from steadfast.contract.schemas import RestartConf
 
 from .._payload import PayloadRef
-from .._types import Job
+from .._types import Outcome
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One launch of a job's workers, as a backend gets it."""
+
+    entry: Callable[..., Any]  # what every rank runs (the launcher's worker: _worker.run_rank)
+    payload: PayloadRef  # the job's task, frozen config and Hydra state, for `entry`
+    env: Dict[str, str]  # the contract's LaunchEnv and the launcher's additions, for every worker
+    run_dir: Path
+    restart: RestartConf
+
+    @property
+    def number(self) -> int:
+        """The launcher's relaunch this is (0: the first launch)."""
+        return int(self.env.get(ENV_ATTEMPT, "0"))
 
 
 class Backend(ABC):
-    """One job's backend, built from its typed config (`backend.*`) by the registry.
+    """One job's backend, built from its typed config (`backend.*`) by `of`.
 
-    `launch` starts the workers of one attempt with `env` (the contract's LaunchEnv plus what the
-    backend adds) and returns rank 0's value (None on a node without rank 0), or a `Stopped`
-    marker; it raises `WorkerFailure` (its message names the root cause) or `Interrupted`.
+    `launch` starts the workers of one attempt and returns how it ended: Completed (rank 0's value;
+    None on a node without rank 0), Stopped (the workers saved and stopped on purpose, or a stop
+    request stopped the backend) or Failed (its cause names the first failed worker).
     """
 
-    schema: ClassVar[Type[BackendConf]]  # the backend's schema in steadfast.contract.schemas
-    collective: ClassVar[str]  # what its workers initialise: steadfast.contract.env TORCH, HOROVOD or NONE
+    spec: ClassVar[BackendSpec]  # its schema, world-size keys, rank variables: what the contract knows
     restarts_itself: ClassVar[bool] = (
         False  # True: it restarts failed workers (restart.max_restarts); else the launcher relaunches
     )
@@ -33,9 +51,19 @@ class Backend(ABC):
     def __init__(self, conf: BackendConf) -> None:
         self.conf = conf
 
+    @classmethod
+    def warm_up(cls, node: Mapping[str, Any]) -> None:
+        """Called when Hydra sets the launcher up, with the sweep's own `backend` node (a guess at what
+        its jobs use): start what the launch will need, while Hydra composes and checks the jobs."""
+        return None
+
     @property
     def name(self) -> str:
         return self.conf.name
+
+    @property
+    def collective(self) -> str:
+        return self.spec.collective
 
     @property
     def procs_per_node(self) -> int:
@@ -62,18 +90,13 @@ class Backend(ABC):
         return []
 
     @abstractmethod
-    def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
-        """Start one attempt's workers and wait for them."""
+    def launch(self, attempt: Attempt) -> Outcome:
+        """Start one attempt's workers, wait for them, say how it ended (never raises for the workers' sake)."""
 
     def stop_on_grace_expired(self) -> bool:
         """The workers did not stop within restart.preemption_grace_s: have the backend stop them
         (True), or leave it to the supervisor, which kills them (False)."""
         return False
-
-    def root_cause(self, error: BaseException, run_dir: Path, attempt: int = 0) -> str:
-        """One line naming the first failed worker and why, from the backend's own failure report
-        (`attempt`: the launcher's relaunch it happened in)."""
-        return f"{type(error).__name__}: {error}"
 
 
 def saved_environment(keys: Iterable[str]) -> Dict[str, Optional[str]]:

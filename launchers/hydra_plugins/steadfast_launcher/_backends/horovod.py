@@ -15,43 +15,110 @@ second host until the elastic timeout.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import List, Optional
 
-from steadfast.contract.env import ENV_ATTEMPT, HOROVOD
-from steadfast.contract.schemas import HorovodBackendConf
-from steadfast.contract.stop import STOP_SIGNALS, Stopped, restore_handlers, signal_name, stop_requested
+from steadfast.contract.backends import BackendConf, BackendSpec, RankEnv
+from steadfast.contract.env import HOROVOD
+from steadfast.contract.schemas import bad
+from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_handlers, signal_name, stop_requested
 
-from .._payload import PayloadRef
-from .._types import Interrupted, Job, WorkerFailure
-from .._worker import run_rank
-from .base import Backend, restore_environment, saved_environment
+from .._compat.horovod_runner import runner_patched
+from .._types import Completed, Failed, Outcome
+from ._registry import register
+from .base import Attempt, Backend, restore_environment, saved_environment
 
 _FAILED = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 _PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
 _NONE = "no error recorded"
 LOGS = Path("logs") / "horovod"  # in the run folder: Horovod's per-rank output, one folder per attempt
-# Horovod 0.28.1's horovod.run hands every worker HOROVOD_CYCLE_TIME='(None,)' and
-# HOROVOD_CACHE_CAPACITY='(None,)' (its runner/__init__.py sets `cycle_time_ms = None,` and
-# `cache_capacity = None,`: tuples), whatever the environment says. The C++ side parses both with
-# strto*, so they become 0, and fixed (the autotuner may not change them): a background thread
-# that never waits between cycles, spinning on one of the cores the workers train on, and no
-# response cache, so every cycle negotiates every tensor by name. These are the values the
-# workers get instead; a value in the launcher's environment wins. Chosen from bench/horovod.py's
-# measurement (see bench/NOTES.md): Horovod's own defaults for the two it meant to leave alone.
-TUNING = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_CACHE_CAPACITY": "1024"}
+CONTROLLERS = ("gloo", "mpi")
 
 
+@dataclass
+class HorovodBackendConf(BackendConf):
+    """Horovod over Gloo; keys mirror `horovodrun`'s flags."""
+
+    name: str = "horovod"
+    np: int = 2
+    hosts: Optional[str] = None  # default: localhost:<np>
+    controller: str = "gloo"
+    start_timeout: int = 30
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    network_interface: Optional[str] = None
+    reset_limit: Optional[int] = None
+    blacklist_cooldown_range: Optional[List[int]] = None
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.np
+
+    def problems(self, prefix: str = "backend") -> List[str]:
+        out = super().problems(prefix)
+        if self.np < 1:
+            out.append(bad(f"{prefix}.np", self.np, "an integer >= 1"))
+        if self.controller not in CONTROLLERS:
+            out.append(bad(f"{prefix}.controller", self.controller, f"one of {', '.join(CONTROLLERS)}"))
+        elif self.controller == "mpi":
+            out.append(
+                bad(f"{prefix}.controller", "mpi", "only 'gloo' is built here (the MPI controller needs an MPI build of Horovod)")
+            )
+        if self.start_timeout < 1:
+            out.append(bad(f"{prefix}.start_timeout", self.start_timeout, "seconds >= 1"))
+        if self.hosts and self.host_discovery_script:
+            out.append(f"{prefix}.hosts and {prefix}.host_discovery_script are mutually exclusive: set one")
+        if self.hosts and not re.fullmatch(r"[^,:\s]+(:\d+)?(,[^,:\s]+(:\d+)?)*", self.hosts):
+            out.append(bad(f"{prefix}.hosts", self.hosts, "HOST:SLOTS[,HOST:SLOTS...]"))
+        for key in ("min_np", "max_np", "reset_limit"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                out.append(bad(f"{prefix}.{key}", value, "an integer >= 1, or null"))
+        if self.min_np is not None and self.max_np is not None and self.min_np > self.max_np:
+            out.append(f"{prefix}.min_np={self.min_np} is greater than {prefix}.max_np={self.max_np}")
+        if self.min_np is not None and not self.host_discovery_script and len((self.hosts or "localhost").split(",")) < 2:
+            # horovod.run refuses elastic mode on fixed hosts with fewer than 2 hosts
+            out.append(
+                f"{prefix}.min_np (elastic mode) needs {prefix}.host_discovery_script, or {prefix}.hosts with at least 2 hosts"
+            )
+        if self.blacklist_cooldown_range is not None and (
+            len(self.blacklist_cooldown_range) != 2
+            or not 0 <= self.blacklist_cooldown_range[0] <= self.blacklist_cooldown_range[1]
+        ):
+            out.append(
+                bad(
+                    f"{prefix}.blacklist_cooldown_range",
+                    list(self.blacklist_cooldown_range),
+                    "[MIN_S, MAX_S] with 0 <= MIN_S <= MAX_S",
+                )
+            )
+        return out
+
+
+@register
 class HorovodBackend(Backend):
-    schema = HorovodBackendConf
-    collective = HOROVOD
+    spec = BackendSpec(
+        name="horovod",
+        schema=HorovodBackendConf,
+        collective=HOROVOD,
+        world_size_keys=("np",),
+        rank_env=RankEnv(
+            rank="HOROVOD_RANK",
+            world_size="HOROVOD_SIZE",
+            local_rank="HOROVOD_LOCAL_RANK",
+            local_world_size="HOROVOD_LOCAL_SIZE",
+            address="HOROVOD_GLOO_RENDEZVOUS_ADDR",
+            port="HOROVOD_GLOO_RENDEZVOUS_PORT",
+        ),
+        cannot_shard="Horovod has no sharded data parallelism",
+    )
     conf: HorovodBackendConf
 
     def __init__(self, conf: HorovodBackendConf) -> None:
@@ -78,126 +145,57 @@ class HorovodBackend(Backend):
             event.set()
         return False
 
-    def root_cause(self, error: BaseException, run_dir: Path, attempt: int = 0) -> str:
-        return root_cause(error, run_dir / LOGS / f"attempt_{attempt}")
-
-    def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+    def launch(self, attempt: Attempt) -> Outcome:
         import horovod
-        from horovod.runner import gloo_run
-        from horovod.runner import launch as runner_launch
-        from horovod.runner.common.util import config_parser
-        from horovod.runner.http import http_server
 
         b = self.conf
-        attempt = int(env.get(ENV_ATTEMPT, "0"))
-        logs = run_dir / LOGS / f"attempt_{attempt}"
+        logs = attempt.run_dir / LOGS / f"attempt_{attempt.number}"
         logs.mkdir(parents=True, exist_ok=True)
         # horovod.run has no env argument: every worker gets a copy of this process's environment.
         # Workers are plain subprocesses (not spawned by multiprocessing), so hand them our sys.path.
         ours = [os.getcwd() if p == "" else p for p in sys.path if not p.startswith((sys.prefix, sys.base_prefix))]
-        worker_env = {**env, "PYTHONPATH": os.pathsep.join([*ours, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+        worker_env = {**attempt.env, "PYTHONPATH": os.pathsep.join([*ours, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
         # Collectives get a deadline: Horovod shuts down when some ranks have waited this long for others.
-        worker_env.setdefault(
-            "HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, job.restart.collective_timeout_s // 2))))
-        )
-        worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(job.restart.collective_timeout_s)))
+        timeout = attempt.restart.collective_timeout_s
+        worker_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, max(1, timeout // 2)))))
+        worker_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout)))
         saved_env = saved_environment(worker_env)
         saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        # Horovod's runner would swap SIGINT/SIGTERM for an event that terminates the workers after a
-        # fixed 5 s. Instead the launcher's handlers stay (they only set the stop flag), the launcher's
-        # supervisor forwards the signal to the workers, which save and stop, and it sets these events
-        # (Horovod then stops whatever still runs) only after restart.preemption_grace_s.
-        self._stop_events.clear()
-
-        def event_without_handlers() -> threading.Event:
-            self._stop_events.append(threading.Event())
-            return self._stop_events[-1]
-
-        register = gloo_run.register_shutdown_event
-        gloo_run.register_shutdown_event = event_without_handlers
-        parse_args = config_parser.set_env_from_args
-        config_parser.set_env_from_args = tuned(parse_args)
-        runner_gloo_built = runner_launch.gloo_built
-        known = gloo_built()
-        if known is not None:
-            runner_launch.gloo_built = lambda verbose=False: known
-        serve_forever = http_server.KVStoreHTTPServer.serve_forever
-        http_server.KVStoreHTTPServer.serve_forever = functools.partialmethod(
-            http_server.HTTPServer.serve_forever, poll_interval=SERVER_POLL_S
-        )
+        self._stop_events.clear()  # the runner's, set when the grace runs out (see runner_patched)
         os.environ.update(worker_env)
         try:
-            results = horovod.run(
-                run_rank,
-                args=(payload,),  # a small reference: each worker reads the payload file itself
-                num_proc=b.np,
-                hosts=b.hosts or (None if b.host_discovery_script else f"localhost:{b.np}"),
-                host_discovery_script=b.host_discovery_script,
-                min_num_proc=b.min_np,
-                max_num_proc=b.max_np,
-                reset_limit=b.reset_limit,
-                cooldown_range=tuple(b.blacklist_cooldown_range) if b.blacklist_cooldown_range else None,
-                network_interfaces=[n for n in b.network_interface.split(",") if n] if b.network_interface else None,
-                start_timeout=b.start_timeout,
-                use_gloo=b.controller == "gloo",
-                use_mpi=b.controller == "mpi",
-                output_filename=str(logs),
-                executable=sys.executable,
-            )
+            with runner_patched(self._stop_events):
+                results = horovod.run(
+                    attempt.entry,
+                    args=(attempt.payload,),  # a small reference: each worker reads the payload file itself
+                    num_proc=b.np,
+                    hosts=b.hosts or (None if b.host_discovery_script else f"localhost:{b.np}"),
+                    host_discovery_script=b.host_discovery_script,
+                    min_num_proc=b.min_np,
+                    max_num_proc=b.max_np,
+                    reset_limit=b.reset_limit,
+                    cooldown_range=tuple(b.blacklist_cooldown_range) if b.blacklist_cooldown_range else None,
+                    network_interfaces=[n for n in b.network_interface.split(",") if n] if b.network_interface else None,
+                    start_timeout=b.start_timeout,
+                    use_gloo=b.controller == "gloo",
+                    use_mpi=b.controller == "mpi",
+                    output_filename=str(logs),
+                    executable=sys.executable,
+                )
         except Exception as err:
-            if stop_requested() is not None:
-                signum = stop_requested()
-                raise Interrupted(f"the Horovod job was stopped by {signal_name(signum)}", signum=signum) from None
-            raise WorkerFailure(self.root_cause(err, run_dir, attempt)) from None
+            signum = stop_requested()
+            if signum is not None:
+                return Stopped(
+                    StopReason.PREEMPTED, message=f"the Horovod job was stopped by {signal_name(signum)}", signal=signum
+                )
+            return Failed(root_cause(err, logs))
         finally:
-            gloo_run.register_shutdown_event = register
-            config_parser.set_env_from_args = parse_args
-            runner_launch.gloo_built = runner_gloo_built
-            http_server.KVStoreHTTPServer.serve_forever = serve_forever
             restore_handlers(saved_signals)
             restore_environment(saved_env)
         stopped = [v for v in results if isinstance(v, Stopped)]
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
-        return results[0]  # the list is in rank order
-
-
-# horovod.run's store of the workers' results answers through socketserver's serve_forever, which
-# notices the runner's shutdown() only at its next poll (0.5 s by default): every launch and every
-# relaunch ended with that wait.
-SERVER_POLL_S = 0.02
-# What horovod.run's `gloo_built` asks (in a forked child that imports torch: 1.6 s of every
-# launch here), made the way Horovod's own basics.py makes it, the extension's horovod_gloo_built
-# through ctypes, in a new interpreter that loads the library without importing torch (0.25 s).
-_GLOO_BUILT = """
-import ctypes, importlib.util, os, sysconfig
-spec = importlib.util.find_spec("horovod")
-library = os.path.join(os.path.dirname(spec.origin), "torch", "mpi_lib_v2" + sysconfig.get_config_var("EXT_SUFFIX"))
-print(int(ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL).horovod_gloo_built()))
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def gloo_built() -> Optional[bool]:
-    """Whether Horovod's PyTorch extension has Gloo; None if this cannot tell (horovod.run then
-    makes its own check, and says what is wrong)."""
-    try:
-        done = subprocess.run([sys.executable, "-c", _GLOO_BUILT], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    answer = done.stdout.strip()
-    return answer == "1" if done.returncode == 0 and answer in ("0", "1") else None
-
-
-def tuned(set_env_from_args: Callable[[Dict[str, str], Any], None]) -> Callable[[Dict[str, str], Any], None]:
-    """Horovod's `config_parser.set_env_from_args` (what horovod.run builds the workers' environment
-    with), followed by TUNING: explicit values instead of the '(None,)' it writes."""
-
-    def with_tuning(env: Dict[str, str], args: Any) -> None:
-        set_env_from_args(env, args)
-        env.update({key: os.environ.get(key) or value for key, value in TUNING.items()})
-
-    return with_tuning
+        return Completed(results[0])  # the list is in rank order
 
 
 def root_cause(err: BaseException, logs: Path) -> str:

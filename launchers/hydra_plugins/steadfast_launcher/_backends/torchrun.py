@@ -10,30 +10,123 @@ import os
 import re
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
+from steadfast.contract.backends import BackendConf, BackendSpec, RankEnv
 from steadfast.contract.env import TORCH
-from steadfast.contract.schemas import RestartConf, TorchrunBackendConf
-from steadfast.contract.stop import STOP_SIGNALS, Stopped, restore_handlers
+from steadfast.contract.schemas import RestartConf, bad
+from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, request_stop, restore_handlers, signal_name
 
 from .. import _forkserver
-from .._payload import PayloadRef
-from .._types import Interrupted, Job, WorkerFailure
-from .._worker import run_rank
-from .base import Backend, restore_environment, saved_environment
+from .._compat.torch_logging import render_tracebacks_first
+from .._types import Completed, Failed, Outcome
+from ._registry import register
+from .base import Attempt, Backend, restore_environment, saved_environment
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 _AGENT_STOP = signal.SIGUSR2  # what the launcher's supervisor sends the agent when a stop's grace runs out
 AGENT_SIGNALS = f"{_AGENT_STOP.name},SIGQUIT"  # the signals the agent handles itself
+RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+START_METHODS = ("spawn", "fork", "forkserver")
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class TorchrunBackendConf(BackendConf):
+    """torch elastic (the engine behind `torchrun`); keys mirror torchrun's flags."""
+
+    name: str = "torchrun"
+    nproc_per_node: int = 2
+    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""  # empty: a free local port, like `torchrun --standalone`
+    rdzv_id: str = ""  # empty: the run folder's name, so every node of a job agrees
+    rdzv_timeout_s: int = 900
+    # Elastic jobs: once MIN nodes have joined a rendezvous round, how long it waits for more
+    # (up to MAX) before it starts with what it has. null: torch's default (30 s).
+    rdzv_last_call_s: Optional[int] = None
+    # Elastic jobs: how long a node's agent may go silent before the other nodes take it for lost and
+    # re-rendezvous without it (a keep-alive every third of it). null: torch's default (15 s).
+    rdzv_node_timeout_s: Optional[int] = None
+    master_addr: str = "127.0.0.1"  # only for rdzv_backend=static
+    master_port: Optional[int] = None  # only for rdzv_backend=static
+    node_rank: int = 0  # only for rdzv_backend=static
+    local_addr: Optional[str] = None
+    start_method: str = "forkserver"  # torch elastic forks its workers from a server that imported torch once
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.nproc_per_node
+
+    def node_range(self) -> tuple[int, int]:
+        text = str(self.nnodes)
+        low, _, high = text.partition(":")
+        return int(low), int(high or low)
+
+    def problems(self, prefix: str = "backend") -> List[str]:
+        out = super().problems(prefix)
+        if self.nproc_per_node < 1:
+            out.append(bad(f"{prefix}.nproc_per_node", self.nproc_per_node, "an integer >= 1"))
+        if not re.fullmatch(r"\d+(:\d+)?", str(self.nnodes)):
+            out.append(bad(f"{prefix}.nnodes", self.nnodes, 'a node count "N" or a range "MIN:MAX"'))
+        else:
+            low, high = self.node_range()
+            if low < 1 or high < low:
+                out.append(bad(f"{prefix}.nnodes", self.nnodes, "1 <= MIN <= MAX"))
+            elif high > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
+                out.append(f"{prefix}.nnodes={self.nnodes!r} needs {prefix}.rdzv_endpoint=HOST:PORT that every node can reach")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            out.append(bad(f"{prefix}.rdzv_backend", self.rdzv_backend, f"one of {', '.join(RDZV_BACKENDS)}"))
+        if self.rdzv_backend == "static" and self.master_port is None:
+            out.append(f"{prefix}.rdzv_backend='static' needs {prefix}.master_port")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            out.append(bad(f"{prefix}.master_port", self.master_port, "a TCP port, 1-65535"))
+        if self.rdzv_endpoint and not re.fullmatch(r"[^:\s]+(:\d{1,5})?", self.rdzv_endpoint):
+            out.append(bad(f"{prefix}.rdzv_endpoint", self.rdzv_endpoint, "HOST or HOST:PORT"))
+        if self.rdzv_timeout_s < 1:
+            out.append(bad(f"{prefix}.rdzv_timeout_s", self.rdzv_timeout_s, "seconds >= 1"))
+        if self.rdzv_last_call_s is not None and self.rdzv_last_call_s < 1:
+            out.append(bad(f"{prefix}.rdzv_last_call_s", self.rdzv_last_call_s, "seconds >= 1, or null (torch's 30 s)"))
+        if self.rdzv_node_timeout_s is not None and self.rdzv_node_timeout_s < 3:
+            out.append(bad(f"{prefix}.rdzv_node_timeout_s", self.rdzv_node_timeout_s, "seconds >= 3, or null (torch's 15 s)"))
+        if self.start_method not in START_METHODS:
+            out.append(bad(f"{prefix}.start_method", self.start_method, f"one of {', '.join(START_METHODS)}"))
+        return out
+
+
+@register
 class TorchrunBackend(Backend):
-    schema = TorchrunBackendConf
-    collective = TORCH
+    spec = BackendSpec(
+        name="torchrun",
+        schema=TorchrunBackendConf,
+        collective=TORCH,
+        world_size_keys=("nproc_per_node", "nnodes"),
+        rank_env=RankEnv(
+            rank="RANK",
+            world_size="WORLD_SIZE",
+            local_rank="LOCAL_RANK",
+            local_world_size="LOCAL_WORLD_SIZE",
+            restart_count="TORCHELASTIC_RESTART_COUNT",
+            address="MASTER_ADDR",
+            port="MASTER_PORT",
+            run_id="TORCHELASTIC_RUN_ID",
+        ),
+    )
     restarts_itself = True  # the elastic agent restarts the worker group, up to restart.max_restarts
     conf: TorchrunBackendConf
+
+    @classmethod
+    def warm_up(cls, node: Mapping[str, Any]) -> None:
+        """Start the forkserver now if the launch will most likely fork its workers from it: its imports
+        (torch, ~3 s here) are the longest part of a launch's start-up. A job that does not use it leaves
+        it idle, and it ends with the launcher either way."""
+        if node.get("start_method") == "forkserver":
+            _forkserver.start()
 
     def reference_world_size(self) -> int:
         return self.conf.node_range()[1] * self.procs_per_node
@@ -54,11 +147,7 @@ class TorchrunBackend(Backend):
         signal.pthread_kill(threading.main_thread().ident, _AGENT_STOP)  # type: ignore[arg-type]
         return True
 
-    def root_cause(self, error: BaseException, run_dir: Path, attempt: int = 0) -> str:
-        """One line naming the first failed rank and why (not just 'child failed')."""
-        return root_cause(error)
-
-    def launch(self, payload: PayloadRef, job: Job, env: Dict[str, str], run_dir: Path) -> Any:
+    def launch(self, attempt: Attempt) -> Outcome:
         forkserver = self.conf.start_method == "forkserver"
         if forkserver:  # first: the server imports torch while this process does (2 cores: in parallel)
             _forkserver.start()
@@ -73,57 +162,34 @@ class TorchrunBackend(Backend):
         # The launcher's handlers stay; its supervisor forwards the signal; the workers save and return
         # normally; the agent sees a clean end. SIGUSR2 stays the agent's: the supervisor sends it to
         # the agent when the grace runs out, and the agent then stops its workers itself.
-        agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **env}
+        agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS, **attempt.env}
         saved = saved_environment(agent_env)
         os.environ.update(agent_env)  # spawned workers inherit the agent's environment
         logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
         render_tracebacks_first("torch.distributed.elastic")
-        config = launch_config(self.conf, job.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
+        run_dir = attempt.run_dir
+        config = launch_config(self.conf, attempt.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
         handlers = {s: signal.getsignal(s) for s in (*STOP_SIGNALS, _AGENT_STOP, signal.SIGQUIT)}  # the agent keeps its own
         # Forked workers do not inherit this process's environment: they are handed it (see _forkserver).
+        payload = attempt.payload
         args = (payload, _forkserver.environment_file(Path(payload.path).parent)) if forkserver else (payload,)
         try:
-            results = elastic_launch(config, run_rank)(*args)
+            results = elastic_launch(config, attempt.entry)(*args)
         except ChildFailedError as err:
-            raise WorkerFailure(self.root_cause(err, run_dir), restarts=job.restart.max_restarts) from None
+            return Failed(root_cause(err), restarts=attempt.restart.max_restarts)
         except SignalException as err:  # the agent was asked to stop (and has stopped its workers): not a failure
-            raise Interrupted(f"torch elastic agent stopped by {err.sigval.name}", signum=int(err.sigval)) from None
+            request_stop(int(err.sigval))  # a stop request to this process, as the signal was
+            message = f"torch elastic agent stopped by {signal_name(int(err.sigval))}"
+            return Stopped(StopReason.PREEMPTED, message=message, signal=int(err.sigval))
         except Exception as err:  # rendezvous and agent errors
-            raise WorkerFailure(f"torch elastic agent: {type(err).__name__}: {err}") from err
+            return Failed(f"torch elastic agent: {type(err).__name__}: {err}")
         finally:
             restore_handlers(handlers)
             restore_environment(saved)
         stopped = [v for v in results.values() if isinstance(v, Stopped)]
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
-        return results.get(0)  # rank 0's return value (None on a node that does not host rank 0)
-
-
-class _TracebackRendered(logging.Filter):
-    """Puts the traceback of a record of logger `name` (or below) into its text and drops exc_info,
-    before torch's log formatter sees it; other records pass untouched.
-
-    That formatter (torch._logging's TorchLogsFormatter) imports torch._dynamo to read one setting
-    whenever a record carries exc_info, and torch elastic's agent logs every worker failure that
-    way: the first restart of every launch waited for that import (1.1 s of 1.7 s here). The text
-    is the same: logging's own formatException, which that formatter would use."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and super().filter(record):
-            if not record.exc_text:
-                record.exc_text = logging.Formatter().formatException(record.exc_info)
-            record.exc_info = None
-        return True
-
-
-def render_tracebacks_first(name: str) -> None:
-    """Add _TracebackRendered to every handler a record of logger `name` reaches (once)."""
-    logger: Optional[logging.Logger] = logging.getLogger(name)
-    while logger is not None:
-        for handler in logger.handlers:
-            if not any(isinstance(f, _TracebackRendered) and f.name == name for f in handler.filters):
-                handler.addFilter(_TracebackRendered(name))
-        logger = logger.parent if logger.propagate else None
+        return Completed(results.get(0))  # rank 0's return value (None on a node that does not host rank 0)
 
 
 def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: str, log_dir: Path) -> Any:
@@ -178,7 +244,7 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
     return LaunchConfig(**{k: v for k, v in wanted.items() if k in names})
 
 
-def root_cause(err: Any) -> str:  # a ChildFailedError
+def root_cause(err: "ChildFailedError") -> str:
     """One line naming the first failed rank and why (not just 'child failed')."""
     rank, failure = err.get_first_failure()
     message = failure.message
