@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
+from .comm import Comm
 from .contract.stop import signal_name, stop_requested
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ MAX_CHECK_EVERY = 200
 
 
 class StopAgreement:
-    def __init__(self, comm: Any, every_n_steps: Optional[int]) -> None:
+    def __init__(self, comm: Comm, every_n_steps: Optional[int]) -> None:
         self.comm, self.every = comm, max(1, int(every_n_steps or 1))
         self.auto = every_n_steps is None  # every_n_steps follows the time per step (retune)
         self._pending: Any = None  # the all-reduce in flight

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from .comm import Comm
 from .config import ParallelConf
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def shard(model: nn.Module, conf: ParallelConf, optimizer: Optional[torch.optim.
     return model
 
 
-def setup(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], conf: ParallelConf, comm: Any, accumulate: int) -> Any:
+def setup(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], conf: ParallelConf, comm: Comm, accumulate: int) -> Any:
     """The model (wrapped or sharded as `conf` says) and the optimizer to train with (`accumulate`:
     batches per optimizer step, for an optimizer that reduces gradients itself: Horovod's)."""
     kind = conf.kind.value

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint.codec import Collectives
 from .contract import events
 from .contract.env import restart_count
 from .contract.events import Event
@@ -73,7 +74,7 @@ class RunFolderNotShared(RuntimeError):
     """Some ranks do not see the run folder rank 0 writes to (no shared storage between the nodes)."""
 
 
-def check_shared_run_dir(run_dir: Path, comm: Any) -> None:
+def check_shared_run_dir(run_dir: Path, comm: "Collectives") -> None:
     """Collective, at start-up: every rank must see the run folder rank 0 writes checkpoints to.
 
     Rank 0 writes a token file with a random id into its run folder and broadcasts the id; every

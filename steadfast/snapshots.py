@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import xxhash
 
 from .checkpoint import tensorfile
-from .checkpoint.codec import OWN, SHARED, Codec, for_state
+from .checkpoint.codec import OWN, SHARED, Codec, Collectives, for_state
 from .checkpoint.replicated import ReplicatedCodec
 from .contract.events import Event
 from .contract.shm import SHM_DIR, Segments
@@ -358,7 +358,7 @@ class MemoryCadence:
         self,
         memory: MemorySnapshots,
         every: Any,
-        comm: Any,
+        comm: Collectives,
         record: Callable[..., None],
         tracked: Tuple[Dict[str, Any], Dict[str, Any]],
         during_snapshot: Callable[[int], None],

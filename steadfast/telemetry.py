@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
+from .comm import Comm
 from .progress import ProgressDisplay
 from .records import RunRecord
 
@@ -49,7 +50,7 @@ class _Window:
 class Telemetry:
     def __init__(
         self,
-        comm: Any,
+        comm: Comm,
         record: RunRecord,
         progress_mode: str,
         progress_every_s: float,

@@ -6,10 +6,13 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from . import fileio
-from .codec import Codec
+from .codec import Codec, Planned
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import SaveHooks
 
 
 @dataclass
@@ -27,7 +30,14 @@ class RankWrite:
     future: Optional["Future[Dict[str, Any]]"] = None
 
 
-def write_own(folder: Path, save: RankWrite, pieces: Dict[str, List[Any]], planned: Any, rank: int, hooks: Any) -> Dict[str, Any]:
+def write_own(
+    folder: Path,
+    save: RankWrite,
+    pieces: Dict[str, List[Any]],
+    planned: Optional[Planned],
+    rank: int,
+    hooks: Optional["SaveHooks"],
+) -> Dict[str, Any]:
     """Write this rank's files (name -> its buffers, in order) into the save's temporary folder, fsync and read each
     back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or
     {"error": ...}. Never raises (a failure is reported, and fails the save on every rank)."""
@@ -41,6 +51,6 @@ def write_own(folder: Path, save: RankWrite, pieces: Dict[str, List[Any]], plann
             written[file] = {"bytes": size, "checksum": digest}
             if hooks is not None:
                 hooks.during_save(save.step, len(written))
-        return {"files": written, **planned.report}
+        return {"files": written, **(planned.report if planned is not None else {})}
     except Exception as exc:
         return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
