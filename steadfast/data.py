@@ -284,7 +284,11 @@ class RunData:
         """Record a resume on another world size, once the loop has its data (the batch size) and the
         app has said what it does about it (`notes`: its policy)."""
         p, first = self.progress, self.samplers[0] if self.samplers else None
-        batch = {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size} if first else {}
+        batch = (
+            {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size}
+            if first is not None
+            else {}
+        )
         record(
             Event.WORLD_SIZE_CHANGED,
             step=step,

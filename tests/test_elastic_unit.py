@@ -47,3 +47,18 @@ def test_resharding_mid_epoch_neither_repeats_nor_skips() -> None:
     solo = ResumableSampler(total, 1, 0, seed=3, batch_size=8)
     solo.start(0, position)
     assert len(set(read) | set(solo)) == total and not set(read) & set(solo)
+
+
+def test_a_resume_on_another_world_size_at_an_epochs_end_records_the_batch_size() -> None:
+    """A checkpoint at an epoch's last step leaves its sampler with nothing left (len 0): the event
+    still says each worker's batch and the global batch."""
+    from steadfast.data import RunData
+    from steadfast.state import Progress
+
+    progress = Progress(epoch=3, batch_in_epoch=26, sample_in_epoch=103)
+    data = RunData(world_size=2, rank=0, seed=3, progress=progress, accumulate=1)
+    data.loader(list(range(103)), batch_size=4, shuffle=True)
+    assert len(data.samplers[0]) == 0
+    recorded: list = []
+    data.world_size_changed(lambda kind, **fields: recorded.append(fields), 80, 1, {})
+    assert recorded[0]["batch_per_worker"] == 4 and recorded[0]["global_batch"] == 8
