@@ -1,11 +1,11 @@
 # The two commands in the README are the contract:
 #   make run    set up everything, then train the default job (2 torchrun workers)
-#   make test   set up everything, then run the whole test suite
+#   make test   set up everything, then run the test suite (make test-all: with the extended tier)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup run test test-all test-fast lint bench clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -15,6 +15,9 @@ run: setup
 
 test: setup
 	PY=$(PY) bash scripts/test.sh $(ARGS)
+
+test-all: setup
+	TEST_TIER=all PY=$(PY) bash scripts/test.sh $(ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)

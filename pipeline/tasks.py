@@ -10,10 +10,13 @@ pipeline/config.py's task schemas declare them, so the launcher's pre-flight can
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Sequence
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # pragma: no cover
+    from steadfast import Run
 
 
 class Task:
@@ -73,7 +76,7 @@ def build_task(cfg: Any) -> Task:
     return builder(**kwargs)
 
 
-def reduce_sums(run: Any, totals: Dict[str, float], keys: Sequence[str]) -> Dict[str, float]:
+def reduce_sums(run: Run, totals: Dict[str, float], keys: Sequence[str]) -> Dict[str, float]:
     """Validation sums over every rank: `val_<key>` = sum / count."""
     t = torch.tensor([totals.get(k, 0.0) for k in keys] + [totals.get("count", 0.0)], dtype=torch.float64, device=run.device)
     t = run.comm.all_reduce_sum(t).cpu()

@@ -4,7 +4,10 @@ size and the learning rate (the data position is kept in samples by the library 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from steadfast import Run
 
 log = logging.getLogger("pipeline")
 
@@ -26,7 +29,7 @@ class WorldSizePolicy:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.lr_scale = float(state.get("lr_scale", 1.0))
 
-    def batch_size(self, run: Any, optimizer: Any, scheduler: Any) -> int:
+    def batch_size(self, run: Run, optimizer: Any, scheduler: Any) -> int:
         """Each worker's batch size for this launch; scales the learning rate under scale_lr."""
         ws, first = run.world_size, run.progress.first_world_size or run.world_size
         batch = -(-self.per_worker * first // ws) if self.policy == "keep_global_batch" else self.per_worker

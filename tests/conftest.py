@@ -25,9 +25,10 @@ def _horovod_available() -> bool:
     return find_spec("horovod") is not None
 
 
-@pytest.fixture(params=["torchrun", "horovod"])
+@pytest.fixture(params=["torchrun", pytest.param("horovod", marks=pytest.mark.extended)])
 def backend(request: pytest.FixtureRequest) -> list[str]:
-    """Overrides that select each backend, for tests whose behaviour must be the same on both."""
+    """Overrides that select each backend, for tests whose behaviour must be the same on both (Horovod's
+    variant in the extended tier: tests/test_horovod.py covers Horovod's own paths in make test)."""
     if request.param == "horovod" and not _horovod_available():
         pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh $(which python)")
     return [] if request.param == "torchrun" else ["backend=horovod"]

@@ -84,6 +84,7 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and x > 0 and math.isfinite(x)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_hot_loop_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "hot_loop")
@@ -91,6 +92,7 @@ def test_hot_loop_bench_smoke(tmp_path: Path) -> None:
     assert all(_positive(v["median"]) for v in r["ttfs_s"].values())
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_startup_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "startup")
@@ -100,6 +102,7 @@ def test_startup_bench_smoke(tmp_path: Path) -> None:
     assert abs(sum(b["ours"]["segments_s"].values()) - b["ours"]["ttfs_s"]) < 0.05  # the segments add up
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_recovery_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "recovery")
@@ -108,6 +111,7 @@ def test_recovery_bench_smoke(tmp_path: Path) -> None:
     assert _positive(run["recovery_median_s"]) and _positive(run["cold_ttfs_s"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_goodput_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "goodput")
@@ -116,6 +120,7 @@ def test_goodput_bench_smoke(tmp_path: Path) -> None:
     assert 0 < run["goodput"] <= 1.5 and run["failures"][0]["recomputed_steps"] is not None
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_horovod_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "horovod")
@@ -124,6 +129,7 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
     assert _positive(r["steps_per_s"]["horovod"]["median"]) and _positive(r["ttfs_s"]["horovod"]["median"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "step_cost")
@@ -133,6 +139,7 @@ def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
     assert all(_positive(r["in_training"][k]["ms_per_step"]) for k in ("every step", "auto (default)", "never"))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_scaling_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "scaling")
@@ -140,6 +147,7 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
     assert _positive(big["ours/baseline steps_per_s"]) and _positive(big["ours/baseline ttfs"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sharded_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "sharded", "--no-drop-caches", "--dir", str(tmp_path), timeout=400)

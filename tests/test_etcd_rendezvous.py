@@ -13,7 +13,7 @@ from test_multinode import free_port
 
 from helpers import QUICK, event_of, run_dir, run_train, summary, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 

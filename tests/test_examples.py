@@ -111,6 +111,7 @@ def seed_ref(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     return reference(tmp_path_factory, "examples.seed.train", *SEED)
 
 
+@pytest.mark.extended
 def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, seed_ref: Dict[str, Any]) -> None:
     # First the fault group's kill of rank 1 right after step 65: the resume is at step 64, the last
     # batch of epoch 1, so the resumed run meets an epoch with no batch left (the script's code after
@@ -137,6 +138,7 @@ def test_seed_converted_resumes_exactly_and_keeps_the_records(tmp_path: Path, se
     assert "epoch 4/4 loss" in run["output"]  # the script's own print, on rank 0
 
 
+@pytest.mark.extended
 def test_seed_plain_script_runs_under_torchrun(tmp_path: Path) -> None:
     """The script before conversion is a real, working torchrun script (its own checkpoints every 10 epochs)."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -179,6 +181,7 @@ def charlm_ref(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     return reference(tmp_path_factory, "examples.charlm.train", *CHARLM)
 
 
+@pytest.mark.extended
 def test_charlm_resumes_exactly_learns_and_samples(tmp_path: Path, charlm_ref: Dict[str, Any]) -> None:
     run = killed_and_resumed(tmp_path, "examples.charlm.train", CHARLM, seed=23, kills=2, last_step=70)
     assert_same_weights(run, charlm_ref, restarts=2)
@@ -191,6 +194,7 @@ def test_charlm_resumes_exactly_learns_and_samples(tmp_path: Path, charlm_ref: D
     assert f"checkpoint step {run['summary']['global_step']}" in sample.stderr  # the final weights
 
 
+@pytest.mark.extended
 def test_charlm_sample_refuses_a_damaged_checkpoint_and_uses_the_previous(tmp_path: Path, charlm_ref: Dict[str, Any]) -> None:
     folder = tmp_path / "copy"
     shutil.copytree(charlm_ref["run_dir"], folder)
@@ -213,6 +217,7 @@ def hvd_ref(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     return reference(tmp_path_factory, "examples.horovod.train", *HVD)
 
 
+@pytest.mark.extended
 def test_horovod_app_resumes_exactly(tmp_path: Path, hvd_ref: Dict[str, Any]) -> None:
     run = killed_and_resumed(tmp_path, "examples.horovod.train", HVD, seed=5, kills=1, last_step=192)
     assert_same_weights(run, hvd_ref, restarts=1)
@@ -254,6 +259,7 @@ LANGUAGE = [
 ]  # 26 steps an epoch
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("job,last_step,seed", [(REGRESSION, 39, 3), (LANGUAGE, 52, 4)], ids=["regression", "language_model"])
 def test_builtin_trainer_resumes_exactly(tmp_path: Path, job: List[str], last_step: int, seed: int) -> None:
     rng = random.Random(seed)

@@ -46,6 +46,7 @@ def test_a_hung_rank_is_found_its_stack_written_and_the_group_restarted(hung: di
     assert "rank 1 hung: no progress for" in hung["output"]
 
 
+@pytest.mark.extended
 def test_a_hung_horovod_rank_is_found_and_the_job_relaunched(tmp_path: Path, baseline: dict) -> None:
     pytest.importorskip("horovod.torch")
     run_train(tmp_path, *QUICK, *HANG, "backend=horovod", "run.name=r", check=True)
@@ -55,6 +56,7 @@ def test_a_hung_horovod_rank_is_found_and_the_job_relaunched(tmp_path: Path, bas
     assert relaunch is not None and relaunch["cause"].startswith("rank 1 hung: no progress for")
 
 
+@pytest.mark.extended
 def test_a_hang_on_every_restart_exhausts_the_budget_and_names_the_first(tmp_path: Path) -> None:
     proc = run_train(tmp_path, *QUICK, *HANG, "fault.times=0", "restart.hang_timeout_s=3", "restart.max_restarts=1", "run.name=r")
     assert proc.returncode == 1
@@ -67,6 +69,7 @@ def test_a_hang_on_every_restart_exhausts_the_budget_and_names_the_first(tmp_pat
     assert summary(folder)["status"] == "failed"
 
 
+@pytest.mark.extended
 def test_collective_deadline_frees_the_peers_of_a_hung_rank(tmp_path: Path) -> None:
     # no watchdog: rank 1 hangs, rank 0 waits for it in the gradient all-reduce until
     # restart.collective_timeout_s, then fails instead of waiting forever
@@ -93,6 +96,7 @@ def test_collective_deadline_frees_the_peers_of_a_hung_rank(tmp_path: Path) -> N
     assert "First failure: rank 0" in proc.stderr and not event_of(folder, "hang_detected")
 
 
+@pytest.mark.extended
 def test_kill_rank_every_time_up_to_times_counts_across_restarts(tmp_path: Path, baseline: dict) -> None:
     run_train(tmp_path, *QUICK, "fault=kill_rank", "fault.rank=1", "fault.at_step=20", "fault.times=2", "run.name=r", check=True)
     folder = run_dir(tmp_path, "r")

@@ -57,6 +57,7 @@ def test_sigkilled_worker_is_relaunched_and_finishes_exactly(tmp_path: Path, hvd
     assert s["model_sha256"] == hvd_baseline["summary"]["model_sha256"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_worker_exception_is_reported_with_rank_and_cause(tmp_path: Path) -> None:
     proc = run_train(tmp_path, *HVD, "run.name=hvd_exc", "fault=exception", "fault.rank=1", "fault.at_step=3", "restart=none")

@@ -152,6 +152,7 @@ def test_a_refused_launch_leaves_nothing_behind(tmp_path: Path) -> None:
         assert tree(tmp_path / "outputs") == before, bad
 
 
+@pytest.mark.extended
 def test_a_run_in_use_refuses_a_second_launch_before_it_writes_anything(tmp_path: Path) -> None:
     """Run A holds outputs/a and its checkpoint.dir. B (another run name, the same checkpoint.dir) is
     refused naming that folder and A; C (the same run folder, other overrides) is refused before

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import ROOT, env, run_train
 
 CLEAN_ENV = {k: v for k, v in env().items() if k != "PYTHONPATH"}  # as installed by scripts/setup.sh
@@ -74,6 +76,7 @@ def test_local_backend_runs_in_process(tmp_path: Path) -> None:
     assert (ROOT / "steadfast" / "conf" / "backend" / "local.yaml").exists()
 
 
+@pytest.mark.extended
 def test_each_job_of_a_sweep_is_composed_once(tmp_path: Path) -> None:
     """The sweeper composes every job to validate it; the launcher reuses that composition instead of
     composing the job again (a composition is a good part of a job's start-up)."""

@@ -91,6 +91,7 @@ def test_sigterm_to_the_launcher_during_backward(tmp_path: Path, baseline: dict,
     assert_resumes_exactly(tmp_path, folder, baseline, args, step)
 
 
+@pytest.mark.extended
 def test_sigterm_to_one_worker_at_a_random_step(tmp_path: Path, baseline: dict) -> None:
     # a scheduler that signals one process: the other rank learns it from the agreement, which by
     # default runs about every 50 ms (every few steps here) and at every epoch's end
@@ -111,6 +112,7 @@ def test_sigterm_to_one_worker_at_a_random_step(tmp_path: Path, baseline: dict) 
     assert_resumes_exactly(tmp_path, folder, baseline, args, stopped["step"])
 
 
+@pytest.mark.extended
 def test_sigint_to_the_launcher_during_a_checkpoint_write(tmp_path: Path, baseline: dict) -> None:
     # rank 0 is held after the first file of the checkpoint of step 24: the write completes, then
     # every rank stops at the next step boundary but one (25 reports the request, 26 acts on it;
@@ -126,6 +128,7 @@ def test_sigint_to_the_launcher_during_a_checkpoint_write(tmp_path: Path, baseli
     assert_resumes_exactly(tmp_path, folder, baseline, args, 26)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("rerun", [True, False], ids=["torchrun+rerun", "horovod"])
 def test_a_save_that_cannot_finish_in_the_grace_leaves_the_previous_checkpoint(
     tmp_path: Path, baseline: dict, rerun: bool
@@ -180,6 +183,7 @@ def test_sigterm_before_any_worker_registered_ends_the_launch_at_once(tmp_path: 
     assert summary(folder)["status"] == "preempted" and not committed_steps(folder)
 
 
+@pytest.mark.extended
 def test_fault_sigterm_through_verify_recovery(tmp_path: Path) -> None:
     import subprocess
     import sys

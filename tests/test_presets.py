@@ -60,6 +60,7 @@ def test_preset_composes_and_passes_preflight(preset: str, tmp_path: Path, monke
 CUT_DATA = {"charlm": ["data.max_chars=60000"]}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_every_preset_runs_its_quick_variant(tmp_path: Path) -> None:
     """One sweep over the presets, each cut to 1 epoch (and the long ones to less data, each in a

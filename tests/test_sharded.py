@@ -164,6 +164,7 @@ def test_saved_on_two_workers_continues_on_one_two_and_three_with_every_sample_o
         )
 
 
+@pytest.mark.extended
 def test_builtin_trainer_with_parallel_fsdp_killed_ends_exact(tmp_path: Path) -> None:
     fsdp = [*QUICK, "parallel=fsdp", "trainer.accumulate_grad_batches=2", "snapshot.every_n_steps=auto"]
     run_train(tmp_path, *fsdp, "run.name=ref", check=True)

@@ -191,6 +191,7 @@ def _every_n(folder: Path) -> int:
     return max(e["every_n_steps"] for e in events(folder) if e["event"] == "snapshot_created")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_worker_killed_at_random_steps_loses_at_most_the_snapshot_interval(tmp_path: Path) -> None:
     seed = int(os.environ.get("STEADFAST_TEST_SEED", random.randrange(10**6)))
@@ -235,6 +236,7 @@ def test_killed_while_copying_a_snapshot_uses_the_other_buffer_and_stays_exact(t
     assert summary(folder)["model_sha256"] == baseline["summary"]["model_sha256"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_without_shared_memory_the_run_says_so_and_resumes_from_disk(
     tmp_path: Path, baseline: dict, monkeypatch: pytest.MonkeyPatch
@@ -255,6 +257,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_killed_launchers_orphans_commit_nothing_and_its_segments_go_with_the_next_launch(tmp_path: Path) -> None:
     import json

@@ -78,6 +78,7 @@ def test_2x2_sweep_gives_every_job_its_own_folder_rendezvous_and_result(tmp_path
     assert {r["attempts"] for r in ledger(sweep).values()} == {1}
 
 
+@pytest.mark.extended
 def test_two_jobs_run_at_once(tmp_path: Path) -> None:
     proc = run_train(
         tmp_path, "-m", *SHORT, "backend.nproc_per_node=1", "trainer.seed=0,1", "hydra.launcher.max_parallel_jobs=2", check=True
@@ -118,6 +119,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path: Path) -> None:
     assert done["status"] == "completed" and summary(sweep_folder(tmp_path) / done["run_dir"])["status"] == "completed"
 
 
+@pytest.mark.extended
 def test_fail_fast_stops_at_the_first_failure_and_a_rerun_retries_it(tmp_path: Path) -> None:
     proc = run_train(tmp_path, "-m", *FAILING, "hydra.launcher.fail_fast=true")
     assert proc.returncode != 0
@@ -136,6 +138,7 @@ def test_fail_fast_stops_at_the_first_failure_and_a_rerun_retries_it(tmp_path: P
     assert by_override(jobs, "fault=none")["status"] == "completed"
 
 
+@pytest.mark.extended
 def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, baseline: dict) -> None:
     """Job #0 completes; job #1 pauses 3 s at step 30 (after its first checkpoints), where the
     launcher gets SIGTERM. The same command again skips job #0 and resumes job #1; both end with
@@ -175,6 +178,7 @@ def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, ba
         assert summary(sweep / rec["run_dir"])["model_sha256"] == baseline["summary"]["model_sha256"]
 
 
+@pytest.mark.extended
 def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> None:
     """Two jobs at once, each paused at step 40: SIGTERM to the launcher reaches both (each runs in
     its own launcher process), both are recorded interrupted, exit code 75."""
@@ -212,6 +216,7 @@ def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> 
     assert len(rows) == 2 and all(" interrupted " in r for r in rows), rows
 
 
+@pytest.mark.extended
 def test_optuna_sweeper_optimises_the_returned_objective(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e .[optuna]")
     args = [
