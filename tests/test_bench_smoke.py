@@ -13,6 +13,7 @@ import pytest
 from helpers import ROOT, env
 
 
+@pytest.mark.extended
 def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     cmd = [

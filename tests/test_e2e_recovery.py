@@ -222,6 +222,7 @@ def test_async_saves_survive_a_kill_and_end_exactly(tmp_path: Path, baseline: di
     assert_same_weights(folder, baseline)
 
 
+@pytest.mark.extended
 def test_async_save_failure_stops_the_run_loudly(tmp_path: Path) -> None:
     proc = run_train(
         tmp_path,

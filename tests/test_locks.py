@@ -132,6 +132,7 @@ def test_filesystem_type_comes_from_the_mount_table(tmp_path: Path) -> None:
 # ---- real launches -------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_a_refused_launch_leaves_nothing_behind(tmp_path: Path) -> None:
     proc = run_train(tmp_path, *TINY, "checkpoint.every_n_epochs=0", timeout=120)
     assert proc.returncode != 0 and "checkpoint.every_n_epochs=0 is not allowed" in proc.stderr, proc.stderr[-2000:]

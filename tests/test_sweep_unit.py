@@ -221,6 +221,7 @@ def test_jobs_that_would_share_a_run_folder_are_refused(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("outputs/sweeps/*/*/events.jsonl"))
 
 
+@pytest.mark.extended
 def test_ledger_record_of_a_sweep_names_the_command_and_a_crafted_pickle_is_never_run(tmp_path: Path) -> None:
     args = [
         "-m",
