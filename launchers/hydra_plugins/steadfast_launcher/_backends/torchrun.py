@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
-from steadfast.contract.backends import BackendConf, BackendSpec, RankEnv
+from steadfast.contract.backends import TORCH_DISTRIBUTED, BackendConf, BackendSpec
 from steadfast.contract.env import TORCH
 from steadfast.contract.schemas import RestartConf, bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, request_stop, restore_handlers, signal_name
@@ -106,16 +106,7 @@ class TorchrunBackend(Backend):
         schema=TorchrunBackendConf,
         collective=TORCH,
         world_size_keys=("nproc_per_node", "nnodes"),
-        rank_env=RankEnv(
-            rank="RANK",
-            world_size="WORLD_SIZE",
-            local_rank="LOCAL_RANK",
-            local_world_size="LOCAL_WORLD_SIZE",
-            restart_count="TORCHELASTIC_RESTART_COUNT",
-            address="MASTER_ADDR",
-            port="MASTER_PORT",
-            run_id="TORCHELASTIC_RUN_ID",
-        ),
+        rank_env=TORCH_DISTRIBUTED,  # the agent sets what torchrun sets
     )
     restarts_itself = True  # the elastic agent restarts the worker group, up to restart.max_restarts
     conf: TorchrunBackendConf
