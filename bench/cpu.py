@@ -20,9 +20,12 @@ def cpu_counters() -> Tuple[float, float, float]:
     return (user + nice + system + irq + softirq) / tick, steal / tick, ru.ru_utime + ru.ru_stime
 
 
-def foreign_load(before: Tuple[float, float, float], wall: float) -> Dict[str, float]:
-    """How much of the machine other tenants used during a run (our own process tree left out)."""
-    busy, steal, ours = (b - a for a, b in zip(before, cpu_counters()))
+def foreign_load(before: Tuple[float, float, float], wall: float, ours: Optional[float] = None) -> Dict[str, float]:
+    """How much of the machine other tenants used during a run (our own process tree left out). `ours`:
+    our CPU seconds when our workers are not our children (forked by a forkserver), so their rusage
+    is not ours to read; by default, this process's and its children's."""
+    busy, steal, children = (b - a for a, b in zip(before, cpu_counters()))
+    ours = children if ours is None else ours
     capacity = max(wall, 1e-9) * (os.cpu_count() or 1)
     return {
         "our_cpu_s": round(ours, 2),

@@ -102,7 +102,7 @@ class Groups:
         import resource
         import socket
 
-        from .cpu import cpu_counters
+        from .cpu import cpu_counters, foreign_load
 
         out = scratch / f"result-{time.monotonic_ns()}.json"
         with socket.socket() as s:
@@ -137,7 +137,7 @@ class Groups:
         out.unlink()
         mine = resource.getrusage(resource.RUSAGE_SELF)
         ours = result.pop("workers_cpu_s") + (mine.ru_utime + mine.ru_stime) - (own.ru_utime + own.ru_stime)
-        return {**result, "wall_s": round(wall, 2), "load": _foreign_load(counters, wall, ours)}
+        return {**result, "wall_s": round(wall, 2), "load": foreign_load(counters, wall, ours)}
 
     def close(self) -> None:
         from multiprocessing import forkserver
@@ -145,21 +145,6 @@ class Groups:
         stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
         if stop is not None:  # the idle forkserver holds torch in memory; the suite goes on without it
             stop()
-
-
-def _foreign_load(before: Tuple[float, float, float], wall: float, ours: float) -> Dict[str, float]:
-    """bench.cpu.foreign_load for workers that are not our children (forked by the forkserver): our
-    CPU is what the workers and this process report, not the children's rusage."""
-    from .cpu import cpu_counters
-
-    busy, steal, _ = (b - a for a, b in zip(before, cpu_counters()))
-    capacity = max(wall, 1e-9) * (os.cpu_count() or 1)
-    return {
-        "our_cpu_s": round(ours, 2),
-        "foreign_cpu_s": round(max(0.0, busy - ours), 2),
-        "steal_s": round(steal, 2),
-        "foreign_share": round(max(0.0, busy - ours + steal) / capacity, 3),
-    }
 
 
 def plan(rounds: int, pairs: int, restores: int) -> List[List[Tuple[int, List[str]]]]:
