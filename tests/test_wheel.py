@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -93,13 +94,20 @@ if __name__ == "__main__":
 """
 
 
+BUILD_LEFTOVERS = (".git", ".venv", "build", "dist", "*.egg-info", "outputs", "multirun", "__pycache__", ".*_cache")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """A new environment with the wheel of this repository installed (and nothing of it editable)."""
     root = tmp_path_factory.mktemp("wheel")
     dist = root / "dist"
+    # built from a copy: setuptools writes build/ and *.egg-info into the source tree, and two test
+    # processes building in the repository at once collide there (and the tree is the user's)
+    source = root / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*BUILD_LEFTOVERS))
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
         capture_output=True,
         text=True,
         timeout=300,
