@@ -5,10 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-all test-fast lint bench clean
+.PHONY: setup setup-extended run test test-all test-fast lint bench clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
+
+# setup, and what only the extended tests need (the Optuna sweeper, the etcd rendezvous)
+setup-extended:
+	@VENV=$(VENV) STEADFAST_EXTENDED=1 bash scripts/setup.sh
 
 run: setup
 	$(PY) -m pipeline.train $(ARGS)
@@ -16,7 +20,7 @@ run: setup
 test: setup
 	PY=$(PY) bash scripts/test.sh $(ARGS)
 
-test-all: setup
+test-all: setup-extended
 	TEST_TIER=all PY=$(PY) bash scripts/test.sh $(ARGS)
 
 test-fast: setup
