@@ -309,9 +309,9 @@ def hot_loop(rounds: int, job: Any, timeout: float = 600) -> Dict[str, Any]:
         "ttfs_s": {k: spread([r.ttfs() for r in v]) for k, v in runs.items()},
         "foreign_load": {k: foreign(v) for k, v in runs.items()},
         "baseline_aborted_at_exit": aborted_at_exit(runs["baseline"]),
-        # snapshot.every_n_steps=auto: the interval each run of ours settled on (its last snapshot_created event)
+        # snapshot.every_n_steps=auto: the interval each run of ours settled on (its last snapshot_interval event)
         "ours_snapshot_every_n_steps": [
-            ([e.get("every_n_steps") for e in r.events if e.get("event") == "snapshot_created"] or [None])[-1]
+            ([e.get("every_n_steps") for e in r.events if e.get("event") == "snapshot_interval"] or [None])[-1]
             for r in runs["ours"]
         ],
         "ours/baseline steps_per_s": ratio(ours, base),

@@ -21,8 +21,9 @@ machine, which other tenants' load hardly moves):
                 and waited for at the next (the agreement's collective)
   snapshot    bare + a snapshot in shared memory every step (steadfast.snapshots: model, optimizer,
               progress on local rank 0, every rank's RNG states): snapshot.every_n_steps=1.
-              snapshot.every_n_steps=auto takes one every ceil(cost / (2% of a step)) steps; the
-              result reports that interval and its cost per step
+              snapshot.every_n_steps=auto takes one every N steps, N the smallest power of two at
+              which cost <= 2% of N steps (steadfast.snapshot_cadence.auto_interval); the result
+              reports that interval and its cost per step
 
 Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
 """
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -191,7 +191,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) -> Dict[str, Any]:
-    from steadfast.snapshots import MEMORY_SHARE
+    from steadfast.snapshot_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env
 
@@ -223,9 +223,9 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
     first = next(iter(per))  # "bare", unless --configs says otherwise
     bare, bare_cpu = per[first], cpu[first]
     snapshot = {}
-    if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.snapshots.MemoryCadence.retune)
+    if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.snapshot_cadence)
         cost = per["snapshot"] - bare
-        every = max(1, math.ceil(cost / (MEMORY_SHARE * bare)))
+        every = auto_interval(max(cost, 0.0), bare)
         snapshot = {
             "bytes_per_node": raw.get("snapshot_bytes"),
             "cost_ms": cost * 1e3,

@@ -26,6 +26,7 @@ class Resume(Enum):
 class FaultKind(Enum):
     none = "none"
     kill = "kill"  # SIGKILL, as a crash or the OOM killer would
+    segfault = "segfault"  # SIGSEGV, as a crash in native code would (faulthandler writes the stack to the rank's log)
     hang = "hang"  # alive but stuck for hang_s
     hang_in_backward = "hang_in_backward"
     hang_in_save = "hang_in_save"
@@ -35,6 +36,7 @@ class FaultKind(Enum):
     crash_in_snapshot = "crash_in_snapshot"  # SIGKILL in the middle of copying a snapshot into shared memory
     save_error = "save_error"  # ENOSPC while writing a checkpoint
     corrupt_checkpoint = "corrupt_checkpoint"  # one byte of the newest committed checkpoint flipped
+    slow_rank = "slow_rank"  # delay_s more local work on every step from at_step on: a straggler
 
 
 class ProgressMode(Enum):
@@ -112,6 +114,7 @@ class FaultConf:
     times: int = 1  # over the whole run, restarts included; 0 = every time
     hang_s: float = 3600.0
     hang_until_stop: bool = False  # a hang ends when the process is asked to stop (places a signal exactly)
+    delay_s: float = 0.02  # slow_rank: seconds added to each step's local work (before its forward)
 
 
 @dataclass
@@ -121,6 +124,10 @@ class LoggerConf:
     progress: ProgressMode = ProgressMode.auto
     progress_every_s: float = 10.0  # seconds between plain progress lines (and lines in the log file)
     tensorboard: bool = False  # also write metrics as TensorBoard events under <run folder>/tensorboard
+    # name a rank whose local work per step (loading, forward) exceeds the other ranks' median by more
+    # than this fraction (and by 2 ms) for straggler_windows logging windows in a row; 0 or null: off
+    straggler_margin: Optional[float] = 0.25
+    straggler_windows: int = 3
 
 
 def register_configs() -> None:

@@ -7,6 +7,7 @@ in the run folder, so it survives restarts. Every firing is recorded in events.j
 happens.
 
 kill            SIGKILL, as a crash or the OOM killer would
+segfault        SIGSEGV, as a crash in native code would
 hang            alive but stuck for `hang_s` (the launcher's watchdog finds it: restart.hang_timeout_s)
 hang_in_backward, hang_in_save   the same, in the middle of the backward pass / of writing a checkpoint
 exception       an exception in the training step
@@ -15,6 +16,9 @@ crash_in_save   SIGKILL in the middle of writing a checkpoint
 crash_in_snapshot  SIGKILL in the middle of copying a snapshot into shared memory
 save_error      writing a checkpoint fails with ENOSPC (disk full)
 corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it is written
+slow_rank       `delay_s` seconds more local work on every step from `at_step` on, for the rest of the
+                run and its restarts (`times` does not apply): slept after the step boundary, before
+                the next forward, where a slow data loader or slow compute would be; recorded once per attempt
 
 With `fault.hang_until_stop=true` a hang ends as soon as the process is asked to stop
 (SIGTERM/SIGINT): tests use it to deliver a real signal at an exact moment.
@@ -34,10 +38,10 @@ from .contract.events import Event
 
 # The kinds (steadfast.config.FaultKind, their one definition) by how and where they fire.
 KILLING = frozenset({FaultKind.kill, FaultKind.crash_in_save, FaultKind.crash_in_snapshot})  # SIGKILL: no last word
-FAILING = KILLING | {FaultKind.exception, FaultKind.save_error}  # the attempt fails (its event says `fails`)
+FAILING = KILLING | {FaultKind.segfault, FaultKind.exception, FaultKind.save_error}  # the attempt fails (its event says `fails`)
 SAVE_KINDS = frozenset({FaultKind.crash_in_save, FaultKind.save_error, FaultKind.hang_in_save})  # in a checkpoint's writing
 WRITER_KINDS = SAVE_KINDS | {FaultKind.corrupt_checkpoint}  # fire on a rank that writes checkpoint files
-STEP_KINDS = frozenset({FaultKind.kill, FaultKind.hang, FaultKind.exception, FaultKind.sigterm})
+STEP_KINDS = frozenset({FaultKind.kill, FaultKind.segfault, FaultKind.hang, FaultKind.exception, FaultKind.sigterm})
 HANG_KINDS = frozenset({FaultKind.hang, FaultKind.hang_in_backward, FaultKind.hang_in_save})
 
 
@@ -51,10 +55,20 @@ class FaultInjector:
         self.kind = FaultKind(getattr(cfg.kind, "value", cfg.kind)) if cfg is not None else FaultKind.none
         self.active = self.kind is not FaultKind.none and cfg.rank == rank
         self.counter = run_dir / "faults" / f"{self.kind.value}-rank{rank}-step{cfg.at_step}.count" if self.active else None
+        self._slowing = False  # fault=slow_rank: its firing recorded in this process
 
     @property
     def wants_backward_hook(self) -> bool:
         return self.active and self.kind is FaultKind.hang_in_backward
+
+    def before_work(self, step: int) -> None:
+        """At a step boundary, before step `step`'s local work (fault=slow_rank)."""
+        if not (self.active and self.kind is FaultKind.slow_rank and step >= self.cfg.at_step):
+            return
+        if not self._slowing:
+            self._slowing = True
+            self.record_event(Event.FAULT_FIRED, fault=self.kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=False)
+        time.sleep(self.cfg.delay_s)
 
     def after_step(self, step: int) -> None:
         if self.active and step == self.cfg.at_step and self.kind in STEP_KINDS and self._claim():
@@ -107,6 +121,8 @@ class FaultInjector:
         self.record_event(Event.FAULT_FIRED, fault=kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
         if kind in KILLING:
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind is FaultKind.segfault:
+            os.kill(os.getpid(), signal.SIGSEGV)
         elif kind is FaultKind.sigterm:
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind is FaultKind.save_error:

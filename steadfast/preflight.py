@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, cast
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .checkpoint import manifest
-from .config import Resume, Settings, settings_from
+from .config import FaultKind, Resume, Settings, settings_from
 from .contract import backends
 from .contract.schemas import bad, positive
 from .faults import WRITER_KINDS
@@ -86,6 +86,8 @@ def check(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.at_step", f.at_step, "a step number >= 1"))
         if f.times < 0:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
+        if f.kind is FaultKind.slow_rank:
+            out += positive("fault.delay_s", f.delay_s)
         sharded = s.parallel.kind.value == "fsdp"  # every rank writes its own file of a sharded checkpoint
         if f.kind in WRITER_KINDS and f.rank != 0 and not sharded:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
@@ -99,6 +101,16 @@ def check(job_cfg: DictConfig) -> List[str]:
         out.append(bad("snapshot.every_n_steps", every, "auto, a number of steps >= 1, or 0 to turn memory snapshots off"))
     if s.logger.progress_every_s < 0:
         out.append(bad("logger.progress_every_s", s.logger.progress_every_s, "seconds >= 0"))
+    if s.logger.straggler_margin is not None and s.logger.straggler_margin < 0:
+        out.append(
+            bad(
+                "logger.straggler_margin",
+                s.logger.straggler_margin,
+                "a fraction > 0 (0.25: a rank's local work 25% over the other ranks' median), or 0 or null: off",
+            )
+        )
+    if s.logger.straggler_windows < 1:
+        out.append(bad("logger.straggler_windows", s.logger.straggler_windows, "an integer >= 1 (logging windows in a row)"))
     if s.logger.tensorboard and find_spec("tensorboard") is None:
         out.append(
             "logger.tensorboard=true: the tensorboard package is not installed. Install it with "

@@ -1,4 +1,4 @@
-"""The progress display of rank 0: epoch, step, loss, steps/s, ETA.
+"""The progress display of rank 0: epoch, step, loss, steps/s, ETA, and the ranks named stragglers.
 
 On a terminal (logger.progress=auto or bar) it is one line, redrawn in place at most 5 times a
 second; log records clear it before they print, and it comes back with the next step. Anywhere
@@ -57,6 +57,7 @@ class ProgressDisplay:
         self.mode = mode if enabled else "none"
         self.every_s, self.total, self.max_epochs = every_s, total_steps, max_epochs
         self.loss: Optional[float] = None
+        self.slow = ""  # the ranks named stragglers (steadfast/stragglers.py), e.g. "rank 1 (+48%)"
         self._rate: Optional[float] = None
         self.visible = False
         self._samples: Deque[Tuple[float, int]] = deque()
@@ -86,7 +87,7 @@ class ProgressDisplay:
         speed = f"{rate:.1f} steps/s" if rate else "- steps/s"
         return (
             f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | step {step}/{self.total} ({pct:.0f}%) | "
-            f"loss {loss} | {speed} | ETA {format_duration(eta)}"
+            f"loss {loss} | {speed} | ETA {format_duration(eta)}" + (f" | slow: {self.slow}" if self.slow else "")
         )
 
     # ---- called by the trainer -------------------------------------------------------------------

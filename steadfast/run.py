@@ -45,7 +45,8 @@ from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .data import ResumableSampler, RunData
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
-from .snapshots import MemoryCadence, announce_off, open_memory
+from .snapshot_cadence import MemoryCadence
+from .snapshots import announce_off, open_memory
 from .state import Progress, seed_everything, unwrap
 from .telemetry import Telemetry
 
@@ -107,6 +108,9 @@ class Run:
             self.restarts,
             self.dir / "tensorboard" if lg.tensorboard else None,
             max_rss_mb,
+            lg.straggler_margin,
+            lg.straggler_windows,
+            on_boundary=lambda: self.faults.before_work(self.progress.global_step + 1),  # fault=slow_rank
         )
         self.faults = FaultInjector(
             self.settings.fault,
@@ -201,6 +205,7 @@ class Run:
         model = model.to(self.device)
         self.model = model
         wrapped, optimizer = parallel.setup(model, optimizer, self.settings.parallel, self.comm, self.accumulate_grad_batches)
+        self.telemetry.timer.watch(wrapped, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
             next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
         if optimizer is None:
@@ -272,6 +277,7 @@ class Run:
             self.data.world_size_changed(self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes)
         while self.progress.epoch < max_epochs:
             self.data.begin_epoch()
+            self.telemetry.timer.mark()
             yield self.progress.epoch
             self._end_epoch(max_epochs)
 
@@ -313,7 +319,7 @@ class Run:
         if p.global_step % self.telemetry.every == 0:
             self.agreement.retune(self.telemetry.step_seconds)
             if self._memory is not None:
-                self._memory.retune(self.telemetry.step_seconds)
+                self._memory.retune(p.global_step)
         self._beat("train")
         self.faults.after_step(p.global_step)
         due = self.cadence.step_due(p.global_step)
@@ -342,6 +348,7 @@ class Run:
             self.save()
         if self._memory is not None and not self._memory.at_step(p.global_step):
             self._memory = self.checkpointer.memory = None  # off on every rank from now on
+        self.telemetry.timer.mark()  # the next step's local work begins (steadfast/stragglers.py)
 
     def save(self) -> None:
         """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
@@ -403,6 +410,11 @@ class Run:
         return out
 
     def result(self, **extra: Any) -> Dict[str, Any]:
+        """What summary.json reports. `final_loss` is the mean training loss of the last epoch these
+        workers completed, over every rank and batch of it (run.epoch_loss(); its sums survive a
+        restore, so a resumed epoch counts each batch once), not the last batch's loss; if they
+        completed none, the mean of the last window they logged (log_every_n_steps steps, every
+        rank); None if neither (docs/own-loop.md#what-final_loss-in-summaryjson-is)."""
         p = self.progress
         out: Dict[str, Any] = {
             "epochs_completed": p.epoch,

@@ -1,9 +1,9 @@
 """Per-step snapshots in shared memory: a worker's death costs at most a few steps, and the resume stays exact.
 
-Every `snapshot.every_n_steps` steps each node copies exactly what a committed checkpoint holds into
-shared memory (/dev/shm), which outlives the workers: local rank 0 the objects every rank shares
-(model, optimizer, scheduler, progress and data position: the same on every rank after a step),
-and every rank its own RNG states. Each of those is a double buffer: two slot files, written in
+Every `snapshot.every_n_steps` steps (steadfast/snapshot_cadence.py says when) each node copies
+exactly what a committed checkpoint holds into shared memory (/dev/shm), which outlives the
+workers: local rank 0 the objects every rank shares (model, optimizer, scheduler, progress and data
+position: the same on every rank after a step), and every rank its own RNG states. Each of those is a double buffer: two slot files, written in
 turn. A slot's header says which snapshot it holds (sequence number, step, size, world size and a
 digest); the writer first marks the slot empty, then copies, then writes the header, so a death in
 the middle of a copy leaves a slot that never verifies, and the other slot is used.
@@ -32,7 +32,6 @@ import errno
 import hashlib
 import hmac
 import logging
-import math
 import os
 import struct
 import time
@@ -42,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import xxhash
 
 from .checkpoint import tensorfile
-from .checkpoint.codec import OWN, SHARED, Codec, Collectives, for_state
+from .checkpoint.codec import OWN, SHARED, Codec, for_state
 from .checkpoint.replicated import ReplicatedCodec
 from .contract.events import Event
 from .contract.shm import SHM_DIR, Segments
@@ -55,7 +54,6 @@ FIELDS = struct.Struct("<8sQQQQ")  # what the keyed digest covers besides the by
 HEADER_BYTES = 4096  # the payload starts on its own page
 EMPTY = HEADER.pack(MAGIC, 0, 0, 0, b"\0" * 16, 0)
 RANK = "rank"  # this rank's buffer is rank<r>
-MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: snapshots cost at most this share of the training time
 WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
 GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
 FAILURES = (OSError, ValueError, MemoryError, OverflowError, RuntimeError)  # a slot that cannot be read: None
@@ -341,83 +339,6 @@ def announce_off(record: Callable[..., None], why: str) -> None:
         why,
     )
     record(Event.SNAPSHOT_UNAVAILABLE, reason=why)
-
-
-class MemoryCadence:
-    """When a run takes its snapshots (snapshot.every_n_steps), and what it tells a person about them.
-
-    auto: every step when a snapshot costs under MEMORY_SHARE of a step, else the smallest interval
-    at which it does, from the slowest rank's snapshot time and rank 0's step time (both agreed,
-    so every rank snapshots at the same steps). The first snapshot checks, on every node, that two
-    copies fit in the shared-memory filesystem; if one node has no room, all of them go without.
-
-    It is given what it uses: the snapshots, the ranks' collectives, an event sink, the tracked
-    state (objects and per-rank, name -> Stateful) and the snapshot fault's hook."""
-
-    def __init__(
-        self,
-        memory: MemorySnapshots,
-        every: Any,
-        comm: Collectives,
-        record: Callable[..., None],
-        tracked: Tuple[Dict[str, Any], Dict[str, Any]],
-        during_snapshot: Callable[[int], None],
-    ) -> None:
-        self.memory, self.comm, self.record, self.tracked, self.during_snapshot = memory, comm, record, tracked, during_snapshot
-        self.auto = every == "auto"
-        self.every = 1 if self.auto else int(every)
-        self._first = True
-
-    def at_step(self, step: int) -> bool:
-        """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
-        if step % self.every:
-            return True
-        memory = self.memory
-        started = time.perf_counter()
-        planned = memory.plan(*self.tracked)
-        announce = self._first
-        if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
-            self._first = False
-            problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
-            if self.comm.max_each([1.0 if problem else 0.0])[0]:
-                announce_off(self.record, problem or "another node's shared memory is too small for them")
-                return False
-        try:
-            memory.take(step, planned, lambda: self.during_snapshot(step))
-        except OSError as exc:
-            announce_off(self.record, f"writing to {SHM_DIR} failed ({exc.strerror or exc})")
-            raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
-        memory.seconds = time.perf_counter() - started
-        if announce and self.comm.rank == 0:
-            log.info(
-                "Snapshots in memory: %.1f MB per node (two copies in %s), every %s step(s)",
-                memory.bytes / 1e6,
-                SHM_DIR,
-                f"auto: {self.every}" if self.auto else self.every,
-            )
-            self._record(memory.seconds)
-        return True
-
-    def retune(self, step_seconds: Optional[float]) -> None:
-        if not self.auto or not step_seconds:
-            return
-        cost = self.comm.max_each([self.memory.seconds or 0.0])[0]
-        every = max(1, math.ceil(cost / (MEMORY_SHARE * step_seconds)))
-        if every != self.every and self.comm.rank == 0:
-            self.every = every
-            self._record(cost, step_seconds=round(step_seconds, 5))
-        self.every = every
-
-    def _record(self, seconds: float, **fields: Any) -> None:
-        self.record(
-            Event.SNAPSHOT_CREATED,
-            bytes=self.memory.bytes,
-            every_n_steps=self.every,
-            auto=self.auto,
-            segment=self.memory.segments.path.name,
-            seconds=round(seconds, 5),
-            **fields,
-        )
 
 
 def fits(segments: Segments, nbytes: int) -> Optional[str]:

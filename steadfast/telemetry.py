@@ -7,25 +7,33 @@ every rank's peak memory (each rank in its own slot), so every rank sees the sam
 takes the same decisions. It is pipelined like the stop agreement: started at one log step and
 read at the next, so its latency (a fraction of a millisecond, several on a loaded machine) never
 holds up a step; the row of step s is written at step s + log_every_n_steps, with step s's time.
-The epoch's end, a stop and the end of the run read what is in flight at once.
+The epoch's end, a stop and the end of the run read what is in flight at once. The same all-reduce
+carries every rank's local time per step (steadfast/stragglers.py), in its own slot: every rank
+names the same stragglers from the same numbers, with no collective of their own.
 """
 
 from __future__ import annotations
 
+import logging
 import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .comm import Comm
+from .contract import events
+from .contract.events import Event
 from .progress import ProgressDisplay
 from .records import RunRecord
+from .stragglers import StepTimer, StragglerRule
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger("steadfast")
 
 
 def peak_rss_mb() -> float:
@@ -59,6 +67,9 @@ class Telemetry:
         restarts: int,
         tensorboard_dir: Any = None,
         max_rss_mb: Optional[float] = None,
+        straggler_margin: Optional[float] = None,
+        straggler_windows: int = 1,
+        on_boundary: Optional[Callable[[], None]] = None,
     ) -> None:
         self.comm, self.record, self.every = comm, record, max(1, int(log_every_n_steps))
         self.started, self.restarts, self.max_rss_mb = started, restarts, max_rss_mb
@@ -75,6 +86,8 @@ class Telemetry:
         self.lr: Optional[float] = None
         self.step_seconds: Optional[float] = None  # rank 0's time per step over a recent window, the same on every rank
         self._window_start = (0, time.perf_counter())  # (step, time) where the current window began
+        self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
+        self.stragglers = StragglerRule(straggler_margin, straggler_windows)
 
     def plan(self, total_steps: int, max_epochs: int) -> None:
         self.display.total, self.display.max_epochs = total_steps, max_epochs
@@ -87,9 +100,10 @@ class Telemetry:
         self._count += 1
 
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
-        """Per step: the display; every log_every_n_steps the previous window's metrics row and the
+        """Per step: its local time into the window, the display; every log_every_n_steps the previous window's metrics row and the
         next window's all-reduce. Returns (rank, MB) when a rank's peak memory passed max_rss_mb
         (the same answer on every rank, at the first step after the window that showed it was read), else None."""
+        self.timer.step()
         if step % self.every:
             self.display.update(step, epoch)
             return self._pop_over()
@@ -104,11 +118,13 @@ class Telemetry:
 
     def _start(self, step: Optional[int], epoch: int) -> _Window:
         """This window's numbers, packed, their all-reduce started: the loss sum and count, rank 0's
-        time per step, and every rank's peak memory in its own slot."""
+        time per step, and every rank's peak memory and local time per step in its own slot (the rest
+        of an epoch, `step` None, leaves its steps' local time to the next window)."""
         ws = self.comm.world_size
         now = time.perf_counter()
         first, then = self._window_start
-        packed = torch.zeros(3 + ws * (2 if self.cuda else 1), dtype=torch.float64, device=self.comm.device)
+        local = self._local_slots()
+        packed = torch.zeros(local + ws + 1, dtype=torch.float64, device=self.comm.device)
         if self._window is not None:
             packed[0] = self._window  # stays on the device: no host sync
         packed[1] = self._count
@@ -120,11 +136,17 @@ class Telemetry:
         packed[2 + self.comm.rank] = rss
         if self.cuda:
             packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
+        if step is not None:
+            packed[local + self.comm.rank] = self.timer.window()
         loss, count = self._window, self._count
         self._window, self._count = None, 0
         return _Window(
             step, epoch, time.time(), time.time() - self.started, self.lr, rss, loss, count, self.comm.start_sum(packed)
         )
+
+    def _local_slots(self) -> int:
+        """Where the packed window's local times per step begin (after the loss, the count and the memory slots)."""
+        return 2 + self.comm.world_size * (2 if self.cuda else 1)
 
     def _pop_over(self) -> Optional[Tuple[int, float]]:
         over, self._over = self._over, None
@@ -151,6 +173,8 @@ class Telemetry:
             self._over = rss.index(max(rss)), max(rss)
         if window.step is None:
             return
+        local = packed[self._local_slots() : self._local_slots() + ws].tolist()
+        self._stragglers(local, window.step)
         row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step, "epoch": window.epoch}
         if mean is not None:
             row["loss"] = round(mean, 6)
@@ -164,8 +188,31 @@ class Telemetry:
             rss_mb=window.rss_mb,
             rss_mb_per_rank=rss,
             rss_mb_max=max(rss),
+            local_ms_per_rank=[round(1000 * v, 3) for v in local],
             **extra,
         )
+
+    def _stragglers(self, local: List[float], step: int) -> None:
+        """One window's local times per step through the naming rule (every rank, the same numbers):
+        the slow rank records its own `straggler` event (its host and pid), rank 0 says so once."""
+        named, recovered = self.stragglers.update(local)
+        rule = self.stragglers
+        for s, back in [(s, False) for s in named] + [(s, True) for s in recovered]:
+            if s.rank == self.comm.rank:
+                events.append(self.record.run_dir, Event.STRAGGLER, restart=self.restarts, **s.fields(step, rule.windows, back))
+            if self.comm.rank == 0:
+                log.warning(
+                    "%s rank %d: its local work (loading the batch, the forward) took %.1f ms per step, the other "
+                    "ranks' median %.1f ms (%+.0f%%), %d logging window(s) in a row to step %d",
+                    "no longer slower:" if back else "straggler:",
+                    s.rank,
+                    1000 * s.local_s,
+                    1000 * s.median_s,
+                    100 * (s.ratio - 1),
+                    rule.windows,
+                    step,
+                )
+        self.display.slow = rule.describe()
 
     def end_epoch(self) -> Optional[float]:
         """The epoch's mean loss over every rank and batch (collective; reads what is in flight at

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, env, events, wait_for
-from hydra_plugins.steadfast_launcher._supervise import Supervisor, main_thread_frames, waits_in_collective
+from hydra_plugins.steadfast_launcher._diagnosis import main_thread_frames, waits_in_collective
+from hydra_plugins.steadfast_launcher._supervise import Supervisor
 from steadfast.contract import env as launch_env
 from steadfast.contract import files, heartbeat, stop
 from steadfast.contract.schemas import RestartConf

@@ -30,7 +30,7 @@ with Workdir() as work:
 
     def on_run(name, r, run):  # type: ignore[no-untyped-def]
         cpu = (cpu_per_step(run, 30) or {}).get("total_cpu_s_per_step") or 0
-        every = [e.get("every_n_steps") for e in run.events if e.get("event") == "snapshot_created"]
+        every = [e.get("every_n_steps") for e in run.events if e.get("event") == "snapshot_interval"]
         print(
             f"{name} round {r}: {'ok' if run.ok else 'FAILED'} steps/s {steady_rate(run, 30) or 0:.1f}"
             f" CPU ms/step {cpu * 1e3:.2f} foreign {run.extra['load']['foreign_share']:.2f} auto intervals {every}",

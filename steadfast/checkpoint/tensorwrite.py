@@ -105,6 +105,7 @@ class Layout:
 
 _STRIDED = torch.strided
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.#/ -]*")  # needs no escaping in JSON
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # values `encode` keeps as they are
 
 
 class _Planner:
@@ -155,7 +156,10 @@ class _Planner:
                     items.append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
             return {"__d": items}
         if isinstance(obj, (list, tuple)):
-            nodes = [self.encode(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
+            if all(v.__class__ in _PLAIN for v in obj):  # python's RNG state: 625 ints, each its own node
+                nodes = list(obj)
+            else:
+                nodes = [self.encode(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
             return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
         if isinstance(obj, np.ndarray):
             try:

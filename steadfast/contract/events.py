@@ -42,6 +42,7 @@ class Event(str, Enum):
     LAUNCH = "launch"
     RELAUNCH = "relaunch"  # the launcher relaunches after a failure
     ATTEMPT_ENDED = "attempt_ended"
+    ATTEMPT_FAILED = "attempt_failed"  # the first failure of an incarnation of the group, and its consequences
     HANG_DETECTED = "hang_detected"
     PREEMPTION_GRACE_EXPIRED = "preemption_grace_expired"
     JOB_COMPLETED = "job_completed"
@@ -61,9 +62,10 @@ class Event(str, Enum):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # checkpoint.every_n_seconds=auto chose an interval
     CONFIG_CHANGED_ON_RESUME = "config_changed_on_resume"
     WORLD_SIZE_CHANGED = "world_size_changed"
-    SNAPSHOT_CREATED = "snapshot_created"  # for a job with memory snapshots
+    SNAPSHOT_INTERVAL = "snapshot_interval"  # memory snapshots start in an attempt, or their interval changes
     SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # memory snapshots off for this job
     FAULT_FIRED = "fault_fired"  # any rank
+    STRAGGLER = "straggler"  # the slow rank itself: named, and once when it recovers
     WORKER_FAILED = "worker_failed"  # any rank
     PREEMPTED = "preempted"
     MEMORY_LIMIT = "memory_limit"
@@ -126,6 +128,24 @@ class AttemptEnded(Record):
     last_step: Optional[int] = None
     steps: Optional[Dict[str, int]] = None  # {rank: the last step it reached}
     phases: Optional[Dict[str, str]] = None
+
+
+@_kind(Event.ATTEMPT_FAILED)
+@dataclass(frozen=True)
+class AttemptFailed(Record):
+    """The launcher's diagnosis of one failed incarnation: the rank whose failure came first (from exit
+    statuses, signals, the workers' own records and the watchdog) and the ranks that failed because of it."""
+
+    rank: Optional[int] = None
+    worker_pid: Optional[int] = None
+    step: Optional[int] = None
+    how: Optional[str] = None  # 'killed by SIGKILL', 'raised ValueError: ...', 'hung (...)', 'exited with code 3'
+    signal: Optional[str] = None
+    exit_code: Optional[int] = None
+    error: Optional[str] = None
+    where: Optional[str] = None
+    cause: Optional[str] = None  # the one line the console, train.log, the report and summary.json show
+    consequences: Optional[List[Dict[str, Any]]] = None  # {rank, host, pid, how, step, signal|exit_code, error}
 
 
 @_kind(Event.HANG_DETECTED)
@@ -286,15 +306,20 @@ class WorldSizeChanged(Record):
     global_batch: Optional[int] = None
 
 
-@_kind(Event.SNAPSHOT_CREATED)
+@_kind(Event.SNAPSHOT_INTERVAL)
 @dataclass(frozen=True)
-class SnapshotCreated(Record):
-    bytes: Optional[int] = None
+class SnapshotInterval(Record):
+    """The interval in force from `step` on, until the attempt ends or the next of these: written at
+    an attempt's first snapshot (no `previous_every_n_steps`) and whenever `auto` changes it."""
+
+    step: Optional[int] = None
     every_n_steps: Optional[int] = None
+    previous_every_n_steps: Optional[int] = None
     auto: Optional[bool] = None
+    bytes: Optional[int] = None  # one node's copy (of the two it holds)
     segment: Optional[str] = None
-    seconds: Optional[float] = None
-    step_seconds: Optional[float] = None
+    seconds: Optional[float] = None  # a copy's time (at a change: the least of the recent ones, on the slowest rank)
+    step_seconds: Optional[float] = None  # at a change: a step's time without the copy (the least recent, fastest rank)
 
 
 @_kind(Event.SNAPSHOT_UNAVAILABLE)
@@ -311,6 +336,22 @@ class FaultFired(Record):
     step: Optional[int] = None
     fails: Optional[bool] = None  # the attempt fails (hangs: see hang_detected)
     path: Optional[str] = None  # the checkpoint a fault damaged
+
+
+@_kind(Event.STRAGGLER)
+@dataclass(frozen=True)
+class Straggler(Record):
+    """A rank whose local work per step (loading the batch, the forward) exceeded the other ranks' median
+    by logger.straggler_margin for `windows` logging windows in a row (steadfast/stragglers.py); written
+    by that rank (`host`, `pid`: its own)."""
+
+    rank: Optional[int] = None
+    ratio: Optional[float] = None  # local_ms / median_ms
+    local_ms: Optional[float] = None  # its mean local time per step in the deciding window
+    median_ms: Optional[float] = None  # the other ranks' median
+    windows: Optional[int] = None
+    step: Optional[int] = None  # the last step of the deciding window
+    recovered: Optional[bool] = None  # False: named; True: no longer slower
 
 
 @_kind(Event.WORKER_FAILED)

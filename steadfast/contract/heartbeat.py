@@ -98,10 +98,14 @@ def stop_marker(run_dir: Path, launch_id: str) -> Path:
 
 
 def enable_stack_dumps(run_dir: Path, rank: int) -> Path:
-    """STACK_SIGNAL makes this process append every thread's Python stack to STACKS_DIR/rank<r>.txt."""
+    """STACK_SIGNAL makes this process append every thread's Python stack to STACKS_DIR/rank<r>.txt,
+    and so does a fatal signal before it ends the process."""
     path = run_dir / STACKS_DIR / f"rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     stacks: TextIO = open(path, "a")  # kept open: faulthandler writes to its descriptor from the signal handler
     _state["stacks_file"] = stacks
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+    # a fatal signal's stacks too (SIGSEGV, SIGABRT, ...): here rather than on the console, where
+    # torch elastic's wrapper had sent them; the launcher names the crashing line from them
+    faulthandler.enable(file=stacks, all_threads=True)
     return path

@@ -87,6 +87,14 @@ def write(
     summary["status"] = status.value
     summary.setdefault("restarts", restarts)
     summary.setdefault("wall_seconds", round(wall_seconds, 3))
+    # each failed incarnation of this launch, by its first failure (the launcher's diagnosis), oldest first
+    failures = [
+        r.cause
+        for r in events.records(run_dir, since=since, kinds=(Event.ATTEMPT_FAILED,))
+        if isinstance(r, events.AttemptFailed) and r.cause
+    ]
+    if failures:
+        summary["failures"] = failures
     if error:
         summary["error"] = error
     atomic_write(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, default=str) + "\n")

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from ..config import FaultKind
 from ..contract.events import LAUNCH_ENDS, Event
 from ..contract.summary import Status
-from .model import DISK, Attempt, Fault, Launch, Outcome, RunReport, TimeBreakdown, Unusable
+from .model import DISK, Attempt, Fault, Launch, Outcome, RunReport, SlowRank, TimeBreakdown, Unusable
 from .records import MetricRow, RunRecords, Summary, integer, number, text
 
 # Injected faults that end the attempt they fire in (hangs end through the watchdog's hang_detected).
@@ -124,6 +124,10 @@ def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, rela
     elif kind is Event.MEMORY_LIMIT:
         a.ends(Outcome.STOPPED, f"memory limit at step {step} {_saved(e)}")
         a.reached(step)
+    elif kind is Event.ATTEMPT_FAILED and text(e.get("cause"), 300):
+        # the launcher's diagnosis of the first failure: over what any rank recorded before it
+        a.ends(Outcome.FAILED, text(e.get("cause"), 300) or "")
+        a.diagnosed = True
     elif a.outcome is not Outcome.UNKNOWN:
         return  # the first failure recorded is the cause; what follows is its consequence
     elif kind is Event.HANG_DETECTED:
@@ -283,4 +287,24 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
         invalid_on_resume=invalid,
         faults=faults,
         problems=list(records.problems),
+        slow_ranks=slow_ranks(events),
     )
+
+
+def slow_ranks(events: Iterable[Mapping[str, Any]]) -> List[SlowRank]:
+    """The `straggler` records: ranks named slower than the others, and their recoveries, in time order."""
+    return [
+        SlowRank(
+            rank=integer(e.get("rank")),
+            host=text(e.get("host"), 100),
+            step=integer(e.get("step")),
+            ratio=number(e.get("ratio")),
+            local_ms=number(e.get("local_ms")),
+            median_ms=number(e.get("median_ms")),
+            windows=integer(e.get("windows")),
+            recovered=e.get("recovered") is True,
+            restart=integer(e.get("restart")),
+        )
+        for e in sorted(events, key=_time)
+        if _kind(e) is Event.STRAGGLER
+    ]

@@ -71,6 +71,7 @@ class Attempt:
     last_step: Optional[int] = None
     outcome: Outcome = Outcome.UNKNOWN
     cause: str = ""
+    diagnosed: bool = False  # the cause is the launcher's diagnosis (attempt_failed), not a rank's own record
     lost_steps: int = 0  # steps it reached beyond where the next attempt resumed
     step_time: Optional[float] = None  # seconds per step
     checkpoints: List[Tuple[float, int]] = field(default_factory=list)  # (time, step)
@@ -121,6 +122,21 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class SlowRank:
+    """A rank named a straggler, or no longer slower (a `straggler` record; see steadfast/stragglers.py)."""
+
+    rank: Optional[int]
+    host: Optional[str]
+    step: Optional[int]
+    ratio: Optional[float]  # its local work per step over the other ranks' median
+    local_ms: Optional[float]
+    median_ms: Optional[float]
+    windows: Optional[int]
+    recovered: bool
+    restart: Optional[int]
+
+
+@dataclass(frozen=True)
 class Unusable:
     """A checkpoint the resume found unusable and skipped (a `checkpoint_invalid` record)."""
 
@@ -143,6 +159,7 @@ class RunReport:
     invalid_on_resume: List[Unusable]
     faults: List[Fault]
     problems: List[str]
+    slow_ranks: List[SlowRank] = field(default_factory=list)
 
     @property
     def name(self) -> str:

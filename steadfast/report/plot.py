@@ -155,6 +155,37 @@ def _timeline(tl: Any, r: RunReport) -> None:
     tl.grid(axis="x", alpha=0.3)
 
 
+def _local_work(ax: Any, r: RunReport) -> None:
+    """Each rank's local work per step (loading, forward) per logging window; the named stragglers marked."""
+    ranks = max(len(m.local_ms_per_rank or ()) for m in r.metrics)
+    labelled = set()
+    for a in r.attempts:
+        end = a.end if a.end is not None else float("inf")
+        mine = sorted(
+            (m for m in r.metrics if m.local_ms_per_rank and m.restart == a.restart and a.start <= m.time <= end),
+            key=lambda m: m.time,
+        )
+        for rank in range(ranks):
+            points = [
+                (m.step, m.local_ms_per_rank[rank]) for m in mine if m.local_ms_per_rank and rank < len(m.local_ms_per_rank)
+            ]
+            if points:
+                label = f"rank {rank}" if rank not in labelled and ranks <= 16 else None
+                labelled.add(rank)
+                ax.plot(*zip(*points), "-", lw=1.2, color=COLORS[rank % len(COLORS)], label=label)
+    for w in r.slow_ranks:
+        if w.step is not None:
+            ax.axvline(w.step, color="#2ca02c" if w.recovered else "#d62728", ls=":", lw=1)
+            word = "recovered" if w.recovered else "straggler"
+            ax.text(w.step, 1.0, f" rank {w.rank} {word}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+    ax.set_xlabel("step")
+    ax.set_ylabel("local work per step (ms)", fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right", ncol=min(ranks, 8))
+
+
 def _where_the_time_went(bar: Any, b: TimeBreakdown) -> None:
     left = 0.0
     for key in TimeBreakdown.parts():
@@ -171,7 +202,13 @@ def _where_the_time_went(bar: Any, b: TimeBreakdown) -> None:
 
 def plot_run(r: RunReport, path: Path) -> Path:
     plt = _pyplot()
-    fig, (ax, tl, bar) = plt.subplots(3, 1, figsize=(11, 7.6), dpi=100, gridspec_kw={"height_ratios": [3.2, 1.3, 0.45]})
+    per_rank = any(m.local_ms_per_rank for m in r.metrics)
+    if per_rank:
+        fig, (ax, local, tl, bar) = plt.subplots(
+            4, 1, figsize=(11, 9.6), dpi=100, gridspec_kw={"height_ratios": [3.2, 1.6, 1.3, 0.45]}
+        )
+    else:
+        fig, (ax, tl, bar) = plt.subplots(3, 1, figsize=(11, 7.6), dpi=100, gridspec_kw={"height_ratios": [3.2, 1.3, 0.45]})
     gp = r.goodput
     steps = r.summary.global_step if r.summary.global_step is not None else "?"
     fig.suptitle(
@@ -182,6 +219,9 @@ def plot_run(r: RunReport, path: Path) -> Path:
         fontweight="bold",
     )
     _loss(ax, r)
+    if per_rank:
+        _local_work(local, r)
+        local.set_xlim(ax.get_xlim())  # the loss's steps
     _timeline(tl, r)
     _where_the_time_went(bar, r.breakdown)
     fig.tight_layout()

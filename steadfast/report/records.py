@@ -87,6 +87,20 @@ class MetricRow:
     restart: Optional[int] = None
     loss: Optional[float] = None
     val_loss: Optional[float] = None
+    local_ms_per_rank: Optional[Tuple[float, ...]] = None  # each rank's local work per step (steadfast/stragglers.py)
+
+
+MAX_RANKS = 65536  # a per-rank list longer than any world size is damage, not data
+
+
+def per_rank(value: Any) -> Optional[Tuple[float, ...]]:
+    """A list of one finite number >= 0 per rank; None for anything else."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_RANKS:
+        return None
+    numbers = [number(v) for v in value]
+    if any(n is None or not 0 <= n < float("inf") for n in numbers):
+        return None
+    return tuple(n for n in numbers if n is not None)
 
 
 def metric_rows(raw: Sequence[Mapping[str, Any]]) -> Tuple[List[MetricRow], int]:
@@ -103,6 +117,7 @@ def metric_rows(raw: Sequence[Mapping[str, Any]]) -> Tuple[List[MetricRow], int]
                 restart=integer(r.get("restart")),
                 loss=number(r.get("loss")),
                 val_loss=number(r.get("val_loss")),
+                local_ms_per_rank=per_rank(r.get("local_ms_per_rank")),
             )
         )
     return rows, len(raw) - len(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from .model import DISK, MEMORY, Attempt, RunReport
+from .model import DISK, MEMORY, Attempt, RunReport, SlowRank
 from .records import DEFAULT_CHECKPOINT_DIR
 
 
@@ -92,7 +92,20 @@ def format_run(r: RunReport) -> str:
         lines.append(f"    found unusable on resume: step {_dash(u.step)}: {u.error}")
     for f in r.faults:
         lines.append(f"  fault fired: {f.fault} on rank {_dash(f.rank)} at step {_dash(f.step)} (restart {_dash(f.restart)})")
+    lines += [_slow_rank(w) for w in r.slow_ranks]
     return "\n".join(lines)
+
+
+def _slow_rank(w: SlowRank) -> str:
+    who = f"rank {_dash(w.rank)}" + (f" on {w.host}" if w.host else "")
+    numbers = f"local work {_fmt(w.local_ms, '.1f')} ms per step, the other ranks' median {_fmt(w.median_ms, '.1f')} ms"
+    if w.recovered:
+        return f"  straggler no longer: {who} from step {_dash(w.step)} ({numbers}; restart {_dash(w.restart)})"
+    over = f", +{100 * (w.ratio - 1):.0f}%" if w.ratio is not None else ""
+    return (
+        f"  straggler: {who} slower than the others from step {_dash(w.step)} ({numbers}{over}, "
+        f"{_dash(w.windows)} logging windows in a row; restart {_dash(w.restart)})"
+    )
 
 
 def format_sweep(folder: Path, reports: Sequence[RunReport]) -> str:

@@ -247,19 +247,10 @@ def _record_end(
 
 
 def first_recorded_failure(run_dir: Path, since: float) -> Optional[str]:
-    """The earliest failure recorded in this launch: a worker's error, a hang the watchdog found,
-    or an injected fault (workers killed by a signal record nothing themselves)."""
-    for record in events.records(run_dir, since=since, kinds=(Event.WORKER_FAILED, Event.HANG_DETECTED, Event.FAULT_FIRED)):
-        if isinstance(record, events.WorkerFailed):
-            return f"rank {record.rank} on {record.host}: {record.error} (at {record.where})"
-        if isinstance(record, events.HangDetected):
-            return (
-                f"rank {record.rank} on {record.host} hung after step {record.step} "
-                f"(no progress for {record.seconds_without_progress} s, at {record.where}; "
-                f"stacks in logs/stacks/)"
-            )
-        if isinstance(record, events.FaultFired) and record.fails is True:  # a rehearsed failure (hangs: see hang_detected)
-            return f"rank {record.rank} on {record.host}: fault={record.fault} injected at step {record.step}"
+    """The first failure diagnosed in this launch (the supervisor's `attempt_failed`)."""
+    for record in events.records(run_dir, since=since, kinds=(Event.ATTEMPT_FAILED,)):
+        if isinstance(record, events.AttemptFailed) and record.cause:
+            return record.cause
     return None
 
 
@@ -301,9 +292,12 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
                         backend.stop_on_grace_expired,
                         on_overdue=handler.interrupt_main,
                         forwarded=handler.forwarded,
+                        group_restarts=backend.restarts_itself,
                     )
                 )
             )
+            if supervisor is not None:
+                attempt = dataclasses.replace(attempt, on_exits=supervisor.worker_exits)
             try:
                 outcome = backend.launch(attempt)
             except KeyboardInterrupt as stop:  # the launch abandoned (a second signal; overdue after the grace)
@@ -312,12 +306,10 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
             if isinstance(outcome, Failed) and stop_requested() is not None:  # killed while it stopped on request
                 log.warning("%s", outcome.cause)
                 return Stopped(StopReason.PREEMPTED, signal=stop_requested())
-            if isinstance(outcome, Failed) and supervisor is not None and supervisor.last_hang:
-                # the watchdog knows more than "killed by SIGKILL"
-                timeout = attempt.restart.hang_timeout_s
-                return Failed(
-                    f"{supervisor.last_hang} (killed by the watchdog after restart.hang_timeout_s={timeout:g})", outcome.restarts
-                )
+            if isinstance(outcome, Failed) and supervisor is not None:
+                supervisor.settle()  # its diagnosis of the last incarnation, if it still waited for one
+                if supervisor.diagnoses:  # the first failure of the last incarnation, not the backend's pick
+                    return Failed(supervisor.diagnoses[-1].line(), outcome.restarts)
             return outcome
     finally:
         restore_handlers(previous)

@@ -21,13 +21,19 @@ launch on this host, a few times a second:
   against `restart.max_restarts`.
 - Attempts. When every worker of one incarnation of the group is gone, an `attempt_ended`
   event records the last step each rank reached (the report uses it to count lost work).
+- Failures. When an incarnation fails, the supervisor decides which rank failed first and which
+  failed because of it (`_diagnosis`), from the exit statuses the backend hands it (`worker_exits`,
+  torch elastic's agent: every worker's, not only the one it happened to find first), the workers'
+  own `worker_failed` records, the watchdog's findings and when it saw each worker end. The finding
+  is one `attempt_failed` event and one line on the console and in train.log; the launcher's final
+  message and summary.json lead with it. A backend that hands over no exit statuses (Horovod) gets
+  its diagnosis from the rest, a moment after its workers are gone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import socket
 import threading
@@ -37,24 +43,38 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from steadfast.contract import events
+from steadfast.contract.events import Event
 from steadfast.contract.files import STACKS_DIR
 from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats, stop_marker
 from steadfast.contract.pids import alive
 from steadfast.contract.schemas import RestartConf
 from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
+from ._diagnosis import (
+    FATAL_SIGNALS,
+    Diagnosis,
+    RankEnd,
+    crash_site,
+    describe_frame,
+    diagnose,
+    main_thread_frames,
+    waits_in_collective,
+)
+from ._logfiles import DETAILS, files_only
+from ._types import WorkerExit
+
 log = logging.getLogger(__name__)
+details = logging.getLogger(DETAILS)  # train.log only
 
 HOST = socket.gethostname()
-_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
-# A main thread whose innermost Python frame is in one of these waits for its peers (steadfast's
-# comm modules wait for Horovod's collectives in Python: Horovod's own wait spins).
-_COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/", "/steadfast/comm")
 OVERDUE_S = 10.0  # after the grace and the backend's own stop, how long before the launcher abandons the launch
 # How often the workers' heartbeats are read (about 0.2 ms a look). A restarted group (workers forked
 # from the preloaded forkserver) can live a fraction of a second: every incarnation must be seen to
 # record what it reached (attempt_ended).
 POLL_S = 0.1
+# Without exit statuses from the backend, how long after an incarnation's last worker is gone the
+# supervisor waits (for the backend's report) before it diagnoses the failure from what it has.
+EXITS_WAIT_S = 1.0
 
 
 @dataclass
@@ -68,6 +88,9 @@ class _Worker:
     phase: str = "start"
     alive: bool = True
     handled: bool = False  # killed by the watchdog or after the grace
+    gone_at: Optional[float] = None  # wall clock, when the supervisor saw it gone
+    exit: Optional[WorkerExit] = None  # how it ended, if the backend said
+    hang: Optional[str] = None  # the watchdog found it stuck: what it found (suspects) or "" (waiting in a collective)
 
 
 @dataclass
@@ -75,6 +98,8 @@ class _Incarnation:
     restart: int
     pids: List[int] = field(default_factory=list)
     recorded: bool = False
+    ended_at: Optional[float] = None  # monotonic, when its last worker was seen gone
+    diagnosed: bool = False
 
 
 def kill(pid: int, sig: int) -> None:
@@ -93,30 +118,6 @@ def mark_stop(run_dir: Path, launch_id: str) -> None:
         pass
 
 
-def main_thread_frames(dump: str) -> List[Tuple[str, int, str]]:
-    """The frames (innermost first) of the main thread in one faulthandler dump."""
-    blocks: List[List[Tuple[str, int, str]]] = []
-    for line in dump.splitlines():
-        if "(most recent call first)" in line:
-            blocks.append([])
-        elif blocks:
-            m = _FRAME.match(line)
-            if m:
-                blocks[-1].append((m.group(1), int(m.group(2)), m.group(3)))
-    for frames in reversed(blocks):  # the main thread started first: usually listed last
-        if frames and not (frames[-1][0].endswith("threading.py") and frames[-1][2].startswith("_bootstrap")):
-            return frames
-    return blocks[-1] if blocks else []
-
-
-def waits_in_collective(frames: List[Tuple[str, int, str]]) -> bool:
-    return bool(frames) and any(part in frames[0][0] for part in _COLLECTIVE)
-
-
-def describe_frame(frame: Optional[Tuple[str, int, str]]) -> str:
-    return f"{frame[0]}:{frame[1]} in {frame[2]}" if frame else "unknown (no stack was written)"
-
-
 class Supervisor:
     def __init__(
         self,
@@ -126,8 +127,12 @@ class Supervisor:
         on_grace_expired: Optional[Callable[[], bool]] = None,
         on_overdue: Optional[Callable[[], None]] = None,
         forwarded: Optional[Set[int]] = None,
+        group_restarts: bool = False,
     ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
+        self.group_restarts = group_restarts  # the backend restarts the group itself (torch elastic)
+        self.started = time.time()
+        self.diagnoses: List[Diagnosis] = []
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
         self._overdue = False
@@ -150,6 +155,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._loop, name="steadfast-supervisor", daemon=True)
 
     def __enter__(self) -> "Supervisor":
+        files_only(DETAILS)
         self._thread.start()
         return self
 
@@ -160,6 +166,7 @@ class Supervisor:
             self._tick()
             for inc in self.incarnations.values():
                 self._record_ended(inc)
+                self._diagnose(inc)
 
     def _loop(self) -> None:
         while not self._closed.wait(self.poll):
@@ -189,9 +196,14 @@ class Supervisor:
         for w in self.workers.values():
             if w.alive:
                 w.alive = alive(w.pid)
+                if not w.alive:
+                    w.gone_at = time.time()
         for inc in self.incarnations.values():
             if not inc.recorded and not any(self.workers[p].alive for p in inc.pids):
+                inc.ended_at = now
                 self._record_ended(inc)
+            if not inc.diagnosed and inc.ended_at is not None and now - inc.ended_at >= EXITS_WAIT_S:
+                self._diagnose(inc)
         live = [w for w in self.workers.values() if w.alive and not w.handled]
         signum = stop_requested()
         if signum is not None:
@@ -220,6 +232,112 @@ class Supervisor:
                 phases={str(self.workers[p].rank): self.workers[p].phase for p in inc.pids},
             ),
         )
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def worker_exits(self, exits: List[WorkerExit]) -> None:
+        """The backend found a failure: how its workers ended (the backend's thread). An exit known by
+        pid is matched by pid; one known by rank only, to that rank in the newest incarnation."""
+        with self._lock:
+            self._tick()
+            newest = max(self.incarnations, default=0)
+            touched = set()
+            for ended in exits:
+                w = self.workers.get(ended.pid) if ended.pid is not None else None
+                if w is None and ended.pid is None and ended.rank is not None:
+                    w = next(
+                        (
+                            self.workers[p]
+                            for p in self.incarnations.get(newest, _Incarnation(newest)).pids
+                            if self.workers[p].rank == ended.rank
+                        ),
+                        None,
+                    )
+                if w is None and ended.pid is not None:  # ended before its first heartbeat: known by its local rank
+                    rank = ended.local_rank if ended.local_rank is not None else -1
+                    w = self.workers[ended.pid] = _Worker(rank=rank, pid=ended.pid, restart=newest, last_change=0.0, alive=False)
+                    w.gone_at = time.time()
+                    self.incarnations.setdefault(newest, _Incarnation(newest)).pids.append(ended.pid)
+                if w is not None:
+                    w.exit = ended
+                    touched.add(w.restart)
+            for restart in sorted(touched):
+                self._diagnose(self.incarnations[restart])
+
+    def settle(self) -> None:
+        """Diagnose now every incarnation whose workers are all gone (not waiting for exit statuses)."""
+        with self._lock:
+            self._tick()
+            for inc in self.incarnations.values():
+                if inc.ended_at is not None:
+                    self._diagnose(inc)
+
+    def _diagnose(self, inc: _Incarnation) -> None:
+        if inc.diagnosed or not inc.pids:
+            return
+        inc.diagnosed = True
+        if stop_requested() is not None:
+            return  # stopped on request: whatever ended how, it is not a failure
+        workers = [self.workers[p] for p in inc.pids]
+        errors = {
+            r.pid: r
+            for r in events.records(self.run_dir, since=self.started, kinds=(Event.WORKER_FAILED,))
+            if isinstance(r, events.WorkerFailed)
+        }
+        ends = [self._rank_end(w, errors.get(w.pid)) for w in workers]
+        found = diagnose(ends)
+        if found is None:
+            return
+        self.diagnoses.append(found)
+        cause = found.cause
+        events.write(
+            self.run_dir,
+            events.AttemptFailed(
+                restart=inc.restart,
+                rank=cause.rank,
+                worker_pid=cause.pid,
+                step=cause.step if cause.step >= 0 else None,
+                how=cause.how(),
+                signal=cause.signal_name,
+                exit_code=cause.exit_code if cause.signal_name is None else None,
+                error=cause.error,
+                where=cause.where,
+                cause=found.line(),
+                consequences=[c.record() for c in found.consequences],
+            ),
+        )
+        if self.group_restarts:
+            left = self.conf.max_restarts - inc.restart
+            then = (
+                f"restarting the group (restart {inc.restart + 1} of {self.conf.max_restarts})"
+                if left > 0
+                else "no restarts left"
+            )
+            log.warning("%s; %s", found.line(), then)
+        else:
+            log.warning("%s", found.line())
+        for c in found.consequences:
+            details.warning("  consequence: rank %d (pid %d) %s", c.rank, c.pid, c.how())
+
+    def _rank_end(self, w: _Worker, failed: Optional[events.WorkerFailed]) -> RankEnd:
+        end = RankEnd(
+            rank=w.rank,
+            pid=w.pid,
+            host=HOST,
+            step=w.step,
+            ended_at=w.gone_at,
+            exit_code=w.exit.exit_code if w.exit is not None else None,
+            error=failed.error if failed is not None else None,
+            where=failed.where if failed is not None else None,
+            error_at=failed.time if failed is not None else None,
+            stopped_by_backend=bool(w.exit and w.exit.stopped_by_backend and failed is None),
+            hung=w.hang is not None,
+            suspect=bool(w.hang),
+            hang=w.hang or None,
+            finished=w.phase == DONE_PHASE,
+        )
+        if end.signal_name in FATAL_SIGNALS and end.where is None:
+            end.where = crash_site(self._stacks(w.rank))
+        return end
 
     # ---- preemption -----------------------------------------------------------------------------
     def _forward_stop(self, signum: int, live: List[_Worker]) -> None:
@@ -299,6 +417,14 @@ class Supervisor:
         if waiting:
             message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
         stacks = [str(self._stacks(w.rank)) for w in stuck]
+        for w in stuck:
+            w.hang = ""
+        for w in suspects:
+            here = describe_frame(frames[w.rank][0] if frames[w.rank] else None)
+            w.hang = (
+                f"no progress for {now - w.last_change:.1f} s at step {w.step} (phase {w.phase}), at {here}; "
+                f"stacks in {STACKS_DIR}/"
+            )
         events.write(
             self.run_dir,
             events.HangDetected(
@@ -314,7 +440,7 @@ class Supervisor:
                 stacks=stacks,
             ),
         )
-        log.error("%s. Stacks: %s. Killing the stuck worker(s) so the group restarts.", message, ", ".join(stacks))
+        details.error("%s. Stacks: %s. Killing the stuck worker(s).", message, ", ".join(stacks))
         for w in stuck:
             w.handled = True
             kill(w.pid, signal.SIGKILL)

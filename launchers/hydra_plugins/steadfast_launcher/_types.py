@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.errors import CompactHydraException
@@ -64,6 +64,20 @@ class Failed:
     cause: str  # the first failed worker and why (a job's end: the whole message for the person)
     restarts: int = 0  # restarts the backend made itself before it gave up
 
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one worker process ended, as its backend knows it when it finds a failure: by pid and local
+    rank (torch elastic's agent), or by global rank only (Horovod's runner)."""
+
+    exit_code: int  # negative: the signal that ended it
+    stopped_by_backend: bool = False  # still running when the backend found the failure: the backend stopped it
+    pid: Optional[int] = None
+    local_rank: Optional[int] = None
+    rank: Optional[int] = None
+
+
+ExitObserver = Callable[[List[WorkerExit]], None]  # the launcher's supervisor (Supervisor.worker_exits)
 
 # Stopped (steadfast.contract.stop): the workers saved and stopped on purpose (their StopRun), or
 # the backend was stopped by a stop request (reason PREEMPTED).

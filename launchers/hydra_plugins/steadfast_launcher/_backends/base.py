@@ -15,7 +15,7 @@ from steadfast.contract.env import ENV_ATTEMPT
 from steadfast.contract.schemas import RestartConf
 
 from .._payload import PayloadRef
-from .._types import Outcome
+from .._types import ExitObserver, Outcome
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Attempt:
     env: Dict[str, str]  # the contract's LaunchEnv and the launcher's additions, for every worker
     run_dir: Path
     restart: RestartConf
+    # the launcher's supervisor: a backend that learns how each worker ended when it finds a failure
+    # hands it every worker's exit status (torch elastic's agent; Horovod's runner does not)
+    on_exits: Optional[ExitObserver] = None
 
     @property
     def number(self) -> int:

@@ -30,7 +30,7 @@ from steadfast.contract.schemas import bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_handlers, signal_name, stop_requested
 
 from .._compat.horovod_runner import runner_patched
-from .._types import Completed, Failed, Outcome
+from .._types import Completed, Failed, Outcome, WorkerExit
 from ._registry import register
 from .base import Attempt, Backend, restore_environment, saved_environment
 
@@ -188,6 +188,8 @@ class HorovodBackend(Backend):
                 return Stopped(
                     StopReason.PREEMPTED, message=f"the Horovod job was stopped by {signal_name(signum)}", signal=signum
                 )
+            if attempt.on_exits is not None:  # the runner reports the first worker to exit non-zero (by rank)
+                attempt.on_exits(first_exit(err))
             return Failed(root_cause(err, logs))
         finally:
             restore_handlers(saved_signals)
@@ -196,6 +198,17 @@ class HorovodBackend(Backend):
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
         return Completed(results[0])  # the list is in rank order
+
+
+def first_exit(err: BaseException) -> List[WorkerExit]:
+    """The worker the runner's error names (a rank and its shell's exit status: 128+N is signal N)."""
+    found = _FAILED.search(str(err))
+    if not found or not found.group(1).isdigit():
+        return []
+    code = int(found.group(2))
+    if code > 128 and code - 128 in signal.valid_signals():
+        code = -(code - 128)
+    return [WorkerExit(code, rank=int(found.group(1)))]
 
 
 def root_cause(err: BaseException, logs: Path) -> str:

@@ -20,7 +20,9 @@ from steadfast.contract.schemas import RestartConf, bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, request_stop, restore_handlers, signal_name
 
 from .. import _forkserver
+from .._compat import elastic_exits
 from .._compat.torch_logging import render_tracebacks_first
+from .._logfiles import files_only
 from .._types import Completed, Failed, Outcome
 from ._registry import register
 from .base import Attempt, Backend, restore_environment, saved_environment
@@ -157,6 +159,9 @@ class TorchrunBackend(Backend):
         saved = saved_environment(agent_env)
         os.environ.update(agent_env)  # spawned workers inherit the agent's environment
         logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+        # the agent's account of a failure (a worker's traceback, its restarts) goes to train.log; the
+        # console gets the supervisor's one line per failure and restart
+        files_only("torch.distributed.elastic", "torch.multiprocessing")
         render_tracebacks_first("torch.distributed.elastic")
         run_dir = attempt.run_dir
         config = launch_config(self.conf, attempt.restart, run_id=run_dir.name, log_dir=run_dir / "logs" / "elastic")
@@ -165,7 +170,8 @@ class TorchrunBackend(Backend):
         payload = attempt.payload
         args = (payload, _forkserver.environment_file(Path(payload.path).parent)) if forkserver else (payload,)
         try:
-            results = elastic_launch(config, attempt.entry)(*args)
+            with elastic_exits.observe(attempt.on_exits):
+                results = elastic_launch(config, attempt.entry)(*args)
         except ChildFailedError as err:
             return Failed(root_cause(err), restarts=attempt.restart.max_restarts)
         except SignalException as err:  # the agent was asked to stop (and has stopped its workers): not a failure

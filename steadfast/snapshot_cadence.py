@@ -1,0 +1,163 @@
+"""When the memory tier copies (snapshot.every_n_steps), and what it records and says about it.
+
+The copies themselves, their slots and their reading back are steadfast/snapshots.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
+
+from .checkpoint.codec import Collectives
+from .contract.events import Event
+from .snapshots import MemorySnapshots, announce_off, fits
+
+log = logging.getLogger(__name__)
+
+MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: a copy per interval costs at most this share of its steps' time
+SMOOTHING = 8  # auto: the least of this many recent measurements (copies, windows of steps) decides
+LOWER_AT = 1 / 4  # auto lowers the interval only when a quarter of it would keep to the budget
+
+
+class MemoryCadence:
+    """When a run takes its snapshots (snapshot.every_n_steps), and what it tells a person about them.
+
+    A snapshot is due once `every` steps have passed since the last one (or since the step the
+    attempt started from): counted from the last snapshot, not from step 0, so that a new interval
+    never stretches a gap. A process death at step k therefore loses at most the interval in force
+    at step k - 1 (no snapshot came after the last one, so each step in between had fewer than
+    `every` steps behind it); a death in the middle of a copy leaves the other buffer, the snapshot
+    before, which that bound already counts from.
+
+    auto: every step until two windows of steps are timed, then the smallest power of two at which
+    a copy costs at most MEMORY_SHARE of a step's time (the step without the copy), from the least
+    of the recent copy times (the slowest rank's) and of the recent step times (the fastest rank's),
+    agreed by every rank at the same steps: other processes and a validation only ever add to a
+    time, so the least is what the work itself takes (on a loaded machine a median of copies moved
+    3x). Raised as soon as the budget is exceeded, lowered only when a quarter of the interval would
+    do (LOWER_AT), it stays put while the measurements jitter, and every change is a factor of two
+    or more: each is recorded (snapshot_interval, as is the attempt's first snapshot) and logged on
+    rank 0, so the records always say the interval in force. The first snapshot checks, on every
+    node, that two copies fit in the shared-memory filesystem; if one node has no room, all of them
+    go without.
+
+    It is given what it uses: the snapshots, the ranks' collectives, an event sink, the tracked
+    state (objects and per-rank, name -> Stateful), the snapshot fault's hook and a clock."""
+
+    def __init__(
+        self,
+        memory: MemorySnapshots,
+        every: Any,
+        comm: Collectives,
+        record: Callable[..., None],
+        tracked: Tuple[Dict[str, Any], Dict[str, Any]],
+        during_snapshot: Callable[[int], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.memory, self.comm, self.record, self.tracked, self.during_snapshot = memory, comm, record, tracked, during_snapshot
+        self.clock = clock
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else int(every)  # the interval in force
+        self._first = True
+        self._last: Optional[int] = None  # the newest snapshot's step, or the step the attempt started from
+        self._costs: Deque[float] = deque(maxlen=SMOOTHING)  # this rank's recent copy times
+        self._steps: Deque[float] = deque(maxlen=SMOOTHING)  # this rank's recent step times, without the copy
+        self._work, self._work_steps = 0.0, 0  # time in steps (copies excluded) since the last retune, and how many
+        self._mark: Optional[float] = None  # when the last call ended
+
+    def at_step(self, step: int) -> bool:
+        """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
+        started = self.clock()
+        if self._mark is not None:
+            self._work, self._work_steps = self._work + started - self._mark, self._work_steps + 1
+        self._mark = started
+        if self._last is None:  # the first step of this attempt: the one before is restored (or step 0)
+            self._last = step - 1
+        if step - self._last < self.every:
+            return True
+        memory = self.memory
+        planned = memory.plan(*self.tracked)
+        announce = self._first
+        if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
+            self._first = False
+            problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
+            if self.comm.max_each([1.0 if problem else 0.0])[0]:
+                announce_off(self.record, problem or "another node's shared memory is too small for them")
+                return False
+        try:
+            memory.take(step, planned, lambda: self.during_snapshot(step))
+        except OSError as exc:
+            announce_off(self.record, f"writing to {memory.folder.parent} failed ({exc.strerror or exc})")
+            raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
+        self._last, self._mark = step, self.clock()
+        memory.seconds = self._mark - started
+        self._costs.append(memory.seconds)
+        if announce and self.comm.rank == 0:
+            log.info(
+                "Snapshots in memory: %.1f MB per node (two copies in %s), %s from step %d",
+                memory.bytes / 1e6,
+                memory.folder.parent,
+                _every(self.every, self.auto),
+                step,
+            )
+            self._record(step, memory.seconds)
+        return True
+
+    def retune(self, step: int) -> None:
+        """auto: this window's step time into the measurements, and a new interval if the budget
+        asks for one (collective: every rank calls it at the same steps)."""
+        if not self.auto:
+            return
+        if self._work_steps:
+            self._steps.append(self._work / self._work_steps)
+            self._work, self._work_steps = 0.0, 0
+        if len(self._steps) < 2:  # the attempt's first window is its warm-up (twice as slow here): not alone
+            return  # (every rank has measured as many windows)
+        cost, fastest = self.comm.max_each([min(self._costs, default=0.0), -min(self._steps)])
+        step_seconds = -fastest
+        if cost <= 0 or step_seconds <= 0:
+            return
+        wanted = auto_interval(cost, step_seconds)
+        if self.every * LOWER_AT < wanted <= self.every:
+            return
+        previous, self.every = self.every, wanted
+        if self.comm.rank == 0:
+            log.info(
+                "Snapshots in memory: %s from step %d (a copy takes %s, a step %s)",
+                _every(wanted, True),
+                step,
+                _seconds(cost),
+                _seconds(step_seconds),
+            )
+            self._record(step, cost, previous_every_n_steps=previous, step_seconds=round(step_seconds, 6))
+
+    def _record(self, step: int, seconds: float, **fields: Any) -> None:
+        self.record(
+            Event.SNAPSHOT_INTERVAL,
+            step=step,
+            every_n_steps=self.every,
+            auto=self.auto,
+            bytes=self.memory.bytes,
+            segment=self.memory.segments.path.name,
+            seconds=round(seconds, 6),
+            **fields,
+        )
+
+
+def auto_interval(copy_seconds: float, step_seconds: float) -> int:
+    """snapshot.every_n_steps=auto's interval for these times: the smallest power of two at which a
+    copy costs at most MEMORY_SHARE of the steps' time (a step's time without the copy)."""
+    need = copy_seconds / (MEMORY_SHARE * step_seconds)
+    return 1 << max(0, math.ceil(need) - 1).bit_length()
+
+
+def _every(n: int, auto: bool) -> str:
+    """'every 64 steps (auto)': how a person reads the interval in force."""
+    return ("every step" if n == 1 else f"every {n} steps") + (" (auto)" if auto else "")
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
