@@ -39,12 +39,14 @@ from steadfast.contract.summary import Status
 from . import _backends, _payload
 from ._backends import Attempt, Backend
 from ._locks import RunLock
+from ._logfiles import DETAILS
 from ._signals import LaunchSignals
 from ._supervise import Supervisor
 from ._types import Completed, Failed, Interrupted, Job, JobFailed, Outcome, Refused, job_return
 from ._worker import run_rank
 
 log = logging.getLogger(__name__)
+details = logging.getLogger(DETAILS)  # train.log only
 
 PAYLOAD_PREFIX = "steadfast-job-"  # the job's private folder under the system's temporary folder
 _STATUS_OF: Dict[StopReason, Status] = {StopReason.PREEMPTED: Status.PREEMPTED, StopReason.MEMORY_LIMIT: Status.MEMORY_LIMIT}
@@ -241,8 +243,17 @@ def _record_end(
     either is written."""
     events.write(run_dir, last)
     wall = time.time() - started
-    summary.write(
+    said = summary.write(
         run_dir, status, since=since, restarts=restarts, wall_seconds=wall, error=error, hosts_rank0=hosts_rank0, **extra
+    )
+    # the end of the launcher's story in train.log (the console has it from Hydra or the lines before)
+    details.info(
+        "Ended: %s after %.1f s, %s restart(s)%s; %s",
+        said.get("status", status.value),
+        wall,
+        said.get("restarts", restarts),
+        f", {len(said['failures'])} failure(s)" if said.get("failures") else "",
+        error or f"summary in {run_dir / SUMMARY_FILE}",
     )
 
 
