@@ -180,7 +180,9 @@ def test_report_on_a_run_with_a_restart(hung: dict, tmp_path: Path) -> None:
     assert (
         rows[0][:6] == ["0", "0", "0", rows[0][3], "0", "20"]
         and rows[0][6] == str(lost)
-        and "hang: rank 1 at step 20" in " ".join(rows[0])
+        and "rank 1 (pid " in " ".join(rows[0])
+        and "hung: no progress" in " ".join(rows[0])
+        and "at step 20" in " ".join(rows[0])
     )
     assert rows[1][4:7] == ["13", "52", "0"] and rows[1][-1] == "completed"
     assert "goodput" in out and "hung until detected" in out
