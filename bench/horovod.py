@@ -10,7 +10,8 @@ wins over the backend's TUNING):
   horovod            the backend's defaults (HOROVOD_CYCLE_TIME=1 ms, HOROVOD_CACHE_CAPACITY=1024)
   horovod_unpatched  cycle time 0 and no response cache: what horovod.run 0.28.1 hands its workers
                      when nothing overrides it (its '(None,)' values parse as 0)
-  --tuning adds cycle times of 0.2, 3 and 10 ms and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
+  --tuning adds cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
+  time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.comm_horovod, chosen the same way).
 """
@@ -59,6 +60,9 @@ VARIANTS: Dict[str, Dict[str, str]] = {
     "horovod_unpatched": {"HOROVOD_CYCLE_TIME": "0", "HOROVOD_CACHE_CAPACITY": "0"},
 }
 TUNING_VARIANTS: Dict[str, Dict[str, str]] = {
+    # each of horovod_unpatched's two settings alone (the other at the backend's value)
+    "horovod_cycle_0": {"HOROVOD_CYCLE_TIME": "0"},
+    "horovod_cache_0": {"HOROVOD_CACHE_CAPACITY": "0"},
     "horovod_cycle_0.2ms": {"HOROVOD_CYCLE_TIME": "0.2"},
     "horovod_cycle_3ms": {"HOROVOD_CYCLE_TIME": "3"},
     "horovod_cycle_10ms": {"HOROVOD_CYCLE_TIME": "10"},

@@ -44,13 +44,59 @@ def test_a_checkpoint_file_opens_with_safetensors(tmp_path: Path) -> None:
     m.save(3, {"model": model, "optimizer": opt}, {}, {"epoch": 1})
     m.close()
     ckpt = tmp_path / mf.step_dir_name(3)
-    with safe_open(str(ckpt / "model.bin"), "pt") as f:
+    assert set(json.loads((ckpt / mf.MANIFEST).read_text())["files"]) == {"state.bin"}  # one file for the whole state
+    with safe_open(str(ckpt / "state.bin"), "pt") as f:
         assert f.metadata()["format"] == "pt"
         got = {k: f.get_tensor(k) for k in f.keys()}
-    assert got.keys() == model.state_dict().keys()
-    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
-    optimizer = load_file(str(ckpt / "optimizer.bin"))
-    assert torch.equal(optimizer["state.0.exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    model_keys = {f"model.{k}" for k in model.state_dict()}
+    assert model_keys <= got.keys() and all(torch.equal(got[f"model.{k}"], v) for k, v in model.state_dict().items())
+    optimizer = load_file(str(ckpt / "state.bin"))
+    assert torch.equal(optimizer["optimizer.state.0.exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def _write_format_2(folder: Path, step: int, objects: Dict[str, Any], ranks: list) -> None:
+    """A committed checkpoint as the replicated format 2 wrote it: a file per object and ranks.bin."""
+    tmp = folder / f".tmp-{step}"
+    tmp.mkdir(parents=True)
+    files = {}
+    for name, tree in [*objects.items(), ("ranks", {"ranks": ranks})]:
+        size, checksum = tensorfile.save(tree, tmp / f"{name}.bin")
+        files[f"{name}.bin"] = {"bytes": size, "checksum": checksum}
+    manifest = {"format": 2, "step": step, "commit": 1, "world_size": len(ranks), "created": 1.0, "epoch": 1}
+    (tmp / mf.MANIFEST).write_text(json.dumps({**manifest, "files": files, "config": {}, "full_config": {}}))
+    tmp.rename(folder / mf.step_dir_name(step))
+
+
+def test_a_checkpoint_of_format_2_still_resumes_and_consolidates(tmp_path: Path) -> None:
+    from steadfast.checkpoint.consolidate import consolidate, load_whole
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    _write_format_2(tmp_path, 4, {"model": model.state_dict(), "extra": {"n": 7}}, [{"rng": {"seed": 11}}])
+    target, extra, rng = torch.nn.Linear(3, 2), Holder(), Holder()
+    m = CheckpointManager(tmp_path, Comm(), 2, {}, lambda *a, **k: None)
+    restored = m.restore({"model": target, "extra": extra}, {"rng": rng}, False)
+    assert restored is not None and restored.step == 4 and restored.manifest["format"] == 2
+    assert torch.equal(target.weight, model.weight) and extra.state == {"n": 7} and rng.state == {"seed": 11}
+    m.save(5, {"model": target, "extra": extra}, {"rng": rng}, {"epoch": 1})  # the next save writes the new format
+    m.close()
+    assert json.loads((tmp_path / mf.step_dir_name(5) / mf.MANIFEST).read_text())["format"] == mf.FORMAT
+    for step in (4, 5):
+        ckpt = tmp_path / mf.step_dir_name(step)
+        consolidate(ckpt, tmp_path / f"model{step}.safetensors")
+        assert torch.equal(load_file(str(tmp_path / f"model{step}.safetensors"))["weight"], model.weight)
+        assert load_whole(ckpt, ["extra"]) == {"extra": {"n": 7}}
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
 
 
 def test_export_and_files_written_by_safetensors_round_trip(tmp_path: Path) -> None:

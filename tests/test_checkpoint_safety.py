@@ -21,6 +21,7 @@ import torch
 from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
+from steadfast.checkpoint.replicated import STATE_FILE as STATE
 from steadfast.comm import Comm
 from steadfast.contract.events import Event
 
@@ -155,7 +156,7 @@ def test_read_back_runs_before_retention_and_a_bad_read_back_keeps_the_older_che
     release = threading.Event()
     m._pool.submit(release.wait, 60)  # hold the background thread: the read-back of step 2 waits behind it
     m.save(2, model_state(2), {}, {})  # committed when save() returns
-    flip_last_byte(tmp_path / mf.step_dir_name(2) / "model.bin")  # the disk does not hold what was written
+    flip_last_byte(tmp_path / mf.step_dir_name(2) / STATE)  # the disk does not hold what was written
     release.set()
     with pytest.raises(CheckpointError, match="step 2 was written but does not read back"):
         m.wait()
@@ -172,7 +173,7 @@ def test_fresh_start_next_to_damaged_higher_steps_keeps_its_own_checkpoints(tmp_
         first.save(step, model_state(step), {}, {})
     first.close()
     for step in (4000, 5000):
-        flip_last_byte(tmp_path / mf.step_dir_name(step) / "model.bin")
+        flip_last_byte(tmp_path / mf.step_dir_name(step) / STATE)
     # without permission to start over, the run stops and nothing is moved
     with pytest.raises(CheckpointError, match="none of the 2 committed checkpoints.*fresh_start_if_unusable"):
         manager(tmp_path).restore({"model": Box()}, {}, False)
@@ -239,21 +240,45 @@ def _set(key: str, value: Any):  # type: ignore[no-untyped-def]
 
 
 def _file_spec(name: str, spec: Any):  # type: ignore[no-untyped-def]
-    return _edit_manifest(lambda m: {**m, "files": {**{k: v for k, v in m["files"].items() if k != "model.bin"}, name: spec}})
+    return _edit_manifest(lambda m: {**m, "files": {**{k: v for k, v in m["files"].items() if k != STATE}, name: spec}})
 
 
 def _replace_model(payload: bytes):  # type: ignore[no-untyped-def]
-    """A crafted model.bin whose size and checksum the manifest is made to match."""
+    """A crafted state.bin whose size and checksum the manifest is made to match."""
 
     def damage(ckpt: Path) -> None:
-        (ckpt / "model.bin").write_bytes(payload)
+        (ckpt / STATE).write_bytes(payload)
         data = json.loads((ckpt / mf.MANIFEST).read_text())
         import xxhash
 
-        data["files"]["model.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
+        data["files"][STATE] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
         (ckpt / mf.MANIFEST).write_text(json.dumps(data))
 
     return damage
+
+
+def _state_file(tree: Any) -> bytes:
+    """The bytes of a well-formed tensor file holding `tree` (what a crafted state.bin can be)."""
+    return b"".join(bytes(piece) for piece in tensorfile.plan(tree).buffers())
+
+
+def _edit_state(edit):  # type: ignore[no-untyped-def]
+    """state.bin rewritten, well-formed, with `edit` applied to its tree; the manifest made to match."""
+
+    def damage(ckpt: Path) -> None:
+        _replace_model(_state_file(edit(tensorfile.load(ckpt / STATE))))(ckpt)
+
+    return damage
+
+
+def _truncate_state(ckpt: Path) -> None:
+    data = (ckpt / STATE).read_bytes()
+    _replace_model(data[: len(data) - 16])(ckpt)  # the manifest made to match: only the parser can tell
+
+
+def _rename_state(ckpt: Path) -> None:
+    (ckpt / STATE).rename(ckpt / "model.bin")
+    _edit_manifest(lambda m: {**m, "files": {"model.bin": m["files"][STATE]}})(ckpt)
 
 
 def _crafted(header: Dict[str, Any], data: bytes = b"") -> bytes:
@@ -262,14 +287,14 @@ def _crafted(header: Dict[str, Any], data: bytes = b"") -> bytes:
 
 
 def _fifo(ckpt: Path) -> None:
-    (ckpt / "model.bin").unlink()
-    os.mkfifo(ckpt / "model.bin")
+    (ckpt / STATE).unlink()
+    os.mkfifo(ckpt / STATE)
 
 
 def _symlink_out(ckpt: Path) -> None:
     outside = ckpt.parent.parent / "outside.bin"
-    (ckpt / "model.bin").rename(outside)  # same bytes, same checksum: only the link is wrong
-    (ckpt / "model.bin").symlink_to(outside)
+    (ckpt / STATE).rename(outside)  # same bytes, same checksum: only the link is wrong
+    (ckpt / STATE).symlink_to(outside)
 
 
 def _manifest_fifo(ckpt: Path) -> None:
@@ -283,14 +308,16 @@ DAMAGE = {
     "manifest not json": lambda c: (c / mf.MANIFEST).write_bytes(b"\xff{"),
     "manifest deep": lambda c: (c / mf.MANIFEST).write_text("[" * 100_000),
     "manifest fifo": _manifest_fifo,
-    "checksum null": _file_spec("model.bin", None),
+    "checksum null": _file_spec(STATE, None),
     "checksum missing": _edit_manifest(lambda m: {**m, "files": {k: {"bytes": v["bytes"]} for k, v in m["files"].items()}}),
     "checksum none": _edit_manifest(lambda m: {**m, "files": {k: {**v, "checksum": None} for k, v in m["files"].items()}}),
     "bytes bool": _edit_manifest(lambda m: {**m, "files": {k: {**v, "bytes": True} for k, v in m["files"].items()}}),
     "bytes huge": _edit_manifest(lambda m: {**m, "files": {k: {**v, "bytes": 10**30} for k, v in m["files"].items()}}),
     "path escape": _file_spec("../../outside.bin", {"bytes": 1, "checksum": "xxh3_128:" + "0" * 32}),
     "path nested": _file_spec("a/model.bin", {"bytes": 1, "checksum": "xxh3_128:" + "0" * 32}),
-    "no model file": _edit_manifest(lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "model.bin"}}),
+    "no state file": _edit_manifest(lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != STATE}}),
+    "state file renamed": _rename_state,
+    "state file listed twice": _edit_manifest(lambda m: {**m, "files": {**m["files"], "model.bin": m["files"][STATE]}}),
     "commit far ahead": _set("commit", 2**62),  # was chosen, and every later save failed its own validation
     "step mismatch": _set("step", 1),
     "step string": _set("step", "2"),
@@ -328,6 +355,17 @@ DAMAGE = {
         )
     ),
     "crafted huge header": _replace_model((9 << 20).to_bytes(8, "little") + b"{" * 64),
+    # state.bin: a well-formed tensor file that is not a checkpoint's state, or a truncated one
+    "state truncated": _truncate_state,
+    "state plain safetensors": _replace_model(_state_file({"w": torch.ones(3)})),
+    "state no ranks": _edit_state(lambda t: {"objects": t["objects"]}),
+    "state ranks not a list": _edit_state(lambda t: {**t, "ranks": {"0": t["ranks"][0]}}),
+    "state ranks of another world size": _edit_state(lambda t: {**t, "ranks": t["ranks"] * 2}),
+    "state rank without rng": _edit_state(lambda t: {**t, "ranks": [{}]}),
+    "state objects a list": _edit_state(lambda t: {**t, "objects": [t["objects"]["model"]]}),
+    "state no model": _edit_state(lambda t: {**t, "objects": {"other": t["objects"]["model"]}}),
+    "state extra key": _edit_state(lambda t: {**t, "more": 1}),
+    "state rank not a dict": _edit_state(lambda t: {**t, "ranks": [[t["ranks"][0]]]}),
 }
 
 
@@ -432,7 +470,7 @@ def test_async_save_failure_is_raised_at_the_next_save_and_keeps_the_previous(tm
 
 def test_a_state_that_cannot_be_stored_is_refused_by_name_before_anything_is_written(tmp_path: Path) -> None:
     m = manager(tmp_path)
-    with pytest.raises(CheckpointError, match=r"cannot save model at step 1: .*complex128.*at w"):
+    with pytest.raises(CheckpointError, match=r"cannot save model at step 1: .*complex128.*at model\.w"):
         m.save(1, {"model": Box({"w": torch.zeros(2, dtype=torch.complex128)})}, {}, {})
     with pytest.raises(CheckpointError, match="object named 'ranks'"):
         m.save(1, {"ranks": Box({})}, {}, {})

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 from pathlib import Path
+from typing import Any, List
 
 import numpy as np
 import pytest
@@ -137,7 +139,7 @@ def test_corrupt_newest_falls_back_to_the_previous(tmp_path: Path) -> None:
     m = manager(tmp_path)
     for step in (1, 2):
         m.save(step, {"model": Box({"w": torch.full((4,), float(step))})}, {}, {})
-    newest = tmp_path / mf.step_dir_name(2) / "model.bin"
+    newest = tmp_path / mf.step_dir_name(2) / "state.bin"
     data = bytearray(newest.read_bytes())
     data[-1] ^= 1
     newest.write_bytes(bytes(data))
@@ -157,7 +159,7 @@ def test_manifest_lists_sizes_and_checksums(tmp_path: Path) -> None:
     manager(tmp_path).save(7, {"model": Box({"w": torch.ones(10)})}, {"rng": Box({"s": 1})}, {"epoch": 1, "batch_in_epoch": 3})
     man = json.loads((tmp_path / mf.step_dir_name(7) / mf.MANIFEST).read_text())
     assert man["format"] == mf.FORMAT and man["step"] == 7 and man["batch_in_epoch"] == 3 and man["world_size"] == 1
-    assert set(man["files"]) == {"model.bin", "ranks.bin"}
+    assert set(man["files"]) == {"state.bin"}
     for name, spec in man["files"].items():
         assert (tmp_path / mf.step_dir_name(7) / name).stat().st_size == spec["bytes"] and spec["checksum"].startswith(
             "xxh3_128:"
@@ -171,3 +173,83 @@ def test_views_conjugates_and_negative_views_are_written_as_their_values(tmp_pat
     back = tensorfile.load(tmp_path / "t.bin", *tensorfile.save(tree, tmp_path / "t.bin"))
     for key, value in tree.items():
         assert torch.equal(back[key], value.resolve_conj().resolve_neg()), key
+
+
+def _state(step: int) -> dict:
+    return {"model": Box({"w": torch.full((100,), float(step))})}
+
+
+def test_the_files_manifest_and_folder_are_durable_before_the_rename_and_the_rename_before_retention(
+    tmp_path: Path, monkeypatch
+) -> None:
+    m = manager(tmp_path, keep_last=1)
+    m.save(1, _state(1), {}, {})
+    m.wait()
+    log: List[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        log.append(f"fsync {'folder' if target == tmp_path else target.name if target.is_file() else 'tmp'}")
+
+    def rename(src: Any, dst: Any) -> None:
+        real_rename(src, dst)
+        log.append(f"rename {Path(dst).name[:6]}")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    m.save(2, _state(2), {}, {})
+    m.wait()
+    commit = log.index("rename step_0")
+    assert sorted(log[:commit]) == ["fsync manifest.json", "fsync state.bin", "fsync tmp"]  # side by side, any order
+    assert log[commit + 1 :] == ["fsync folder", "rename .trash"]  # the rename durable, then the old one removed
+
+
+def test_a_failed_fsync_fails_the_save_and_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:
+    m = manager(tmp_path, keep_last=1)
+    m.save(1, _state(1), {}, {})
+    m.wait()
+    real_fsync = os.fsync
+
+    def failing(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(mf.MANIFEST):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(CheckpointError, match="Input/output error.*step_000000001"):
+        m.save(2, _state(2), {}, {})
+    assert [s for s, _ in mf.committed(tmp_path)] == [1]
+    assert [p.name for p in tmp_path.iterdir()] == [mf.step_dir_name(1)]  # no temporary folder left
+
+
+def test_small_tensors_gathered_into_one_copy_are_the_bytes_the_file_holds(tmp_path: Path) -> None:
+    """What a run of small device tensors becomes (one gather, one copy to the host; on any device)."""
+    from steadfast.checkpoint import tensorwrite
+
+    x = torch.randn(6, 5)
+    z = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    tree = {"t": x.t(), "flags": torch.tensor([True, False, True]), "scalar": torch.tensor(3.5), "conj": z.conj(), "h": x.half()}
+    layout = tensorfile.plan(tree)
+    data = bytes(tensorwrite.gathered([e for e in layout.entries if e.end > e.begin]).numpy())
+    size, _ = tensorfile.save(tree, tmp_path / "t.bin")
+    assert data == (tmp_path / "t.bin").read_bytes()[size - layout.data_bytes :]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_state_on_the_gpu_is_saved_as_its_values(tmp_path: Path, async_save: bool) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(20)], torch.nn.BatchNorm1d(16)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 16, device="cuda")).sum().backward()
+    opt.step()
+    big = {"w": torch.randn(1 << 19, device="cuda"), "t": torch.randn(64, 32, device="cuda").t()}
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    m = manager(tmp_path, async_save=async_save)
+    m.save(1, {"model": model, "optimizer": opt, "big": Box(big)}, {}, {})
+    m.close()
+    saved_model, saved_big = Box({}), Box({})
+    assert manager(tmp_path).restore({"model": saved_model, "optimizer": Box({}), "big": saved_big}, {}, False).step == 1
+    assert all(torch.equal(saved_model.state[k], v) for k, v in expected.items())
+    assert all(torch.equal(saved_big.state[k], v.cpu()) for k, v in big.items())

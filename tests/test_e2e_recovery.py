@@ -93,14 +93,14 @@ def test_unwritable_checkpoint_folder_is_refused_before_workers_start(tmp_path: 
 
 
 def _truncate(ckpt: Path) -> None:
-    data = (ckpt / "model.bin").read_bytes()
-    (ckpt / "model.bin").write_bytes(data[: len(data) // 2])
+    data = (ckpt / "state.bin").read_bytes()
+    (ckpt / "state.bin").write_bytes(data[: len(data) // 2])
 
 
 def _flip(ckpt: Path) -> None:
-    data = bytearray((ckpt / "optimizer.bin").read_bytes())
+    data = bytearray((ckpt / "state.bin").read_bytes())
     data[len(data) - 8] ^= 0x01
-    (ckpt / "optimizer.bin").write_bytes(bytes(data))
+    (ckpt / "state.bin").write_bytes(bytes(data))
 
 
 def _drop_manifest(ckpt: Path) -> None:
@@ -111,8 +111,8 @@ def _drop_manifest(ckpt: Path) -> None:
 @pytest.mark.parametrize(
     "damage,logged",
     [
-        (_flip, "optimizer.bin"),
-        pytest.param(_truncate, "model.bin", marks=pytest.mark.extended),
+        (_flip, "state.bin"),
+        pytest.param(_truncate, "state.bin", marks=pytest.mark.extended),
         pytest.param(_drop_manifest, None, marks=pytest.mark.extended),
     ],
 )
@@ -126,9 +126,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, ba
     if logged:
         invalid = event_of(folder, "checkpoint_invalid")
         assert invalid and logged in invalid["error"]
-    assert sorted(p.name for p in broken.iterdir()) == sorted(
-        ["manifest.json", "model.bin", "optimizer.bin", "progress.bin", "ranks.bin", "scheduler.bin", "scores.bin", "world.bin"]
-    )
+    assert sorted(p.name for p in broken.iterdir()) == ["manifest.json", "state.bin"]
     assert_same_weights(folder, baseline)
 
 
@@ -142,11 +140,11 @@ def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baselin
             return (os.system, (f"touch {marker}",))
 
     payload = pickle.dumps({"state": Payload()})
-    (ckpt / "model.bin").write_bytes(payload)
+    (ckpt / "state.bin").write_bytes(payload)
     manifest = json.loads((ckpt / "manifest.json").read_text())  # the attacker fixes the checksums too
     import xxhash
 
-    manifest["files"]["model.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
+    manifest["files"]["state.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     run_train(tmp_path, *QUICK, *backend, "run.name=copy", check=True)
     assert not marker.exists()
@@ -174,11 +172,12 @@ def test_a_verified_checkpoint_missing_a_key_is_unusable_and_the_previous_one_is
     aside, and the run continues from the checkpoint before, ending with the baseline's weights."""
     folder = finished_copy(baseline, tmp_path)
     ckpt = newest(folder)
-    state = tensorfile.load(ckpt / "model.bin")
-    del state["net.1.bias"]
-    size, digest = tensorfile.save({k: v.clone() for k, v in state.items()}, ckpt / "model.bin")
+    tree = tensorfile.load(ckpt / "state.bin")
+    tree = {**tree, "objects": {**tree["objects"], "model": dict(tree["objects"]["model"])}}
+    del tree["objects"]["model"]["net.1.bias"]
+    size, digest = tensorfile.save(tree, ckpt / "state.bin")
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["model.bin"] = {"bytes": size, "checksum": digest}
+    manifest["files"]["state.bin"] = {"bytes": size, "checksum": digest}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none", check=True)
     invalid = event_of(folder, "checkpoint_invalid")

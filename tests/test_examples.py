@@ -199,7 +199,7 @@ def test_charlm_sample_refuses_a_damaged_checkpoint_and_uses_the_previous(tmp_pa
     folder = tmp_path / "copy"
     shutil.copytree(charlm_ref["run_dir"], folder)
     steps = sorted((folder / "checkpoints").glob("step_*"))
-    newest = steps[-1] / "model.bin"
+    newest = steps[-1] / "state.bin"
     data = bytearray(newest.read_bytes())
     data[-5] ^= 0xFF
     newest.write_bytes(bytes(data))

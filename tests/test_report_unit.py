@@ -301,7 +301,7 @@ def test_the_checkpoints_are_verified_where_the_runs_config_put_them(tmp_path: P
     )
     commit_checkpoints(custom, [200, 300, 400])
     commit_checkpoints(folder / "checkpoints", [7])  # not this run's folder any more: never looked at
-    damaged = next(custom.glob("step_*300/model.bin"))
+    damaged = next(custom.glob("step_*300/state.bin"))
     damaged.write_bytes(damaged.read_bytes()[:-1] + bytes([damaged.read_bytes()[-1] ^ 0xFF]))
     records = loader.load_run(folder)
     assert records.checkpoint_dir == custom and records.problems == []

@@ -2,9 +2,10 @@
 each rank gets its state back. The manager (commit protocol, fall-back, retention) and the memory tier
 (snapshots) never look inside a file; they ask the codec of the state or of the manifest.
 
-Two codecs: `replicated` (format 2: every object's state the same on every rank, written once by
-rank 0, each rank's own state gathered into ranks.bin) and `sharded` (format 3: DTensors, each rank
-writes its own file). A new format is a new Codec subclass in its own module, registered in CODECS.
+Two codecs write: `replicated` (format 4: every object's state the same on every rank, written once
+by rank 0 into one file with every rank's own state, gathered) and `sharded` (format 3: DTensors, each
+rank writes its own file); a third reads format 2 (the replicated format's file per object). A new
+format is a new Codec subclass in its own module, registered in `registered`.
 """
 
 from __future__ import annotations
@@ -96,11 +97,12 @@ class Codec(ABC):
 
 
 def registered() -> List[Codec]:
-    """Every codec, in the order `for_state` asks them (the replicated one, which takes any state, last)."""
-    from .replicated import ReplicatedCodec
+    """Every codec, in the order `for_state` asks them (the replicated one, which takes any state, last
+    but for those that only read)."""
+    from .replicated import PerObjectCodec, ReplicatedCodec
     from .sharded import ShardedCodec
 
-    return [ShardedCodec(), ReplicatedCodec()]
+    return [ShardedCodec(), ReplicatedCodec(), PerObjectCodec()]
 
 
 def for_state(objects: Dict[str, Any]) -> Codec:

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from . import export, fileio, tensorfile
 from . import manifest as mf
 from . import restore as rs
+from .replicated import read_objects
 from .sharded import OBJECTS, Reader, assemble, file_name
 from .sources import FolderSource
 from .tensorformat import CODES
@@ -97,10 +98,12 @@ def _sharded(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Lis
 
 
 def _replicated(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Listed, Any, Any]:
-    spec = manifest["files"].get(f"{name}.bin")
-    if spec is None:
-        raise ConsolidateError(f"{checkpoint} holds no object {name!r} (no {name}.bin in its manifest)")
-    state = _flat(tensorfile.load(checkpoint / f"{name}.bin", spec["bytes"], spec["checksum"]), name, checkpoint)
+    try:
+        state = _flat(read_objects(checkpoint, manifest, [name])[name], name, checkpoint)
+    except fileio.FileCheckError as exc:
+        if exc.reason != "missing":
+            raise
+        raise ConsolidateError(f"{checkpoint} holds no object {name!r} ({exc})") from None
     tensors = {k: v for k, v in state.items() if hasattr(v, "dtype") and v.dtype in CODES}
     listed = [(k, CODES[t.dtype], tuple(t.shape)) for k, t in tensors.items()]
     return listed, tensors.__getitem__, lambda: None
@@ -115,13 +118,12 @@ def load_whole(checkpoint: Path, names: Sequence[str]) -> Dict[str, Any]:
     if problem:
         raise ConsolidateError(f"{checkpoint} does not verify: {problem}")
     if manifest["format"] != mf.SHARDED_FORMAT:
-        missing = [n for n in names if f"{n}.bin" not in manifest["files"]]
-        if missing:
-            raise ConsolidateError(f"{checkpoint} holds no {missing}")
-        files = manifest["files"]
-        return {
-            n: tensorfile.load(checkpoint / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"]) for n in names
-        }
+        try:
+            return read_objects(checkpoint, manifest, list(names))
+        except fileio.FileCheckError as exc:
+            if exc.reason != "missing":
+                raise
+            raise ConsolidateError(f"{checkpoint} holds no {list(names)}: {exc}") from None
     dir_fd = fileio.open_folder(checkpoint)
     source = FolderSource(dir_fd, checkpoint, {n: spec["bytes"] for n, spec in manifest["files"].items()})
     try:

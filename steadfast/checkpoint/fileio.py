@@ -4,9 +4,12 @@ Writing: every byte is written or the write fails. Linux moves at most 0x7ffff00
 and a nearly full disk or a file-size limit (RLIMIT_FSIZE) makes a write short without an error, so
 every write loops until its buffer is done, a write that moves nothing is an error, and the file's
 size is checked with fstat after fsync. Small pieces (a model's biases and norms) are gathered into
-one writev(2) each, without copying them. The xxh3-128 checksum is computed while fsync waits for the
-disk: it is of the bytes handed to write(2), which are the bytes in the file once the size check
-passes (and the read-back after the commit checks them again).
+one writev(2) each, without copying them. The xxh3-128 checksum is of the bytes handed to write(2),
+which are the bytes in the file once the size check passes (and the read-back after the commit
+checks them again): a small file is hashed as it is written (each piece right after its write, while
+it is in the cache), a large one while its fsync waits for the disk. The files of one commit are
+fsynced side by side with their folder (Unsynced): a journaling filesystem then flushes them in one
+journal commit rather than one each.
 
 Reading: regular files only, opened with O_NOFOLLOW | O_NONBLOCK (a symlink is refused, a FIFO never
 blocks) relative to the checkpoint folder's own descriptor (opened with O_NOFOLLOW too), checked
@@ -18,7 +21,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
+import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -30,6 +34,7 @@ GATHER_BELOW = 1 << 20  # pieces smaller than this are written together with wri
 GATHER_MAX_BYTES = 1 << 20  # larger gathers were throttled harder by the kernel (measured: 1 MiB best)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 HASH_IN_THREAD_ABOVE = 4 << 20  # below this, a second thread costs more than it saves
+FSYNC_THREADS = 4  # fsyncs side by side: a commit's files, its manifest and its folder
 READ_CHUNK = 16 << 20
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -64,8 +69,9 @@ def write_all(fd: int, data: Any) -> None:
         pos += n
 
 
-def _write_gathered(fd: int, views: List[memoryview]) -> None:
-    """One writev(2) for several small pieces; a partial writev continues where it stopped."""
+def _write_gathered(fd: int, views: List[memoryview], digest: Any) -> None:
+    """One writev(2) for several small pieces; a partial writev continues where it stopped. Each
+    piece written is hashed into `digest` (when given)."""
     i = 0
     while i < len(views):
         n = _writev(fd, views[i : i + IOV_MAX])
@@ -73,71 +79,138 @@ def _write_gathered(fd: int, views: List[memoryview]) -> None:
             raise OSError(errno.EIO, f"writev moved {n} bytes")
         while i < len(views) and n >= views[i].nbytes:  # pieces written whole
             n -= views[i].nbytes
+            if digest is not None:
+                digest.update(views[i])
             i += 1
         if n and i < len(views):  # a piece written in part: finish it alone, then gather again
             write_all(fd, views[i][n:])
+            if digest is not None:
+                digest.update(views[i])
             i += 1
 
 
-def _fsync(fd: int, failure: List[BaseException]) -> None:
-    try:
-        os.fsync(fd)
-    except BaseException as exc:  # reported by the writer
-        failure.append(exc)
+def _write_views(fd: int, views: List[memoryview], digest: Any) -> None:
+    gathered: List[memoryview] = []
+    gathered_bytes = 0
+    for v in views:
+        if v.nbytes < GATHER_BELOW:
+            gathered.append(v)
+            gathered_bytes += v.nbytes
+            if len(gathered) < IOV_MAX and gathered_bytes < GATHER_MAX_BYTES:
+                continue
+            _write_gathered(fd, gathered, digest)
+            gathered, gathered_bytes = [], 0
+        else:
+            if gathered:
+                _write_gathered(fd, gathered, digest)
+                gathered, gathered_bytes = [], 0
+            write_all(fd, v)
+            if digest is not None:
+                digest.update(v)
+    if gathered:
+        _write_gathered(fd, gathered, digest)
 
 
-def write_file(path: Path, pieces: Sequence[Any], replace: bool = False) -> Tuple[int, str]:
+_POOL: List[Tuple[int, futures.ThreadPoolExecutor]] = []  # (pid, pool): a forked child makes its own
+
+
+def _pool() -> futures.ThreadPoolExecutor:
+    """Threads for fsyncs that run side by side (fsync releases the GIL)."""
+    if not _POOL or _POOL[0][0] != os.getpid():
+        _POOL[:] = [(os.getpid(), futures.ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-fsync"))]
+    return _POOL[0][1]
+
+
+def prepare() -> None:
+    """Start the fsync threads now, not in a save (a pool starts a thread for a task that finds none idle)."""
+    pool = _pool()
+    for _ in range(FSYNC_THREADS):
+        pool.submit(time.sleep, 0.001)
+
+
+def _wait_all(running: Sequence["futures.Future[None]"]) -> None:
+    """Wait for every one; then raise the first failure."""
+    failures = []
+    for f in running:
+        try:
+            f.result()
+        except Exception as exc:
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+
+
+class Unsynced:
+    """Files written and not yet durable, made durable together by `sync` (one journal commit for
+    all of them on the filesystems measured, instead of one per fsync in turn); a large file's fsync
+    is already running. `close` releases whatever is left after a failure."""
+
+    def __init__(self) -> None:
+        self._files: List[Tuple[int, Path, int, Optional["futures.Future[None]"]]] = []
+
+    def add(self, fd: int, path: Path, size: int, running: Optional["futures.Future[None]"] = None) -> None:
+        """Take `fd` (now this object's to close) of `path`, `size` bytes written; `running`: its fsync."""
+        self._files.append((fd, path, size, running))
+
+    def sync(self, folder: Optional[Path] = None) -> None:
+        """fsync every file (and `folder`, when given) side by side, check each file's size, close them."""
+        dir_fd = None
+        started = [r for *_, r in self._files if r is not None]
+        try:
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY) if folder is not None else None
+            idle = [fd for fd, _, _, running in self._files if running is None]
+            idle += [dir_fd] if dir_fd is not None else []
+            started += [_pool().submit(os.fsync, fd) for fd in idle[1:]]
+            if idle:
+                os.fsync(idle[0])
+            _wait_all(started)
+            for fd, path, size, _ in self._files:
+                actual = os.fstat(fd).st_size
+                if actual != size:
+                    raise OSError(errno.EIO, f"{path}: {actual} bytes on disk after writing {size} (a short write)")
+        finally:
+            futures.wait(started)  # no descriptor is closed while an fsync uses it
+            if dir_fd is not None:
+                os.close(dir_fd)
+            self.close()
+
+    def close(self) -> None:
+        files, self._files = self._files, []
+        for fd, _, _, running in files:
+            if running is not None:
+                futures.wait([running])  # its fsync still uses the descriptor
+            os.close(fd)
+
+
+def write_file(path: Path, pieces: Sequence[Any], replace: bool = False, later: Optional[Unsynced] = None) -> Tuple[int, str]:
     """Create `path` (or, with `replace`, truncate an existing regular file; never through a symlink)
-    with `pieces` (buffers) in order, fsync it, check its size; returns (bytes, checksum).
-
-    The checksum is computed while the fsync runs in a second thread: the CPU is busy copying into
-    the page cache during the writes and idle while the disk flushes (xxhash and fsync both release
-    the GIL). The pieces' memory must not change until this returns. Any failure raises OSError;
-    the partial file is left for the caller to remove with its temporary folder."""
+    with `pieces` (buffers) in order; returns (bytes, checksum). Without `later` it is fsynced and its
+    size checked before this returns; with it, it is left to `later.sync` (with the other files of
+    its commit). The pieces' memory must not change until the file is synced. Any failure raises
+    OSError; the partial file is left for the caller to remove with its temporary folder."""
     views = [memoryview(p).cast("B") for p in pieces]
     views = [v for v in views if v.nbytes]
     total = sum(v.nbytes for v in views)
     digest = xxhash.xxh3_128()
     mode = os.O_TRUNC if replace else os.O_EXCL
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    running: Optional["futures.Future[None]"] = None
     try:
-        gathered: List[memoryview] = []
-        gathered_bytes = 0
-        for v in views:
-            if v.nbytes < GATHER_BELOW:
-                gathered.append(v)
-                gathered_bytes += v.nbytes
-                if len(gathered) < IOV_MAX and gathered_bytes < GATHER_MAX_BYTES:
-                    continue
-                _write_gathered(fd, gathered)
-                gathered, gathered_bytes = [], 0
-            else:
-                if gathered:
-                    _write_gathered(fd, gathered)
-                    gathered, gathered_bytes = [], 0
-                write_all(fd, v)
-        if gathered:
-            _write_gathered(fd, gathered)
-        failure: List[BaseException] = []
-        if total > HASH_IN_THREAD_ABOVE:
-            syncer = threading.Thread(target=_fsync, args=(fd, failure), name="ckpt-fsync", daemon=True)
-            syncer.start()
-            try:
-                for v in views:
-                    digest.update(v)
-            finally:
-                syncer.join()
-        else:
+        large = total > HASH_IN_THREAD_ABOVE
+        _write_views(fd, views, None if large else digest)
+        if large:  # the CPU is idle while the disk flushes: hash then (xxhash and fsync release the GIL)
+            running = _pool().submit(os.fsync, fd)
             for v in views:
                 digest.update(v)
-            _fsync(fd, failure)
-        if failure:
-            raise failure[0]
-        size = os.fstat(fd).st_size
-        if size != total:
-            raise OSError(errno.EIO, f"{path}: {size} bytes on disk after writing {total} (a short write)")
-    finally:
+    except BaseException:
+        if running is not None:
+            futures.wait([running])
         os.close(fd)
+        raise
+    own = later if later is not None else Unsynced()
+    own.add(fd, path, total, running)
+    if later is None:
+        own.sync()
     return total, checksum_of(digest)
 
 

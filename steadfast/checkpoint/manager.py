@@ -2,19 +2,22 @@
 
 What the files hold is the codec's business (codec.py: the replicated format, rank 0 writes; the
 sharded one, every rank writes its own file). The protocol is the same for both:
-  1. write the files into `.tmp-step_N-<id>/` (every byte, fsync, size checked; with the sharded
-     format every rank writes and reads back its own file in parallel, then reports it to rank 0);
+  1. write the files into `.tmp-step_N-<id>/` (every byte, size checked; with the sharded format
+     every rank writes, fsyncs and reads back its own file in parallel, then reports it to rank 0);
   2. rank 0 writes `manifest.json` last (step, commit sequence, epoch, position, world size, training
-     config, size and checksum of every file, the codec's own fields), fsyncs it and the folder;
+     config, size and checksum of every file, the codec's own fields), then fsyncs it, the files
+     not yet durable and the folder, side by side (fileio.Unsynced);
   3. checks the launcher is still there (an orphaned worker never commits), renames the folder to
-     `step_N` (atomic) and fsyncs the parent; a committed `step_N` already there is moved aside
-     first, never deleted;
-  4. reads the new checkpoint back and verifies it, and only then applies retention, which ranks by
-     commit sequence and never removes the checkpoint just committed.
+     `step_N` (atomic); a committed `step_N` already there is moved aside first, never deleted;
+  4. fsyncs the parent (the rename durable), reads the new checkpoint back and verifies it, and only
+     then applies retention, which ranks by commit sequence and never removes the checkpoint just
+     committed.
 Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
-raises its failure. Resume (collective) tries the committed checkpoints newest first (by commit
-sequence): every rank reads what it needs, verified, and checks it fits the live objects; the first
-one that every rank could load is applied. The unusable ones newer than it are moved aside
+raises its failure. A power loss before it leaves the new checkpoint committed or invisible (the
+rename is atomic; its files were durable before it) and every older one in place. Resume
+(collective) tries the committed checkpoints newest first (by commit sequence): every rank reads
+what it needs, verified, and checks it fits the live objects; the first one that every rank could
+load is applied. The unusable ones newer than it are moved aside
 (`.unusable-step_N-<reason>-<id>`), never deleted.
 """
 
@@ -90,6 +93,7 @@ class CheckpointManager:
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
+        self._pool.submit(fileio.prepare)  # threads started now, not inside the first save
         self._buffers = HostBuffers()
         self._pending: Optional[Future[Path]] = None
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
@@ -258,22 +262,34 @@ class CheckpointManager:
         """Rank 0 writes every file of the save and commits it (the replicated format)."""
         tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         files: Dict[str, Dict[str, Any]] = {}
+        unsynced = fileio.Unsynced()  # made durable with the manifest, together
         try:
             tmp.mkdir()
             for name, parts in pieces.items():
-                size, digest = fileio.write_file(tmp / name, parts)
+                size, digest = fileio.write_file(tmp / name, parts, later=unsynced)
                 files[name] = {"bytes": size, "checksum": digest}
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
-            final = self._commit(step, tmp, files, meta, mf.FORMAT)
+            final = self._commit(step, tmp, files, meta, mf.FORMAT, unsynced)
         except BaseException as exc:
+            unsynced.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(self._failed(step, exc)) from exc
         self._saved(step, meta, final, files, started)
         return final, files
 
-    def _commit(self, step: int, tmp: Path, files: Dict[str, Dict[str, Any]], fields: Dict[str, Any], format: int) -> Path:
-        """Write the manifest into `tmp` (its files written) and rename it to the step's folder."""
+    def _commit(
+        self,
+        step: int,
+        tmp: Path,
+        files: Dict[str, Dict[str, Any]],
+        fields: Dict[str, Any],
+        format: int,
+        unsynced: Optional[fileio.Unsynced] = None,
+    ) -> Path:
+        """Write the manifest into `tmp` (its files written, those in `unsynced` not yet durable), make
+        them all and the folder durable, and rename it to the step's folder. The rename is made durable
+        by `_check_then_retain`, before anything older is removed."""
         final = self.folder / mf.step_dir_name(step)
         manifest = {
             "format": format,
@@ -288,14 +304,14 @@ class CheckpointManager:
         }
         text = rs.to_json(manifest)
         mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
-        fileio.write_file(tmp / mf.MANIFEST, [text.encode()])
-        fileio.fsync_dir(tmp)
+        unsynced = unsynced or fileio.Unsynced()
+        fileio.write_file(tmp / mf.MANIFEST, [text.encode()], later=unsynced)
+        unsynced.sync(tmp)
         if self.hooks is not None:
             self.hooks.before_commit(step)  # the orphan fence, right before the rename that commits
         if os.path.lexists(final):  # an earlier crash's leftover, or a checkpoint of this step from before
             self._move_out_of_the_way(step, final)
         os.rename(tmp, final)
-        fileio.fsync_dir(self.folder)
         return final
 
     def _failed(self, step: int, exc: BaseException) -> str:
@@ -317,6 +333,7 @@ class CheckpointManager:
         """Read the new checkpoint back before retention may remove anything older (`checksums`: every
         file's too; without, their sizes: each rank read its own files back before it reported them)."""
         try:
+            fileio.fsync_dir(self.folder)  # the rename that committed it, durable
             if mf.read(final)["files"] != files:
                 raise mf.ManifestError(f"{final / mf.MANIFEST}: reads back different from what was written")
             problem = rs.verify(final, checksums)

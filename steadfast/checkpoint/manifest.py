@@ -33,8 +33,10 @@ from ..contract.keys import checked_on_resume
 from . import fileio
 from .dtypes import TORCH_NAMES
 
-FORMAT = 2  # the replicated format: one file per object, written by rank 0
+FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
+PER_OBJECT_FORMAT = 2  # the replicated format before: one file per object (read, no longer written)
 SHARDED_FORMAT = 3  # the sharded format: one file per rank, and the tensor table (see sharded.py)
+FORMATS = (PER_OBJECT_FORMAT, SHARDED_FORMAT, FORMAT)  # what this version reads
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step_(\d{9,18})")
 TMP_PREFIX = ".tmp-"
@@ -90,8 +92,8 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
 
     if not isinstance(data, dict):
         raise bad(f"not a JSON object (a {type(data).__name__})")
-    if data.get("format") not in (FORMAT, SHARDED_FORMAT) or isinstance(data.get("format"), bool):
-        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads formats {FORMAT} and {SHARDED_FORMAT}")
+    if data.get("format") not in FORMATS or isinstance(data.get("format"), bool):
+        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads formats {', '.join(map(str, FORMATS))}")
     if not _int(data.get("step"), 0, MAX_STEP):
         raise bad(f"'step' must be an integer from 0 to {MAX_STEP}")
     if step is not None and data["step"] != step:

@@ -1,8 +1,15 @@
-"""The replicated format (manifest format 2): every object's state is the same on every rank.
+"""The replicated format: every object's state is the same on every rank, and rank 0 writes it.
 
-Rank 0 writes one tensor file per object, `<name>.bin`, and `ranks.bin` with every rank's own state
-(gathered: a few KB of RNG states each). Any safetensors reader opens each file. A snapshot in memory
-keeps the objects once per node (local rank 0) and each rank's own state.
+Format 4 (written): one file, `state.bin`, in the tensor file format (tensorformat), whose skeleton
+is {"objects": {name: state, ...}, "ranks": [rank 0's own state, rank 1's, ...]} (the ranks' own
+states gathered: a few KB of RNG states each). Tensors are named by their place: `model.net.0.weight`,
+`optimizer.state.0.exp_avg`, `ranks.0.rng.torch`; any safetensors reader opens the file. One file is
+one create, one gathered write and one fsync for the whole state, where a file per object cost one of
+each per object (for a small state, the fsyncs were most of a save).
+Format 2 (read, no longer written): one file per object, `<name>.bin`, and `ranks.bin` holding
+{"ranks": [...]}.
+
+A snapshot in memory keeps the objects once per node (local rank 0) and each rank's own state.
 """
 
 from __future__ import annotations
@@ -14,9 +21,34 @@ from typing import Any, Dict, List, Tuple
 from . import fileio, tensorfile
 from . import manifest as mf
 from .codec import OWN, SHARED, Codec, Collectives, Loaded, Planned, Unsaveable
-from .tensorwrite import Layout
+from .tensorformat import gc_paused
+from .tensorwrite import Layout, _place, _Planner
 
-RANKS = "ranks"  # the file of every rank's own state: ranks.bin
+STATE_FILE = "state.bin"
+OBJECTS, RANKS = "objects", "ranks"  # the keys of state.bin's tree; in format 2, `ranks` names ranks.bin too
+
+
+def plan_state(objects: Dict[str, Any], ranks: List[Any]) -> Layout:
+    """The layout of state.bin for these objects' states and every rank's own state."""
+    planner = _Planner()
+    nodes = []
+    with gc_paused():
+        for name, state in objects.items():
+            if not mf.FILE_NAME.fullmatch(f"{name}.bin") or name == RANKS:
+                raise Unsaveable(
+                    f"an object named {name!r}",
+                    "names are letters, digits, '_', '.', '-', unique, and not 'ranks' (the per-rank states)",
+                )
+            try:
+                nodes.append([name, planner.encode(state, name, 1)])
+            except (TypeError, ValueError) as exc:
+                raise Unsaveable(name, str(exc)) from exc
+        try:
+            ranks_node = planner.encode(ranks, RANKS, 1)
+        except (TypeError, ValueError) as exc:
+            raise Unsaveable("the ranks' own states", str(exc)) from exc
+    skeleton = {"__d": [[OBJECTS, {"__d": nodes}], [RANKS, ranks_node]]}
+    return Layout(skeleton, planner.entries, _place(planner.entries))
 
 
 class ReplicatedCodec(Codec):
@@ -30,25 +62,12 @@ class ReplicatedCodec(Codec):
         gathered = comm.gather_object(own)
         if comm.rank != 0:
             return Planned({})
-        files: Dict[str, Layout] = {}
-        for name, tree in [*objects.items(), (RANKS, {RANKS: gathered})]:
-            file = f"{name}.bin"
-            if not mf.FILE_NAME.fullmatch(file) or file in files:
-                raise Unsaveable(
-                    f"an object named {name!r}",
-                    "names are letters, digits, '_', '.', '-', unique, and not 'ranks' (the per-rank states)",
-                )
-            try:
-                files[file] = tensorfile.plan(tree)
-            except (TypeError, ValueError) as exc:
-                raise Unsaveable(name, str(exc)) from exc
-        return Planned(files)
+        return Planned({STATE_FILE: plan_state(objects, gathered or [])})
 
     def load(
         self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
     ) -> Loaded:
-        states = load_checked(path, manifest, list(objects), own)
-        ranks = states.pop(RANKS)[RANKS]
+        states, ranks = read_state(path, manifest, list(objects), own)
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
@@ -68,9 +87,61 @@ class ReplicatedCodec(Codec):
         return shared, mine
 
 
+class PerObjectCodec(ReplicatedCodec):
+    """Format 2, read only: checkpoints written before state.bin still resume."""
+
+    format = mf.PER_OBJECT_FORMAT
+
+    def wants(self, objects: Dict[str, Any]) -> bool:
+        return False
+
+    def plan(self, objects: Dict[str, Any], own: Dict[str, Any], comm: Collectives) -> Planned:
+        raise NotImplementedError("format 2 is read, not written")
+
+    def load(
+        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+    ) -> Loaded:
+        states = load_checked(path, manifest, list(objects), own)
+        ranks = states.pop(RANKS)[RANKS]
+        return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
+
+
+def _check_ranks(ranks: Any, where: Path, manifest: Dict[str, Any], per_rank: List[str]) -> List[Any]:
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != manifest["world_size"]
+        or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)
+    ):
+        raise fileio.FileCheckError(
+            f"{where}: does not hold {per_rank} for each of the {manifest['world_size']} ranks the manifest names", "contents"
+        )
+    return ranks
+
+
+def read_state(path: Path, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Tuple[Dict[str, Any], List[Any]]:
+    """(objects' states, every rank's own state) of the format-4 checkpoint at `path`: its one file
+    verified against `manifest` and parsed, then checked to hold `objects` and, per saved rank,
+    `per_rank`. Raises ValueError (FileCheckError: the checkpoint is bad), OSError or MemoryError."""
+    where = path / STATE_FILE
+    spec = manifest["files"].get(STATE_FILE)
+    if spec is None or len(manifest["files"]) != 1:
+        raise fileio.FileCheckError(f"{path}: its manifest must list {STATE_FILE} and nothing else", "missing")
+    dir_fd = fileio.open_folder(path)
+    try:
+        tree = tensorfile.load(where, spec["bytes"], spec["checksum"], dir_fd)
+    finally:
+        os.close(dir_fd)
+    if not isinstance(tree, dict) or set(tree) != {OBJECTS, RANKS} or not isinstance(tree[OBJECTS], dict):
+        raise fileio.FileCheckError(f"{where}: not the state of a checkpoint ({OBJECTS!r} and {RANKS!r})", "contents")
+    missing = [n for n in objects if n not in tree[OBJECTS]]
+    if missing:
+        raise fileio.FileCheckError(f"{where}: holds no {', '.join(missing)}", "missing")
+    return tree[OBJECTS], _check_ranks(tree[RANKS], where, manifest, per_rank)
+
+
 def load_checked(path: Path, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Dict[str, Any]:
-    """Every file of the checkpoint at `path`, verified against `manifest` and parsed, after checking
-    it holds `objects` and, per saved rank, `per_rank`. Raises ValueError (FileCheckError: the
+    """Every file of the format-2 checkpoint at `path`, verified against `manifest` and parsed, after
+    checking it holds `objects` and, per saved rank, `per_rank`. Raises ValueError (FileCheckError: the
     checkpoint is bad), OSError or MemoryError (it could not be read now)."""
     missing = [n for n in [*objects, RANKS] if f"{n}.bin" not in manifest["files"]]
     if missing:
@@ -84,13 +155,17 @@ def load_checked(path: Path, manifest: Dict[str, Any], objects: List[str], per_r
     finally:
         os.close(dir_fd)
     ranks = states[RANKS].get(RANKS) if isinstance(states[RANKS], dict) else None
-    if (
-        not isinstance(ranks, list)
-        or len(ranks) != manifest["world_size"]
-        or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)
-    ):
-        raise fileio.FileCheckError(
-            f"{path / 'ranks.bin'}: does not hold {per_rank} for each of the {manifest['world_size']} ranks the manifest names",
-            "contents",
-        )
+    _check_ranks(ranks, path / "ranks.bin", manifest, per_rank)
     return states
+
+
+def read_objects(path: Path, manifest: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """The states of the objects `names` of a replicated checkpoint of either format, verified."""
+    if manifest["format"] == mf.FORMAT:
+        states = read_state(path, manifest, names, [])[0]
+        return {n: states[n] for n in names}
+    missing = [n for n in names if f"{n}.bin" not in manifest["files"]]
+    if missing:
+        raise fileio.FileCheckError(f"{path}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
+    files = manifest["files"]
+    return {n: tensorfile.load(path / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"]) for n in names}

@@ -48,14 +48,22 @@ def file_name(rank: int) -> str:
     return f"rank{rank:05d}.bin"
 
 
+_NOT_SHARDED = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+
+
 def holds_sharded(tree: Any) -> bool:
-    """Whether a state holds a DTensor anywhere."""
-    if isinstance(tree, torch.Tensor):
-        return is_dtensor(tree)
-    if isinstance(tree, dict):
-        return any(holds_sharded(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(holds_sharded(v) for v in tree)
+    """Whether a state holds a DTensor anywhere (asked of every save's state: one pass, no recursion)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if node.__class__ in _NOT_SHARDED:
+            continue
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif is_dtensor(node):
+            return True
     return False
 
 

@@ -23,15 +23,25 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from .shards import is_dtensor
-from .tensorwrite import Entry, Layout
+from .tensorwrite import GATHER_BELOW, GATHER_MAX, Entry, Layout, flat_bytes, gathered
 
 Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 
 
-def _key(t: torch.Tensor) -> Key:
-    if type(t) is not torch.Tensor and is_dtensor(t):  # a sharded tensor: its piece on this rank is what is copied
-        t = t.to_local()  # type: ignore[attr-defined]
-    return (t.is_cuda, t.data_ptr())
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> Set[Key]:
+    """The keys of the non-empty ones (an async save's blocking part runs this for every parameter:
+    a plain tensor or Parameter is told by its class, without a call)."""
+    out = set()
+    for t in tensors:
+        cls = t.__class__
+        if cls is not _TENSOR and cls is not _PARAMETER and is_dtensor(t):  # its piece on this rank is what is copied
+            t = t.to_local()  # type: ignore[attr-defined]
+        if t.numel():
+            out.add((t.is_cuda, t.data_ptr()))
+    return out
 
 
 def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer], Set[Key]]:
@@ -39,11 +49,10 @@ def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     owned: Set[Key] = set()
     for opt in optimizers:
-        for group in opt.param_groups:
-            owned.update(_key(p) for p in group["params"] if p.numel())
+        owned |= _keys(p for group in opt.param_groups for p in group["params"])
         for state in opt.state.values():
             if isinstance(state, dict):
-                owned.update(_key(v) for v in state.values() if isinstance(v, torch.Tensor) and v.numel())
+                owned |= _keys(v for v in state.values() if isinstance(v, torch.Tensor))
     return optimizers, owned
 
 
@@ -62,17 +71,29 @@ class HostBuffers:
 
 
 def _copy(entries: List[Entry], dst: torch.Tensor) -> None:
+    """Copy the entries' tensors to their places in `dst`: host tensors with one memmove each (no
+    torch dispatch), small device tensors adjacent in the file together (one copy a run)."""
     base = dst.data_ptr()
+    run: List[Entry] = []
     for e in entries:
         t = e.tensor
         if e.end == e.begin:
             continue
-        if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-            ctypes.memmove(base + e.begin, t.data_ptr(), e.end - e.begin)  # no per-tensor torch dispatch
+        if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            ctypes.memmove(base + e.begin, t.data_ptr(), e.end - e.begin)
+        elif t.is_cuda and e.end - e.begin < GATHER_BELOW:
+            if run and (run[-1].end != e.begin or run[-1].tensor.device != t.device or e.end - run[0].begin > GATHER_MAX):
+                _copy_run(run, dst)
+                run = []
+            run.append(e)
         else:
-            src = t.detach().resolve_conj().resolve_neg()
-            src = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
-            dst[e.begin : e.end].copy_(src.view(torch.uint8), non_blocking=src.is_cuda)
+            dst[e.begin : e.end].copy_(flat_bytes(t), non_blocking=t.is_cuda)
+    if run:
+        _copy_run(run, dst)
+
+
+def _copy_run(run: List[Entry], dst: torch.Tensor) -> None:
+    dst[run[0].begin : run[-1].end].copy_(gathered(run), non_blocking=True)  # the stream is synchronized before use
 
 
 class Snapshot:
@@ -83,17 +104,23 @@ class Snapshot:
         self.data: Dict[str, torch.Tensor] = {}
         self._later: List[Tuple[List[Entry], torch.Tensor]] = []
         self.copied = threading.Event()
-        gpu = next((e.tensor.device for layout in layouts.values() for e in layout.entries if e.tensor.is_cuda), None)
-        on_gpu = gpu is not None
-        self._device = gpu
-        self._ready: Optional[Any] = None
+        gpu: Optional[torch.device] = None
+        parts: List[Tuple[str, List[Entry], List[Entry]]] = []  # (file, copied now, copied later)
         for name, layout in layouts.items():
-            dst = buffers.get(name, layout.data_bytes, pinned=on_gpu)
-            self.data[name] = dst
             now: List[Entry] = []
             later: List[Entry] = []
             for e in layout.entries:
-                (later if (e.tensor.is_cuda, e.tensor.data_ptr()) in deferred else now).append(e)
+                t = e.tensor
+                cuda = t.is_cuda
+                if cuda and gpu is None:
+                    gpu = t.device
+                (later if (cuda, t.data_ptr()) in deferred else now).append(e)
+            parts.append((name, now, later))
+        self._device = gpu
+        self._ready: Optional[Any] = None
+        for name, now, later in parts:
+            dst = buffers.get(name, layouts[name].data_bytes, pinned=gpu is not None)
+            self.data[name] = dst
             _copy(now, dst)
             if later:
                 self._later.append((later, dst))

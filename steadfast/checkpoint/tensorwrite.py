@@ -64,10 +64,11 @@ class Layout:
         if self.metadata:
             meta.update(self.metadata)
         # The tensor table, formatted directly (json.dumps of a dict per tensor costs twice as much);
-        # a name that needs escaping goes through json.dumps.
+        # names that need escaping go through json.dumps (one check for all: most need none).
         parts = [f'{{"__metadata__":{json.dumps(meta, separators=(",", ":"))}']
+        plain = _PLAIN_NAME.fullmatch("".join(e.name for e in self.entries)) is not None
         for e in self.entries:
-            name = e.name if _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
+            name = e.name if plain or _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
             shape = ",".join(map(str, e.shape))
             parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
         text = ",".join(parts).encode() + b"}"
@@ -87,23 +88,60 @@ class Layout:
 
     def buffers(self) -> List[Any]:
         """The file's bytes as buffers straight over the tensors' memory (host copies of device or
-        strided tensors, kept alive by this layout). The tensors must live until the write is done."""
+        strided tensors, kept alive by this layout; small device tensors come over together, one copy
+        a run: see gathered). The tensors must live until the write is done."""
         out: List[Any] = [self.header()]
         self._copies = []
-        c_char = ctypes.c_char
+        run: List[Entry] = []
         with gc_paused():
             for e in self.entries:
                 if e.end == e.begin:
                     continue
                 t = e.tensor
+                if t.is_cuda and e.end - e.begin < GATHER_BELOW:  # entries are in file order: a run is adjacent
+                    if run and (run[-1].tensor.device != t.device or e.end - run[0].begin > GATHER_MAX):
+                        out.append(self._host(gathered(run)))
+                        run = []
+                    run.append(e)
+                    continue
+                if run:
+                    out.append(self._host(gathered(run)))
+                    run = []
                 if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-                    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-                    self._copies.append(t)
-                out.append((c_char * (e.end - e.begin)).from_address(t.data_ptr()))
+                    t = flat_bytes(t).cpu()
+                out.append(self._host(t))
+            if run:
+                out.append(self._host(gathered(run)))
         return out
+
+    def _host(self, t: torch.Tensor) -> Any:
+        """A buffer over `t`'s bytes in host memory (`t` kept alive while the layout is)."""
+        if not t.is_cpu:
+            t = t.cpu()
+        self._copies.append(t)
+        return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+GATHER_BELOW = 1 << 20  # device tensors smaller than this come to the host together, one copy per run
+GATHER_MAX = 64 << 20  # the most device memory a run takes while it is gathered
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a flat, contiguous tensor of bytes, on its device."""
+    return t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
+
+
+def gathered(run: List[Entry]) -> torch.Tensor:
+    """The bytes of a run of tensors adjacent in the file, on their device, in one tensor: one
+    kernel gathers them, and one copy brings them to the host, where one each cost a copy (and a
+    synchronization, for a synchronous save) per tensor."""
+    if len(run) == 1:
+        return flat_bytes(run[0].tensor)
+    return torch.cat([flat_bytes(e.tensor) for e in run])
 
 
 _STRIDED = torch.strided
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.#/ -]*")  # needs no escaping in JSON
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # values `encode` keeps as they are
 
@@ -117,7 +155,10 @@ class _Planner:
         self.names: Set[str] = {"__metadata__"}
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
-        if type(t) is not torch.Tensor and is_dtensor(t):
+        # This runs once per tensor of every save and snapshot (thousands for a model of many small
+        # tensors), so it avoids calls it can: a plain tensor or Parameter is told by its class.
+        cls = t.__class__
+        if cls is not _TENSOR and cls is not _PARAMETER and is_dtensor(t):
             raise TypeError(f"{path or 'the top'} is a sharded tensor (DTensor): only the sharded format stores those")
         code = CODES.get(t.dtype)  # quantized dtypes are not there
         if code is None or t.layout is not _STRIDED:
@@ -126,13 +167,14 @@ class _Planner:
                 f"(safetensors stores strided tensors of {', '.join(str(d).removeprefix('torch.') for d in CODES)})"
             )
         name = path or "tensor"
-        if name in self.names:
+        names = self.names
+        if name in names:
             k = 1
-            while f"{name}#{k}" in self.names:
+            while f"{name}#{k}" in names:
                 k += 1
             name = f"{name}#{k}"
-        self.names.add(name)
-        self.entries.append(Entry(name, code, tuple(t.shape), 0, t.numel() * ITEMSIZE[code], t))
+        names.add(name)
+        self.entries.append(Entry(name, code, t.shape, 0, t.nbytes, t))
         return name
 
     def leaf(self, t: torch.Tensor, path: str) -> Any:
@@ -146,14 +188,16 @@ class _Planner:
             raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {path}")
         prefix = f"{path}." if path else ""
         if isinstance(obj, dict):
-            items = []
+            items: List[Any] = []
+            leaf, append = self.leaf, items.append
             for k, v in obj.items():
                 if k.__class__ is not str and (not isinstance(k, (str, int)) or isinstance(k, bool)):
                     raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path or 'the top'}")
-                if isinstance(v, torch.Tensor):  # the common case, without a call of encode
-                    items.append([k, self.leaf(v, f"{prefix}{k}")])
+                cls = v.__class__
+                if cls is _TENSOR or cls is _PARAMETER or isinstance(v, torch.Tensor):  # without a call of encode
+                    append([k, leaf(v, f"{prefix}{k}")])
                 else:
-                    items.append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
+                    append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
             return {"__d": items}
         if isinstance(obj, (list, tuple)):
             if all(v.__class__ in _PLAIN for v in obj):  # python's RNG state: 625 ints, each its own node
