@@ -62,7 +62,8 @@ class CheckpointConf:
 @dataclass
 class SnapshotConf:
     """Copies of the training state in shared memory between checkpoints (steadfast/snapshots.py):
-    after a worker's death the group restores from memory, losing at most every_n_steps steps."""
+    after a worker's death the group restores from memory, losing at most the interval in force
+    (every_n_steps, or what auto chose then: the attempt's snapshot_interval events)."""
 
     # auto: every step when a copy costs under 2% of a step, else as often as 2% allows; 0: off
     every_n_steps: Any = "auto"
