@@ -371,6 +371,19 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                 "reported",
             ]
         )
+    if sc_step and "run" in sc_step["ms_per_step"]:
+        extra = sc_step["extra_us_per_step"]["run"]
+        rows.append(
+            [
+                "8",
+                "steadfast.Run itself (its loader, hooks and run.step) inside one run: extra us per step over `bare`"
+                " (steps/s with / without; per CPU-second)",
+                f"{f(extra, 1)} ({f(sc_step['bare/config steps_per_s']['run'], 3)};"
+                f" {f(sc_step['bare/config steps per CPU-second']['run'], 3)})",
+                "<= 20 us",
+                status(extra, "<=", 20.0),
+            ]
+        )
     if sc_step and sc_step.get("snapshot"):
         sn = sc_step["snapshot"]
         rows.append(
@@ -732,9 +745,11 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             f"`python -m bench.step_cost`: two workers train the hot-loop job and switch every {sc_step['block_steps']} steps between"
             f" configurations, in a rotated order, {sc_step['rounds']} rounds, inside one pair of processes (so other tenants' load"
             " hits every configuration alike); medians of the blocks; CPU = both workers' processes, every thread. `bare`:"
-            " batches indexed out of the tensors, forward, backward, SGD; `run_step`: what steadfast.Run.step adds (loader,"
-            " heartbeat, loss window and pipelined metrics all-reduce every 10 steps, the stop agreement at its automatic"
-            f" interval: every {sc_step['agreement_every']} steps here); `NAME@N`: the agreement every N steps.",
+            " batches indexed out of the tensors, forward, backward, SGD; `loader`: the library's loader, `dataloader`:"
+            " torch's DataLoader; `run_step`: the pieces of steadfast.Run.step (loader, heartbeat, loss window every 10"
+            " steps, riding the control plane's message, sent at its automatic interval: every"
+            f" {sc_step['agreement_every']} steps here); `run`: steadfast.Run itself, as a loop uses it (its message every"
+            f" {sc_step.get('run_agreement_every', '?')} steps); `NAME@N`: the message every N steps.",
             "",
         ]
         lines += table(

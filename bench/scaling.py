@@ -1,7 +1,7 @@
 """Scaling with the work: the hot-loop and start-up ratios from a tiny model to one of a few hundred
 MB of parameters, and from 1 to 2 to 4 workers; checkpoint cost and recovery for the big model.
 
-    python -m bench.scaling [--rounds 2] [--workers 1,4] [--big-hidden 8192,8192] [--quick | --tiny] [--json PATH]
+    python -m bench.scaling [--rounds 2] [--workers 1,4] [--big-hidden 8192,8192] [--quick | --tiny | --tiny-model] [--json PATH]
 
 Workers: the hot-loop job with half its data (bench.common.HOT, 192 steps at 2 workers) with 1 and 4 workers, ours vs the
 baseline alternated (2 workers is bench.hot_loop's figure). 4 workers on this 2-core machine
@@ -124,7 +124,7 @@ def big_checkpoint_and_recovery(
     }
 
 
-def measure(rounds: int, workers: List[int], big: Job, with_big_ckpt: bool, with_tiny: bool = True) -> Dict[str, Any]:
+def measure(rounds: int, workers: List[int], big: Optional[Job], with_big_ckpt: bool, with_tiny: bool = True) -> Dict[str, Any]:
     hot = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2)
     out: Dict[str, Any] = {"workers": {}, "model_size": {}}
     with Workdir() as work:
@@ -136,8 +136,9 @@ def measure(rounds: int, workers: List[int], big: Job, with_big_ckpt: bool, with
                 out["workers"][str(w)]["note"] = f"oversubscribed: {w} workers on {os.cpu_count()} cores"
         if with_tiny:
             out["model_size"]["tiny"] = pair(work, dataclasses.replace(TINY, epochs=2), rounds, "tiny")
-        out["model_size"]["big"] = pair(work, big, rounds, "big")
-        if with_big_ckpt:
+        if big is not None:
+            out["model_size"]["big"] = pair(work, big, rounds, "big")
+        if big is not None and with_big_ckpt:
             out["big_checkpoint_and_recovery"] = big_checkpoint_and_recovery(work, big)
     return out
 
@@ -169,6 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--quick", action="store_true", help="1 round: workers 1,4 and the big model, no tiny model, no checkpoint run"
     )
     p.add_argument("--tiny", action="store_true", help="1 round of a small 'big' model only (smoke test)")
+    p.add_argument("--tiny-model", action="store_true", help="the tiny model's pair only, --rounds of it (section 7's row)")
     p.add_argument("--json", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
     rounds, workers = args.rounds, [int(w) for w in args.workers.split(",") if w]
@@ -179,8 +181,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiny:  # one pair of a small "big" model
         rounds, workers, with_tiny, with_ckpt = 1, [], False, False
         big = dataclasses.replace(BIG, hidden=(256, 256), num_samples=256, workers=1)
-    log(f"scaling: workers {workers}, big model {big.hidden} ({big.params() * 4 / 1e6:.0f} MB), {rounds} round(s)")
-    res = measure(rounds, workers, big, with_ckpt, with_tiny)
+    chosen: Optional[Job] = big
+    if args.tiny_model:
+        workers, chosen, with_tiny, with_ckpt = [], None, True, False
+    log(f"scaling: workers {workers}, big model {big.hidden if chosen else None}, tiny model {with_tiny}, {rounds} round(s)")
+    res = measure(rounds, workers, chosen, with_ckpt, with_tiny)
     out = {"benchmark": "scaling", "command": command_line("bench.scaling", argv), "machine": machine(), **res}
     report(out)
     write_json(args.json, out)

@@ -1,10 +1,11 @@
 """Where a training step's time goes: the library's per-step work, piece by piece, inside one run.
 
-    python -m bench.step_cost [--rounds 12] [--block 40] [--quick | --tiny] [--json PATH]
+    python -m bench.step_cost [--rounds 12] [--block 40] [--job hot|tiny] [--quick | --tiny] [--json PATH]
 
 Wall-clock ratios between separate runs move with other tenants' load (+-10% here); this
 benchmark measures inside one pair of processes instead. Two workers under torchrun train the
-hot-loop job (bench.common.HOT: MLP 256-512-512-10, batch 64, SGD, Gloo) and switch every
+hot-loop job (bench.common.HOT: MLP 256-512-512-10, batch 64, SGD, Gloo; `--job tiny`: section 7's
+tiny model, MLP 32-64-64-4, batch 32, with more samples so an epoch has 512 steps) and switch every
 `--block` steps between configurations, in a rotated order, `--rounds` times; each
 configuration's time per step is the median of its blocks, as a ratio to `bare`, in wall-clock
 time (rank 0) and in CPU time (both workers' processes, every thread: what the step costs the
@@ -12,13 +13,19 @@ machine, which other tenants' load hardly moves):
 
   bare        batches indexed out of the in-memory tensors, forward, backward, SGD step
   loader      the same batches through the library's loader (ResumableSampler + TensorBatches)
+  dataloader  torch's DataLoader over the TensorDataset with a DistributedSampler (bench/baseline_ddp.py's loop)
   heartbeat   bare + the heartbeat's pwrite every step
   telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
-  agreement   bare + the stop agreement (its automatic interval: every 2**k steps, about 50 ms)
-  run_step    what steadfast.Run.step does: all of the above, in its order (with the loader)
-  reduce_sync   bare + only a blocking all-reduce of 8 floats every 10 steps (telemetry's collective)
-  reduce_async  bare + only an all-reduce of 2 floats every `agreement.every` steps, started at one
-                and waited for at the next (the agreement's collective)
+              (a Telemetry alone: a control-plane message per window)
+  agreement   bare + the stop agreement: the control plane's periodic message (steadfast/exchange.py),
+              at its automatic interval (every 2**k steps, about CONTROL_INTERVAL_S)
+  run_step    the pieces of steadfast.Run.step above, in its order (with the loader; the windows ride the
+              agreement's messages, as in steadfast.Run)
+  run         steadfast.Run itself, as a loop uses it: a model of bare's shape from run.setup, run.loader,
+              run.step after every step (no checkpoints; snapshots off: `snapshot` is their row)
+  reduce_sync   bare + only a blocking control-plane all-reduce of 8 floats every 10 steps
+  reduce_async  bare + only a control-plane all-reduce of 2 floats at the agreement's interval, started at
+                one and waited for at the next (the exchange's collective)
   snapshot    bare + a snapshot in shared memory every step (steadfast.snapshots: model, optimizer,
               progress on local rank 0, every rank's RNG states): snapshot.every_n_steps=1.
               snapshot.every_n_steps=auto takes one every N steps, N the smallest power of two at
@@ -31,6 +38,7 @@ Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +50,19 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("bare", "loader", "heartbeat", "telemetry", "agreement", "run_step", "reduce_sync", "reduce_async", "snapshot")
+CONFIGS = (
+    "bare",
+    "loader",
+    "dataloader",
+    "heartbeat",
+    "telemetry",
+    "agreement",
+    "run_step",
+    "run",
+    "reduce_sync",
+    "reduce_async",
+    "snapshot",
+)
 # NAME@N: the configuration with the stop agreement every N steps instead of its automatic interval
 
 
@@ -50,37 +70,56 @@ def _worker(args: argparse.Namespace) -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
     import torch
     import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
 
-    from bench.common import HOT
+    from bench.common import HOT, TINY
     from pipeline.data import synthetic
     from pipeline.models import MLP
+    from steadfast import Run
     from steadfast.agreement import StopAgreement
-    from steadfast.comm import TorchDistComm
     from steadfast.contract import shm
+    from steadfast.contract.env import TORCH, LaunchEnv
     from steadfast.contract.heartbeat import Heartbeat
     from steadfast.data import ResumableSampler, TensorBatches
+    from steadfast.exchange import Exchange
     from steadfast.records import RunRecord
     from steadfast.snapshots import MemorySnapshots
     from steadfast.state import Progress, RNGState
     from steadfast.telemetry import Telemetry
 
-    comm = TorchDistComm(120)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))
+    folder = Path(args.dir)
+    # tiny: section 7's model and batch, with an epoch of 512 steps per worker (26 there): epoch ends stay rare
+    job = HOT if args.job == "hot" else dataclasses.replace(TINY, num_samples=40960)
+    # `run` is steadfast.Run as a launched worker has it: it starts the process groups every configuration uses
+    (folder / "run").mkdir(exist_ok=True)
+    os.environ.update(
+        LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder / "run", collective_timeout_s=120).to_environ()
+    )
+    run = Run({"checkpoint": {"every_n_epochs": None}, "logger": {"progress": "none"}}, log_every_n_steps=job.log_every)
+    comm = run.comm
     torch.manual_seed(0)
-    job = HOT
     data = synthetic(
         num_samples=job.num_samples, num_features=job.num_features, num_classes=job.num_classes, val_fraction=0.2, seed=0
     )
-    model = comm.wrap_model(MLP(data.input_shape, data.output_size, list(job.hidden), dropout=0.1))
+
+    def mlp() -> torch.nn.Module:
+        return MLP(data.input_shape, data.output_size, list(job.hidden), dropout=0.1)
+
+    model = comm.wrap_model(mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    theirs = mlp()
+    run_model, run_optimizer = run.setup(theirs, torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9))
+    run.resume(model=theirs, optimizer=run_optimizer)
+    run_loader = run.loader(data.train, job.batch_size)
     features, labels = data.train.tensors
-    folder = Path(args.dir)
     progress = Progress()
     sampler = ResumableSampler(len(features), comm.world_size, comm.rank, 0, job.batch_size, True, progress)
     record = RunRecord(folder, comm.rank)
     beat = Heartbeat(folder / "heartbeats", comm.rank)
     telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
-    agreement = StopAgreement(comm, None)
+    agreement = StopAgreement(Exchange(comm, None))
+    exchange = agreement.exchange
+    riding = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0, exchange=exchange)  # run_step's
     segment = shm.LaunchFolder(folder)  # what the launcher makes: one node's private snapshot folder, named to every rank
     if comm.rank == 0:
         segment.create()
@@ -99,8 +138,32 @@ def _worker(args: argparse.Namespace) -> None:
     def library() -> Iterator[Tuple[Any, Any]]:
         return iter(TensorBatches((features, labels), sampler, job.batch_size))
 
-    def retune() -> None:  # as steadfast.Run does at a log step
-        agreement.retune(telemetry.step_seconds)
+    torch_sampler = DistributedSampler(data.train, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=0)
+
+    def dataloader() -> Iterator[Tuple[Any, Any]]:
+        torch_sampler.set_epoch(progress.epoch)
+        return iter(DataLoader(data.train, batch_size=job.batch_size, sampler=torch_sampler))
+
+    inside: List[Tuple[float, float]] = []  # `run`, per step: seconds fetching the batch from run.loader, and in run.step
+
+    def run_steps() -> Iterator[None]:  # the loop a user writes, one step per next()
+        for _ in run.epochs(1 << 30):
+            batches, clock = iter(run_loader), time.perf_counter
+            while True:
+                began = clock()
+                batch = next(batches, None)
+                fetched = clock()
+                if batch is None:
+                    break
+                x, y = batch
+                run_optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(run_model(x), y)
+                loss.backward()
+                run_optimizer.step()
+                stepping = clock()
+                run.step(loss)
+                inside.append((fetched - began, clock() - stepping))
+                yield
 
     def after(name: str, loss: Any) -> None:
         p = progress
@@ -108,26 +171,28 @@ def _worker(args: argparse.Namespace) -> None:
         p.batch_in_epoch += 1
         p.sample_in_epoch += job.batch_size * comm.world_size
         if name in ("telemetry", "run_step"):
-            telemetry.add_loss(loss)
-            telemetry.after_step(p.global_step, p.epoch)
-            if p.global_step % telemetry.every == 0:
-                retune()
+            windows = telemetry if name == "telemetry" else riding
+            windows.add_loss(loss)
+            windows.after_step(p.global_step, p.epoch)
         if name in ("heartbeat", "run_step"):
             beat.beat(p.global_step, "train")
         if name in ("agreement", "run_step"):
             agreement.at_step(p.global_step, lambda: False)
         if name == "reduce_sync" and p.global_step % telemetry.every == 0:
-            comm.all_reduce_sum(torch.zeros(8, dtype=torch.float64))
+            comm.start_sum(torch.zeros(8, dtype=torch.float64)).wait()
         if name == "snapshot":
             memory.take(p.global_step, memory.plan(shared, per_rank))
-        if name == "reduce_async" and p.global_step % agreement.every == 0:
+        if name == "reduce_async" and p.global_step % exchange.every == 0:
             if pending:
                 pending.pop().wait()
             pending.append(comm.start_max_each([0.0, 0.0]))
 
     pending: List[Any] = []
+    fetching: Dict[str, List[float]] = {}  # per configuration and block: the mean seconds per step fetching the batch
+    stepping: List[float] = []  # `run`, per block: the mean seconds per step in run.step
 
-    batches: Dict[str, Optional[Iterator[Any]]] = {"slices": None, "library": None}
+    batches: Dict[str, Optional[Iterator[Any]]] = {"slices": None, "library": None, "dataloader": None}
+    ours = run_steps()
 
     def next_batch(kind: str) -> Tuple[Any, Any]:
         while True:
@@ -138,30 +203,44 @@ def _worker(args: argparse.Namespace) -> None:
                 except StopIteration:
                     pass
             progress.epoch, progress.batch_in_epoch, progress.sample_in_epoch = progress.epoch + 1, 0, 0
-            batches["slices"], batches["library"] = slices(), library()
+            batches["slices"], batches["library"], batches["dataloader"] = slices(), library(), dataloader()
 
     def block(config: str, steps: int) -> Tuple[float, float]:
         name, _, every = config.partition("@")
-        kind = "library" if name in ("loader", "run_step") else "slices"
-        auto = agreement.every
-        agreement.auto = not every
-        agreement.every = int(every) if every else auto
+        kind = {"loader": "library", "run_step": "library", "dataloader": "dataloader"}.get(name, "slices")
+        auto = exchange.every
+        exchange.every = int(every) if every else auto
         start, cpu = time.perf_counter(), time.process_time()
+        if name == "run":
+            del inside[:]
+            for _ in range(steps):
+                next(ours)
+            fetching.setdefault(config, []).append(sum(f for f, _ in inside) / steps)
+            stepping.append(sum(s for _, s in inside) / steps)
+            return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
+        fetched = 0.0
         for _ in range(steps):
+            began = time.perf_counter()
             x, y = next_batch(kind)
+            fetched += time.perf_counter() - began
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             after(name, loss)
-        agreement.drain()
+        agreement.drain(progress.global_step)
         while pending:
             pending.pop().wait()
         if every:
-            agreement.every = auto
+            exchange.every = auto
+        fetching.setdefault(config, []).append(fetched / steps)
         return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
-    block("run_step", 3 * args.block)  # warm-up (and the first step-time measurement for the agreement's interval)
+    # warm-up, and the agreement's automatic interval from steps in a row; then it stays: a window that spans other
+    # configurations' blocks would take their steps for its own
+    block("run_step", 3 * args.block)
+    block("run", 3 * args.block)
+    exchange.auto = run.exchange.auto = False
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
     times: Dict[str, List[float]] = {name: [] for name in configs}
     cpu: Dict[str, List[float]] = {name: [] for name in configs}
@@ -172,9 +251,10 @@ def _worker(args: argparse.Namespace) -> None:
             times[name].append(wall)
             cpu[name].append(used)
     telemetry.close()
+    riding.close()
     every_rank = comm.gather_object(cpu)
     comm.barrier()
-    comm.shutdown()
+    run.finish()  # shuts the process groups down
     if comm.rank == 0:
         segment.remove()
         total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
@@ -183,14 +263,17 @@ def _worker(args: argparse.Namespace) -> None:
                 {
                     "seconds_per_step": times,
                     "cpu_seconds_per_step": total,
-                    "agreement_every": agreement.every,
+                    "agreement_every": exchange.every,
+                    "run_agreement_every": run.exchange.every,
+                    "fetch_seconds_per_step": {name: fetching[name][-args.rounds :] for name in configs},
+                    "run_step_seconds_per_step": stepping[-args.rounds :],
                     "snapshot_bytes": memory.bytes,
                 }
             )
         )
 
 
-def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) -> Dict[str, Any]:
+def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot") -> Dict[str, Any]:
     from steadfast.snapshot_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env
@@ -212,6 +295,8 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
             tmp,
             "--out",
             str(out),
+            "--job",
+            job,
             *(["--configs", configs] if configs else []),
         ]
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -235,9 +320,18 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
             "target_share": MEMORY_SHARE,
         }
     return {
+        "job": job,
         "rounds": rounds,
         "block_steps": block,
         "agreement_every": raw["agreement_every"],
+        "run_agreement_every": raw["run_agreement_every"],
+        # timed around the calls on rank 0, medians of the blocks: fetching each configuration's batch, and
+        # `run`'s run.step (the hooks in the forward and the control plane's threads not in it): a direct,
+        # low-noise view of the library's own per-step work
+        "fetch_us_per_step": {k: statistics.median(v) * 1e6 for k, v in raw["fetch_seconds_per_step"].items()},
+        "run.step_us_per_step": statistics.median(raw["run_step_seconds_per_step"]) * 1e6
+        if raw.get("run_step_seconds_per_step")
+        else None,
         "snapshot": snapshot,
         "ms_per_step": {k: v * 1e3 for k, v in per.items()},
         "extra_us_per_step": {k: (v - bare) * 1e6 for k, v in per.items()},
@@ -252,8 +346,15 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900) ->
 
 def report(res: Dict[str, Any]) -> None:
     print(
-        f"\nStep cost ({res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every {res['agreement_every']} steps)"
+        f"\nStep cost ({res['job']} job, {res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every"
+        f" {res['agreement_every']} steps, {res['run_agreement_every']} in `run`)"
     )
+    if res.get("run.step_us_per_step") is not None:
+        fetch = res["fetch_us_per_step"]
+        print(
+            f"  timed around the calls (rank 0, medians of blocks): run.step {res['run.step_us_per_step']:.1f} us per step;"
+            " a batch from " + ", ".join(f"{k} {fetch[k]:.1f} us" for k in ("bare", "loader", "dataloader", "run") if k in fetch)
+        )
     snap = res.get("snapshot")
     if snap:
         print(
@@ -275,6 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--configs", default="", help=f"comma-separated, from {', '.join(CONFIGS)} (NAME@N: the agreement every N steps)"
     )
+    p.add_argument("--job", choices=("hot", "tiny"), default="hot", help="the hot-loop job, or section 7's tiny model")
     p.add_argument("--quick", action="store_true", help="15 rounds")
     p.add_argument("--tiny", action="store_true", help="1 round of 5-step blocks (smoke test)")
     p.add_argument("--json", type=Path, default=None)
@@ -295,7 +397,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "step_cost",
         "command": command_line("bench.step_cost", argv),
         "machine": machine(),
-        **measure(rounds, block, args.configs),
+        **measure(rounds, block, args.configs, job=args.job),
     }
     report(out)
     write_json(args.json or RESULTS / "step_cost.json", out)

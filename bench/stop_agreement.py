@@ -1,15 +1,16 @@
 """What the stop agreement costs: `python -m bench.stop_agreement [--quick | --tiny] [--json PATH]`.
 
-The ranks agree on stop requests (and rank 0's "a timed save is due") with one all-reduce (MAX)
-of two floats on CPU tensors, pipelined: started at one check, read at the next. Measured two ways
-on 2 local workers:
+The ranks agree on stop requests (and rank 0's "a timed save is due") in the control plane's
+periodic message (steadfast/exchange.py: one all-reduce of a few floats on CPU tensors, on a Gloo
+group of its own), pipelined: started at one exchange, read at the next. Measured two ways on 2
+local workers:
 
 1. the bare collective, waited for at once: `Comm.max_each` in a loop (torch.distributed over
    Gloo, and Horovod when it is installed): its latency, what a blocking check would add;
 2. its cost in training (bench.step_cost's harness: the hot-loop job, configurations switched
    every 20 steps inside one pair of processes, in a rotated order): the agreement every step
    (trainer.stop_check_every_n_steps=1), at the default automatic interval
-   (stop_check_every_n_steps=null: every 2**k steps, about CHECK_INTERVAL_S of rank 0's measured
+   (stop_check_every_n_steps=null: every 2**k steps, about CONTROL_INTERVAL_S of rank 0's measured
    step time), and never (every 10**6 steps), each against the same loop without it; wall-clock
    and CPU time (both workers), medians of the blocks.
 """

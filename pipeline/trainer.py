@@ -125,7 +125,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
                 x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
                 with run.accumulate(ddp_model):  # gradients reduced over the ranks on a step's last batch only
                     loss = task.loss(ddp_model(x), y)
-                    (loss / t.accumulate_grad_batches).backward()
+                    (loss / t.accumulate_grad_batches if t.accumulate_grad_batches > 1 else loss).backward()
                 if run.sync_gradients:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)

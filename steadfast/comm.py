@@ -2,6 +2,15 @@
 
 The trainer never asks which backend it runs on; everything that differs between torch
 distributed, Horovod and a single process lives behind `Comm`.
+
+Two planes. The training plane is the model's: DDP's or FSDP's gradients, and `all_reduce_sum` of a
+caller's tensor on its device. The control plane is the library's own: the stop agreement, the
+metrics windows, snapshot timing and every object and vote a checkpoint exchanges, all of them a
+few numbers or a pickled object on the CPU. Under torchrun it is a Gloo process group of its own,
+so it never queues behind (or in front of) the gradients on the training group or its CUDA stream,
+and its results never make the host wait for the device. Horovod has no process groups: its
+control messages are CPU tensors started without waiting (`allreduce_async`) and read at a later
+step, negotiated by its background thread in the same cycles as the gradients.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class Comm:
         """Make every rank start from rank 0's model and optimizer state."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of a tensor of the caller's, on its device (the training plane)."""
         return tensor
 
     def any(self, flag: bool) -> bool:
@@ -77,8 +87,8 @@ class Comm:
         return Pending(lambda: [float(v) for v in values])
 
     def start_sum(self, tensor: torch.Tensor) -> "Pending":
-        """`all_reduce_sum` without waiting: `.wait()` returns the summed tensor. Like start_max_each,
-        every rank must start and wait in the same order."""
+        """The sum over the ranks of a CPU tensor, on the control plane, without waiting: `.wait()`
+        returns the summed tensor. Like start_max_each, every rank must start and wait in the same order."""
         return Pending(lambda: tensor)
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
@@ -115,9 +125,8 @@ class TorchDistComm(Comm):
         if self.rank != 0:
             await_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s)
         dist.init_process_group(**kwargs)
-        # Control messages go over Gloo on CPU tensors: with NCCL, reading a device tensor's value
-        # every step would make the host wait for the GPU's queue.
-        self.control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # the control plane (module doc): its own Gloo group, even when training runs on Gloo too
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -133,9 +142,7 @@ class TorchDistComm(Comm):
         return tensor
 
     def any(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return bool(t.item())
+        return self.max_each([1.0 if flag else 0.0])[0] > 0
 
     def start_max_each(self, values: Sequence[float]) -> Pending:
         t = torch.tensor(values, dtype=torch.float64)
@@ -148,7 +155,7 @@ class TorchDistComm(Comm):
         return Pending(finish)
 
     def start_sum(self, tensor: torch.Tensor) -> Pending:
-        work = self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, async_op=True)
+        work = self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, group=self.control, async_op=True)
 
         def finish() -> torch.Tensor:
             work.wait()
@@ -158,16 +165,16 @@ class TorchDistComm(Comm):
 
     def gather_object(self, obj: Any) -> Optional[List[Any]]:
         out: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
-        self.dist.gather_object(obj, out, dst=0)
+        self.dist.gather_object(obj, out, dst=0, group=self.control)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def barrier(self) -> None:
-        self.dist.barrier()
+        self.dist.barrier(group=self.control)
 
     def shutdown(self) -> None:
         """Destroy the process group, keeping a reference to it until this process ends.

@@ -116,11 +116,12 @@ class TensorBatches:
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
         order = self.sampler.order()
-        stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-        for begin in range(0, stop, self.batch_size):
-            index = order[begin : begin + self.batch_size]
-            batch = tuple(t.index_select(0, index) for t in self.tensors)
-            yield tuple(b.pin_memory() for b in batch) if self.pin_memory else batch
+        tensors, size, pin = self.tensors, self.batch_size, self.pin_memory
+        stop = len(order) - len(order) % size if self.drop_last else len(order)
+        for begin in range(0, stop, size):
+            index = order[begin : begin + size]
+            batch = tuple([t.index_select(0, index) for t in tensors])
+            yield tuple([b.pin_memory() for b in batch]) if pin else batch
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -198,12 +199,12 @@ class Tracked:
         first = sampler.progress.batch_in_epoch if sampler.progress is not None else 0
         self._length = len(self.loader)
         self.position.start(first, sampler.first_sample, first + self._length)
-        consumed = 0
+        consumed, took, world = 0, self.position.took, sampler.world_size
         try:
             for batch in self.loader:
                 taken = min(size, per_rank - consumed)
                 consumed += taken
-                self.position.took(taken * sampler.world_size)
+                took(taken * world)
                 yield batch
         finally:
             self._length = None

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, TextIO
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ class RunRecord:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.enabled = run_dir, rank == 0
+        self._metrics: Optional[TextIO] = None  # kept open: opening it for every row cost more than the row
 
     def event(self, kind: Event, **fields: Any) -> None:
         if self.enabled:
@@ -33,8 +34,16 @@ class RunRecord:
     def metrics(self, **row: Any) -> None:
         if self.enabled:
             row = {"time": round(time.time(), 3), **row}
-            with open(self.run_dir / METRICS_FILE, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            if self._metrics is None:
+                self._metrics = open(self.run_dir / METRICS_FILE, "a")
+            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.flush()  # whole rows for a reader (the benchmarks, a person's tail -f)
+
+    def close(self) -> None:
+        """Close metrics.jsonl (a later row opens it again)."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
 
 def model_sha256(model: nn.Module) -> str:

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, Optional, cast
+from typing import Any, ContextManager, Dict, Iterable, Iterator, Optional, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,6 +43,7 @@ from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
 from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .data import ResumableSampler, RunData
+from .exchange import Exchange
 from .faults import FaultInjector
 from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
 from .snapshot_cadence import MemoryCadence
@@ -53,6 +54,11 @@ from .telemetry import Telemetry
 log = logging.getLogger("steadfast")
 
 MODEL_FILE = "model.safetensors"  # the final weights, in the run folder
+_AS_IS = contextlib.nullcontext()  # run.accumulate on a batch that completes a step (reusable: nothing to enter)
+
+
+def _never() -> bool:
+    return False
 
 
 class Run:
@@ -98,6 +104,7 @@ class Run:
         self._log_handler = setup_logging(self.dir, self.comm.rank)
         self.progress = Progress()
         lg = self.settings.logger
+        self.exchange = Exchange(self.comm, stop_check_every_n_steps)  # the control plane's periodic message
         self.telemetry = Telemetry(
             self.comm,
             self.record,
@@ -111,6 +118,7 @@ class Run:
             lg.straggler_margin,
             lg.straggler_windows,
             on_boundary=lambda: self.faults.before_work(self.progress.global_step + 1),  # fault=slow_rank
+            exchange=self.exchange,
         )
         self.faults = FaultInjector(
             self.settings.fault,
@@ -140,11 +148,14 @@ class Run:
             on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f),
             save_cost=save_cost,
         )
+        self._time_due = self.cadence.time_due if self.comm.rank == 0 else _never  # rank 0's clock decides
         tracked = (self.checkpointer.objects, self.checkpointer.per_rank)
         self._memory = (
-            MemoryCadence(memory, every, self.comm, self.record.event, tracked, self.faults.during_snapshot) if memory else None
+            MemoryCadence(memory, every, self.exchange, self.record.event, tracked, self.faults.during_snapshot)
+            if memory
+            else None
         )
-        self.agreement = StopAgreement(self.comm, stop_check_every_n_steps)
+        self.agreement = StopAgreement(self.exchange)
         self.model: Optional[torch.nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.resumed_from: Optional[int] = None
@@ -205,7 +216,10 @@ class Run:
         model = model.to(self.device)
         self.model = model
         wrapped, optimizer = parallel.setup(model, optimizer, self.settings.parallel, self.comm, self.accumulate_grad_batches)
-        self.telemetry.timer.watch(wrapped, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
+        # the wrapper's forward is timed apart only when it begins with a collective of its own (DDP broadcasting
+        # buffers): else the model's hooks see the same times, and the wrapper stays on torch's fast path (~6 us)
+        outer = wrapped if any(True for _ in model.buffers()) else model
+        self.telemetry.timer.watch(outer, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
             next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
         if optimizer is None:
@@ -293,16 +307,11 @@ class Run:
         them, or the epoch's last): then step the optimizer and call run.step()."""
         return self.data.sync_gradients
 
-    @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, model: torch.nn.Module) -> ContextManager[None]:
         """Around a micro-batch's forward and backward: on the batches that do not complete an
         optimizer step, gradients only accumulate on each rank (DDP's no_sync, FSDP's
         set_requires_gradient_sync(False)); on the one that does, they are reduced as usual."""
-        if self.sync_gradients:
-            yield
-            return
-        with parallel.no_sync(model):
-            yield
+        return _AS_IS if self.sync_gradients else parallel.no_sync(model)
 
     def step(self, loss: Any = None) -> None:
         """After the optimizer step: count it, and do what is due at this step boundary."""
@@ -316,17 +325,11 @@ class Run:
         if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
         over = self.telemetry.after_step(p.global_step, p.epoch)
-        if p.global_step % self.telemetry.every == 0:
-            self.agreement.retune(self.telemetry.step_seconds)
-            if self._memory is not None:
-                self._memory.retune(p.global_step)
         self._beat("train")
         self.faults.after_step(p.global_step)
         due = self.cadence.step_due(p.global_step)
         manager = self.checkpointer.manager
-        control = self.agreement.at_step(
-            p.global_step, self.cadence.time_due if self.rank == 0 else lambda: False, busy=manager.busy()
-        )
+        control = self.agreement.at_step(p.global_step, self._time_due, busy=manager.busy())
         written = manager.written_step()
         if written is not None and control.since > written and not control.busy:
             manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
@@ -377,9 +380,8 @@ class Run:
         return self.train_loss
 
     def mean(self, value: Any) -> float:
-        """The mean of a number over the ranks (collective)."""
-        t = torch.tensor([float(value), 1.0], dtype=torch.float64, device=self.device)
-        t = self.comm.all_reduce_sum(t).cpu()
+        """The mean of a number over the ranks (collective, on the control plane: steadfast/comm.py)."""
+        t = self.comm.start_sum(torch.tensor([float(value), 1.0], dtype=torch.float64)).wait()
         return float(t[0] / t[1])
 
     def beat(self, phase: str = "train") -> None:
@@ -391,7 +393,7 @@ class Run:
         run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
         if self._finished:
             return {**self._result, **result}
-        self.agreement.drain()
+        self.agreement.drain(self.progress.global_step)
         if self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
         self.checkpointer.close()
@@ -455,7 +457,7 @@ class Run:
             self.save()
         self.telemetry.display.restart_rate()  # validation and the save are not training speed
         if p.epoch < max_epochs:  # a stop requested during validation or a save: act now
-            signum = self.agreement.now()
+            signum = self.agreement.now(p.global_step)
             if signum is not None:
                 self._preempt(signum)
 
@@ -471,7 +473,7 @@ class Run:
 
     def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
         """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
-        self.agreement.drain()
+        self.agreement.drain(self.progress.global_step)
         if self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
         self.checkpointer.close()  # an asynchronous save must be committed before we report it
@@ -499,6 +501,7 @@ class Run:
     def _close(self) -> None:
         self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank
         self.telemetry.close()
+        self.record.close()
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()

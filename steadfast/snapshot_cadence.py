@@ -9,10 +9,10 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from .checkpoint.codec import Collectives
 from .contract.events import Event
+from .exchange import Exchange
 from .snapshots import MemorySnapshots, announce_off, fits
 
 log = logging.getLogger(__name__)
@@ -32,33 +32,34 @@ class MemoryCadence:
     `every` steps behind it); a death in the middle of a copy leaves the other buffer, the snapshot
     before, which that bound already counts from.
 
-    auto: every step until two windows of steps are timed, then the smallest power of two at which
+    auto: every step until the steps between two exchanges are timed, then the smallest power of two at which
     a copy costs at most MEMORY_SHARE of a step's time (the step without the copy), from the least
     of the recent copy times (the slowest rank's) and of the recent step times (the fastest rank's),
     agreed by every rank at the same steps: other processes and a validation only ever add to a
     time, so the least is what the work itself takes (on a loaded machine a median of copies moved
-    3x). Raised as soon as the budget is exceeded, lowered only when a quarter of the interval would
+    3x); the ranks' numbers ride the control plane's periodic message (steadfast/exchange.py): sent at
+    one exchange, decided on at the next. Raised as soon as the budget is exceeded, lowered only when a quarter of the interval would
     do (LOWER_AT), it stays put while the measurements jitter, and every change is a factor of two
     or more: each is recorded (snapshot_interval, as is the attempt's first snapshot) and logged on
     rank 0, so the records always say the interval in force. The first snapshot checks, on every
     node, that two copies fit in the shared-memory filesystem; if one node has no room, all of them
     go without.
 
-    It is given what it uses: the snapshots, the ranks' collectives, an event sink, the tracked
-    state (objects and per-rank, name -> Stateful), the snapshot fault's hook and a clock."""
+    It is given what it uses: the snapshots, the ranks' exchange (and through it their collectives),
+    an event sink, the tracked state (objects and per-rank, name -> Stateful), the snapshot fault's hook and a clock."""
 
     def __init__(
         self,
         memory: MemorySnapshots,
         every: Any,
-        comm: Collectives,
+        exchange: Exchange,
         record: Callable[..., None],
         tracked: Tuple[Dict[str, Any], Dict[str, Any]],
         during_snapshot: Callable[[int], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.memory, self.comm, self.record, self.tracked, self.during_snapshot = memory, comm, record, tracked, during_snapshot
-        self.clock = clock
+        self.memory, self.record, self.tracked, self.during_snapshot = memory, record, tracked, during_snapshot
+        self.exchange, self.comm, self.clock = exchange, exchange.comm, clock
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)  # the interval in force
         self._first = True
@@ -67,6 +68,8 @@ class MemoryCadence:
         self._steps: Deque[float] = deque(maxlen=SMOOTHING)  # this rank's recent step times, without the copy
         self._work, self._work_steps = 0.0, 0  # time in steps (copies excluded) since the last retune, and how many
         self._mark: Optional[float] = None  # when the last call ended
+        self.off = False  # snapshots are off on every rank from now on
+        exchange.ride(self.retune)
 
     def at_step(self, step: int) -> bool:
         """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
@@ -86,6 +89,7 @@ class MemoryCadence:
             problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
             if self.comm.max_each([1.0 if problem else 0.0])[0]:
                 announce_off(self.record, problem or "another node's shared memory is too small for them")
+                self.off = True
                 return False
         try:
             memory.take(step, planned, lambda: self.during_snapshot(step))
@@ -106,19 +110,22 @@ class MemoryCadence:
             self._record(step, memory.seconds)
         return True
 
-    def retune(self, step: int) -> None:
-        """auto: this window's step time into the measurements, and a new interval if the budget
-        asks for one (collective: every rank calls it at the same steps)."""
-        if not self.auto:
+    def retune(self, step: int, at_once: bool = False) -> None:
+        """auto, the exchange's rider: the step time since the last exchange into the measurements, and
+        this rank's numbers out; their answer sets a new interval if the budget asks for one."""
+        if not self.auto or self.off:
             return
         if self._work_steps:
             self._steps.append(self._work / self._work_steps)
             self._work, self._work_steps = 0.0, 0
-        if len(self._steps) < 2:  # the attempt's first window is its warm-up (twice as slow here): not alone
-            return  # (every rank has measured as many windows)
-        cost, fastest = self.comm.max_each([min(self._costs, default=0.0), -min(self._steps)])
-        step_seconds = -fastest
-        if cost <= 0 or step_seconds <= 0:
+        if len(self._steps) < 2:  # the attempt's first measurement is its warm-up (twice as slow here): not alone
+            return  # (every rank has measured as many)
+        self.exchange.post([], [min(self._costs, default=0.0), min(self._steps)], self._decide)
+
+    def _decide(self, shared: List[float], own: List[List[float]]) -> None:
+        """Every rank's numbers: the slowest rank's copy against the fastest rank's step."""
+        cost, step_seconds, step = max(r[0] for r in own), min(r[1] for r in own), self.exchange.step
+        if cost <= 0 or step_seconds <= 0 or self.off:
             return
         wanted = auto_interval(cost, step_seconds)
         if self.every * LOWER_AT < wanted <= self.every:

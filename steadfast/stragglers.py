@@ -7,7 +7,8 @@ is the work a rank does on its own before the step's first collective, its *loca
 
 - loading the batch: from the previous step boundary (the end of `run.step`, or an epoch's start) to
   the start of the forward pass of the model `run.setup` returned (a forward pre-hook, put first, so
-  it runs before a wrapper's own collectives: DDP's buffer broadcast, FSDP's all-gather);
+  it runs before a wrapper's own collectives: DDP's buffer broadcast, FSDP's all-gather; a DDP wrapper
+  around a model with no buffers has none, and only the model inside is hooked);
 - the forward pass itself, where it holds no collective (parallel=ddp, Horovod, parallel=none): a
   pre-hook and a hook on the model inside the wrapper. On the CPU two perf_counter reads; on CUDA a
   pair of CUDA events (the host only queues the forward: its clock would measure the launches), read

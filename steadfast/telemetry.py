@@ -2,14 +2,16 @@
 display, TensorBoard; and the memory guard.
 
 The loss is summed on the device as the steps go (no host sync per step). Every
-`log_every_n_steps` steps one all-reduce carries the loss window, rank 0's time per step and
-every rank's peak memory (each rank in its own slot), so every rank sees the same numbers and
-takes the same decisions. It is pipelined like the stop agreement: started at one log step and
-read at the next, so its latency (a fraction of a millisecond, several on a loaded machine) never
-holds up a step; the row of step s is written at step s + log_every_n_steps, with step s's time.
-The epoch's end, a stop and the end of the run read what is in flight at once. The same all-reduce
-carries every rank's local time per step (steadfast/stragglers.py), in its own slot: every rank
-names the same stragglers from the same numbers, with no collective of their own.
+`log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/stragglers.py) in its own slot. Windows travel
+to the other ranks in the control plane's periodic message (steadfast/exchange.py: one all-reduce of
+CPU numbers on a process group of its own, about every half second by default; a Telemetry
+given no exchange sends one per window), so every rank sees the same numbers and takes the same
+decisions: the memory guard, the stragglers named. A
+window's row is written when the exchange that carried it is read, with the window's step and time:
+steps later, never holding one up. On CUDA a window's loss sum is copied to the host when it closes
+and sent from the first exchange a window's steps later, when the copy has long landed: the host
+never waits for the device. The epoch's end, a stop and the end of the run send and read what is
+left at once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from .comm import Comm
 from .contract import events
 from .contract.events import Event
+from .exchange import Exchange
 from .progress import ProgressDisplay
 from .records import RunRecord
 from .stragglers import StepTimer, StragglerRule
@@ -42,9 +45,10 @@ def peak_rss_mb() -> float:
 
 @dataclass
 class _Window:
-    """The numbers of one metrics window, their all-reduce in flight."""
+    """One metrics window, closed: its numbers until the exchange that carries them is read."""
 
     step: Optional[int]  # None: the rest of an epoch, reduced for its mean only (no row)
+    closed_at: int  # the step at which it closed
     epoch: int
     time: float
     wall: float
@@ -52,7 +56,13 @@ class _Window:
     rss_mb: float  # this rank's, when the window closed
     loss: Optional[torch.Tensor]  # this rank's loss sum and count in the window (for a checkpoint taken meanwhile)
     count: int
-    reduced: Any  # comm.Pending: the summed tensor
+    shared: List[float]  # summed over the ranks: [loss sum, count]
+    own: List[float]  # this rank's: [peak memory MB, local seconds per step(, CUDA peak MB)]
+    host: Optional[torch.Tensor] = None  # CUDA: the loss sum, copied to (pinned) host memory without waiting
+    landed: Any = None  # CUDA: an event recorded after that copy
+
+
+SHARED = 2  # numbers of a window summed over the ranks
 
 
 class Telemetry:
@@ -70,13 +80,19 @@ class Telemetry:
         straggler_margin: Optional[float] = None,
         straggler_windows: int = 1,
         on_boundary: Optional[Callable[[], None]] = None,
+        exchange: Optional[Exchange] = None,
     ) -> None:
         self.comm, self.record, self.every = comm, record, max(1, int(log_every_n_steps))
         self.started, self.restarts, self.max_rss_mb = started, restarts, max_rss_mb
         self.cuda = comm.device.type == "cuda"
-        self._window: Optional[torch.Tensor] = None  # summed losses since the last log, on the device
+        self._drives = exchange is None  # alone: an exchange of its own, one message per window
+        self.exchange = Exchange(comm, self.every) if exchange is None else exchange
+        self.exchange.ride(self._post)
+        self._losses: List[torch.Tensor] = []  # this window's losses, detached, on the device: summed when it closes
         self._count = 0
-        self._in_flight: Optional[_Window] = None
+        self._closed: List[_Window] = []  # not yet sent
+        self._sent: List[_Window] = []  # sent, their answer not yet read
+        self._last = 0  # the last step seen
         self._over: Optional[Tuple[int, float]] = None  # (rank, MB) over max_rss_mb, read but not yet acted on
         self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's reduced windows
         self.last_loss: Optional[float] = None  # the mean loss of the last reduced window (all ranks)
@@ -84,8 +100,6 @@ class Telemetry:
         self._tb_dir = tensorboard_dir
         self._tb: Optional[SummaryWriter] = None
         self.lr: Optional[float] = None
-        self.step_seconds: Optional[float] = None  # rank 0's time per step over a recent window, the same on every rank
-        self._window_start = (0, time.perf_counter())  # (step, time) where the current window began
         self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
         self.stragglers = StragglerRule(straggler_margin, straggler_windows)
 
@@ -95,92 +109,121 @@ class Telemetry:
     def add_loss(self, loss: Any) -> None:
         if loss is None:
             return
-        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        self._window = value.float().clone() if self._window is None else self._window.add_(value)
+        # one op a step (an add would be a second): the window's sum is one stack and sum when it closes
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
         self._count += 1
 
+    def _sum(self) -> Optional[torch.Tensor]:
+        """The window's loss sum so far, on the device (None before its first loss)."""
+        return torch.stack(self._losses).sum(dtype=torch.float32) if self._losses else None
+
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
-        """Per step: its local time into the window, the display; every log_every_n_steps the previous window's metrics row and the
-        next window's all-reduce. Returns (rank, MB) when a rank's peak memory passed max_rss_mb
-        (the same answer on every rank, at the first step after the window that showed it was read), else None."""
+        """Per step: its local time into the window, the display; every log_every_n_steps the window
+        closes (and, alone, goes out). Returns (rank, MB) when a rank's peak memory passed max_rss_mb
+        (the same answer on every rank, at the first step after the exchange that brought it), else None."""
         self.timer.step()
+        self._last = step
         if step % self.every:
             self.display.update(step, epoch)
             return self._pop_over()
-        self._collect()
+        self._closed.append(self._close(step, epoch))
+        if self._drives:
+            self.exchange.send(step)
         over = self._pop_over()
-        self._in_flight = self._start(step, epoch)
         if self.last_loss is None:
             self.display.update(step, epoch)
         else:
             self.display.update(step, epoch, self.last_loss)
         return over
 
-    def _start(self, step: Optional[int], epoch: int) -> _Window:
-        """This window's numbers, packed, their all-reduce started: the loss sum and count, rank 0's
-        time per step, and every rank's peak memory and local time per step in its own slot (the rest
-        of an epoch, `step` None, leaves its steps' local time to the next window)."""
-        ws = self.comm.world_size
-        now = time.perf_counter()
-        first, then = self._window_start
-        local = self._local_slots()
-        packed = torch.zeros(local + ws + 1, dtype=torch.float64, device=self.comm.device)
-        if self._window is not None:
-            packed[0] = self._window  # stays on the device: no host sync
-        packed[1] = self._count
-        if self.comm.rank == 0 and step is not None and step > first:
-            packed[-1] = (now - then) / (step - first)
-        if step is not None:
-            self._window_start = (step, now)
+    def _close(self, step: Optional[int], epoch: int) -> _Window:
+        """This window's numbers, on the host (the rest of an epoch, `step` None, leaves its steps'
+        local time to the next window). A loss sum on the device is copied without waiting."""
         rss = peak_rss_mb()
-        packed[2 + self.comm.rank] = rss
+        own = [rss, self.timer.window() if step is not None else 0.0]
         if self.cuda:
-            packed[2 + ws + self.comm.rank] = torch.cuda.max_memory_allocated(self.comm.device) / 2**20
-        if step is not None:
-            packed[local + self.comm.rank] = self.timer.window()
-        loss, count = self._window, self._count
-        self._window, self._count = None, 0
+            own.append(torch.cuda.max_memory_allocated(self.comm.device) / 2**20)
+        loss, count = self._sum(), self._count
+        self._losses, self._count = [], 0
+        total, host, landed = 0.0, None, None
+        if loss is not None and loss.device.type == "cuda":
+            host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            host.copy_(loss.double(), non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+        elif loss is not None:
+            total = float(loss)  # a CPU tensor
+        closed_at = self._last if step is None else step
+        wall = time.time() - self.started
         return _Window(
-            step, epoch, time.time(), time.time() - self.started, self.lr, rss, loss, count, self.comm.start_sum(packed)
+            step,
+            closed_at,
+            epoch,
+            time.time(),
+            wall,
+            self.lr,
+            rss,
+            loss,
+            count,
+            [total, float(count)],
+            own,
+            host,
+            landed,
         )
 
-    def _local_slots(self) -> int:
-        """Where the packed window's local times per step begin (after the loss, the count and the memory slots)."""
-        return 2 + self.comm.world_size * (2 if self.cuda else 1)
+    def _post(self, step: int, at_once: bool) -> None:
+        """The exchange's rider: the closed windows whose numbers are on the host go out (on CUDA those
+        closed a window's steps ago or more, their copy long landed; at once: all of them)."""
+        lag = self.every if self.cuda and not at_once else 0
+        ready = [w for w in self._closed if w.closed_at + lag <= step]
+        if not ready:
+            return
+        del self._closed[: len(ready)]
+        for w in ready:
+            if w.host is not None:
+                if not w.landed.query():  # only when sent at once: an epoch's end, a stop, the end
+                    w.landed.synchronize()
+                w.shared[0] = float(w.host)  # host memory
+        self._sent.extend(ready)
+        n = len(ready[0].own)
+        self.exchange.post(
+            [v for w in ready for v in w.shared],
+            [v for w in ready for v in w.own],
+            lambda shared, own: self._read(ready, shared, [[row[i : i + n] for i in range(0, len(row), n)] for row in own]),
+        )
+
+    def _read(self, windows: List[_Window], shared: List[float], own: List[List[List[float]]]) -> None:
+        """The answer for `windows`: each one's sums and every rank's numbers (own[rank][window])."""
+        del self._sent[: len(windows)]
+        for i, window in enumerate(windows):
+            self._reduced(window, shared[SHARED * i : SHARED * (i + 1)], [rows[i] for rows in own])
 
     def _pop_over(self) -> Optional[Tuple[int, float]]:
         over, self._over = self._over, None
         return over
 
-    def _collect(self) -> None:
-        """The window in flight, if any: its reduced numbers into the epoch's sums, its metrics row,
-        and (rank, MB) kept for the next after_step if a rank's peak memory passed max_rss_mb."""
-        window, self._in_flight = self._in_flight, None
-        if window is None:
-            return
-        packed = window.reduced.wait().cpu()
-        ws = self.comm.world_size
-        total, batches = float(packed[0]), int(packed[1])
+    def _reduced(self, window: _Window, sums: List[float], ranks: List[List[float]]) -> None:
+        """A window's numbers over the ranks: into the epoch's sums, its metrics row, and (rank, MB)
+        kept for the next after_step if a rank's peak memory passed max_rss_mb."""
+        total, batches = sums[0], int(sums[1])
         self._epoch[0] += total
         self._epoch[1] += batches
         mean = total / batches if batches else None
         if mean is not None:
             self.last_loss = mean
-        if float(packed[-1]) > 0:
-            self.step_seconds = float(packed[-1])
-        rss = [round(v, 1) for v in packed[2 : 2 + ws].tolist()]
+        rss = [round(r[0], 1) for r in ranks]
         if self.max_rss_mb and max(rss) > self.max_rss_mb and self._over is None:
             self._over = rss.index(max(rss)), max(rss)
         if window.step is None:
             return
-        local = packed[self._local_slots() : self._local_slots() + ws].tolist()
+        local = [r[1] for r in ranks]
         self._stragglers(local, window.step)
         row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step, "epoch": window.epoch}
         if mean is not None:
             row["loss"] = round(mean, 6)
         if window.lr is not None:
             row["lr"] = window.lr
-        extra = {"cuda_mb_per_rank": [round(v, 1) for v in packed[2 + ws : 2 + 2 * ws].tolist()]} if self.cuda else {}
+        extra = {"cuda_mb_per_rank": [round(r[2], 1) for r in ranks]} if self.cuda else {}
         self.metrics(
             **row,
             wall=round(window.wall, 3),
@@ -215,31 +258,30 @@ class Telemetry:
         self.display.slow = rule.describe()
 
     def end_epoch(self) -> Optional[float]:
-        """The epoch's mean loss over every rank and batch (collective; reads what is in flight at
+        """The epoch's mean loss over every rank and batch (collective: sends and reads what is left at
         once); starts the next epoch's count."""
-        self._collect()
-        self._in_flight = self._start(None, 0)
-        self._collect()
+        self._closed.append(self._close(None, 0))
+        self.exchange.flush(self._last)
         total, batches = self._epoch
         self._epoch = [0.0, 0]
         return total / batches if batches else None
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's loss not yet logged and the epoch's sums: checkpointed per rank, so a resumed
-        run's epoch losses are the uninterrupted run's. The window in flight (its all-reduce not yet
-        read) is not waited for: its sums are saved with the loss not yet logged, and a resumed run
-        reduces them with its first window."""
-        window, count = self._window, self._count
-        flying = self._in_flight
-        if flying is not None and flying.step is not None and flying.count and flying.loss is not None:
-            window = flying.loss if window is None else window + flying.loss
-            count += flying.count
+        run's epoch losses are the uninterrupted run's. The windows not yet read (sent or not) are not
+        waited for: their sums are saved with the loss not yet logged, and a resumed run reduces them
+        with its first window."""
+        window, count = self._sum(), self._count
+        for unread in (*self._sent, *self._closed):
+            if unread.step is not None and unread.count and unread.loss is not None:
+                window = unread.loss if window is None else window + unread.loss
+                count += unread.count
         saved = window.detach().cpu() if window is not None else torch.zeros((), dtype=torch.float32)
         return {"window": saved, "count": count, "epoch_sum": self._epoch[0], "epoch_batches": self._epoch[1]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._count = int(state["count"])
-        self._window = state["window"].to(self.comm.device).float().clone() if self._count else None
+        self._losses = [state["window"].to(self.comm.device).float().clone()] if self._count else []
         self._epoch = [float(state["epoch_sum"]), int(state["epoch_batches"])]
 
     def metrics(self, **row: Any) -> None:
@@ -263,11 +305,11 @@ class Telemetry:
                     self._tb.add_scalar(f"system/{key[:-9]}/rank{r}", v, step)
 
     def close(self) -> None:
-        """The last window's row (every rank, at the same step), unless an error is unwinding: then a
+        """The last windows' rows (every rank, at the same step), unless an error is unwinding: then a
         peer may be gone and what is in flight is left."""
-        if self._in_flight is not None and sys.exc_info()[0] is None:
-            self._collect()
-        self._in_flight = None
+        if sys.exc_info()[0] is None and (self._closed or self._sent):
+            self.exchange.flush(self._last)
+        self._closed, self._sent = [], []
         self.display.close()
         if self._tb is not None:
             self._tb.close()

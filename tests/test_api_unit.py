@@ -17,6 +17,7 @@ from steadfast.cadence import FLOOR_S, FLOOR_SAVES, Cadence, young_daly
 from steadfast.comm import Comm
 from steadfast.contract import stop
 from steadfast.data import ResumableSampler, TensorBatches, make_loader
+from steadfast.exchange import Exchange
 from steadfast.state import PerRank, Progress, RNGState, is_per_rank, unwrap
 
 
@@ -84,7 +85,7 @@ def clean_stop():
 
 
 def test_a_stop_is_acted_on_at_the_check_after_the_one_that_carried_it(clean_stop: None) -> None:
-    agreement = StopAgreement(Comm(), every_n_steps=1)
+    agreement = StopAgreement(Exchange(Comm(), every_n_steps=1))
     assert agreement.at_step(1).stop is None
     stop.request_stop(signal.SIGTERM)
     assert agreement.at_step(2).stop is None  # started now (pipelined), read at the next check
@@ -92,15 +93,15 @@ def test_a_stop_is_acted_on_at_the_check_after_the_one_that_carried_it(clean_sto
 
 
 def test_checks_only_every_n_steps_and_now_waits(clean_stop: None) -> None:
-    agreement = StopAgreement(Comm(), every_n_steps=4)
+    agreement = StopAgreement(Exchange(Comm(), every_n_steps=4))
     stop.request_stop(signal.SIGINT)
     seen = [(s, agreement.at_step(s).stop) for s in range(1, 13)]
     assert [s for s, got in seen if got] == [8, 12]  # started at 4, read at 8
-    assert agreement.now() == signal.SIGINT
+    assert agreement.now(12) == signal.SIGINT
 
 
 def test_a_timed_save_is_agreed_once(clean_stop: None) -> None:
-    agreement = StopAgreement(Comm(), every_n_steps=1)
+    agreement = StopAgreement(Exchange(Comm(), every_n_steps=1))
     due = iter([True, False, False])  # rank 0's clock at the steps it is asked: 1, 3, 4
     asked: List[bool] = []
 

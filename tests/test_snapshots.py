@@ -356,20 +356,22 @@ def _drive(
     step_s: Callable[[int], float],
     cost_s: Callable[[int], float],
 ) -> Tuple[List[int], List[Dict[str, Any]]]:
-    """Steps as Run.step drives a MemoryCadence (retune every 10 steps, then at_step), on a fake
-    clock; returns the steps that were copied and the snapshot_interval events."""
+    """Steps as Run.step drives a MemoryCadence (the control exchange every 10 steps, then at_step),
+    on a fake clock; returns the steps that were copied and the snapshot_interval events."""
     from steadfast.comm import Comm
+    from steadfast.exchange import Exchange
     from steadfast.records import RunRecord
     from steadfast.snapshot_cadence import MemoryCadence
 
     clock = _Clock(cost_s)
+    exchange = Exchange(Comm(), 10)
     cadence = MemoryCadence(
-        _memory(launch), every, Comm(), RunRecord(tmp_path, 0).event, (_state(), {"rng": RNGState()}), clock.copying, clock
+        _memory(launch), every, exchange, RunRecord(tmp_path, 0).event, (_state(), {"rng": RNGState()}), clock.copying, clock
     )
     for step in steps:
         clock.now += step_s(step)
-        if step % 10 == 0:
-            cadence.retune(step)
+        if exchange.due(step):
+            exchange.send(step)
         assert cadence.at_step(step)
     return clock.copies, [e for e in events(tmp_path) if e["event"] == "snapshot_interval"]
 
@@ -411,7 +413,8 @@ def test_auto_settles_on_a_power_of_two_within_two_percent_and_records_each_chan
     _check_gaps(copies, recorded, 0)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Snapshots in memory")]
     assert len(said) == len(recorded) and "every step (auto) from step 1" in said[0], said
-    assert said[1].startswith("Snapshots in memory: every 16 steps (auto) from step 20 "), said
+    # the second window's numbers (step 20) are agreed at the next exchange (pipelined)
+    assert said[1].startswith("Snapshots in memory: every 16 steps (auto) from step 30 "), said
 
 
 def test_a_fixed_interval_counts_from_where_the_attempt_started(launch: shm.LaunchFolder, tmp_path: Path) -> None:

@@ -245,8 +245,9 @@ class TwoRanks(Comm):
     def start_sum(self, tensor: torch.Tensor) -> Pending:
         self.collectives.append("start_sum")
         peer = torch.zeros_like(tensor)
-        local = 2 + self.world_size  # the slots after the loss, the count and the memory
-        peer[local + 1 - self.rank] = self.peer_ms / 1000 if tensor[local + self.rank] > 0 else 0.0
+        # one window per message (steadfast/exchange.py): its 2 summed numbers, then each rank's [memory, local time]
+        mine, theirs = 2 + 2 * self.rank + 1, 2 + 2 * (1 - self.rank) + 1
+        peer[theirs] = self.peer_ms / 1000 if tensor[mine] > 0 else 0.0
         return Pending(lambda: tensor + peer)
 
     def __getattribute__(self, name: str) -> Any:
