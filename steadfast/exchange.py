@@ -15,7 +15,7 @@ row and every rank reads every rank's rows.
 The interval: `every_n_steps`, or automatic: the largest power of two (at most MAX_EVERY) whose steps
 take at most CONTROL_INTERVAL_S of rank 0's time per step. Every message carries rank 0's time per
 step since the one before, so every rank picks the same interval at the same step: every step until
-the second message's answer, a few steps into the attempt.
+the second message's answer, a few steps into the attempt, or while a part still measures (`hold`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Exchange:
         self.comm, self.every = comm, max(1, int(every_n_steps or 1))
         self.auto = every_n_steps is None  # `every` follows rank 0's time per step (retune)
         self._riders: List[Rider] = []
+        self._holds: List[Callable[[], bool]] = []
         self._posted: List[_Post] = []
         self._flying: Optional[Tuple[List[_Post], Pending]] = None
         self.sent_at = -1  # the step at which the message in flight was started
@@ -62,6 +63,11 @@ class Exchange:
     def ride(self, rider: Rider) -> None:
         """Ask `rider` for its posts at every send, after the parts that post directly."""
         self._riders.append(rider)
+
+    def hold(self, holding: Callable[[], bool]) -> None:
+        """While `holding()` is true (the same on every rank) the automatic interval stays at every step:
+        a part that still measures (the snapshot cadence's first interval) has its answers at once."""
+        self._holds.append(holding)
 
     def post(self, shared: Sequence[float], own: Sequence[float], reply: Reply) -> None:
         """Numbers for the next message, and what to call with the answer when it is read."""
@@ -121,6 +127,9 @@ class Exchange:
         if not self.auto or not step_seconds:
             return
         every = 1
-        while every * 2 * step_seconds <= CONTROL_INTERVAL_S and every * 2 <= MAX_EVERY:
+        while every * 2 * step_seconds <= CONTROL_INTERVAL_S and every * 2 <= MAX_EVERY and not self._held():
             every *= 2
         self.every = every
+
+    def _held(self) -> bool:
+        return any(holding() for holding in self._holds)

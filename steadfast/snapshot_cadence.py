@@ -69,7 +69,9 @@ class MemoryCadence:
         self._work, self._work_steps = 0.0, 0  # time in steps (copies excluded) since the last retune, and how many
         self._mark: Optional[float] = None  # when the last call ended
         self.off = False  # snapshots are off on every rank from now on
+        self._decided = False  # auto: the first interval agreed (until then a copy every step, an exchange every step)
         exchange.ride(self.retune)
+        exchange.hold(lambda: self.auto and not self.off and not self._decided)
 
     def at_step(self, step: int) -> bool:
         """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
@@ -127,6 +129,7 @@ class MemoryCadence:
         cost, step_seconds, step = max(r[0] for r in own), min(r[1] for r in own), self.exchange.step
         if cost <= 0 or step_seconds <= 0 or self.off:
             return
+        self._decided = True
         wanted = auto_interval(cost, step_seconds)
         if self.every * LOWER_AT < wanted <= self.every:
             return
