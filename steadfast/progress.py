@@ -21,6 +21,7 @@ from typing import Any, Deque, Optional, TextIO, Tuple
 log = logging.getLogger("steadfast.progress")
 
 REDRAW_S = 0.2  # the terminal line at most this often
+SAMPLE_S = 0.25  # a (time, step) sample for the speed at most this often
 RATE_WINDOW_S = 20.0  # steps/s over about this long
 
 
@@ -62,6 +63,7 @@ class ProgressDisplay:
         self.visible = False
         self._samples: Deque[Tuple[float, int]] = deque()
         self._last_draw = self._last_line = -1e9
+        self._due = 0.0  # the next time a sample, a redraw or a line is due (update does nothing before)
         self._filters: list = []
         if self.mode == "bar":
             for handler in logging.getLogger().handlers:
@@ -97,7 +99,9 @@ class ProgressDisplay:
         if loss is not None:
             self.loss = loss
         now = time.monotonic()
-        if not self._samples or now - self._samples[-1][0] >= 0.25:
+        if now < self._due:  # most steps: one clock read
+            return
+        if not self._samples or now - self._samples[-1][0] >= SAMPLE_S:
             self._samples.append((now, step))
             while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
                 self._samples.popleft()
@@ -108,10 +112,13 @@ class ProgressDisplay:
             self._last_line = now
             # in bar mode only the log file gets the line (the terminal has the bar)
             log.info("progress: %s", self.text(step, epoch), extra={"progress_file_only": self.mode == "bar"})
+        due = min(self._samples[-1][0] + SAMPLE_S, self._last_line + self.every_s)
+        self._due = min(due, self._last_draw + REDRAW_S) if self.mode == "bar" else due
 
     def restart_rate(self) -> None:
         """Forget the speed measured so far (after a pause that is not training: a save, validation)."""
         self._samples.clear()
+        self._due = 0.0
 
     def _draw(self, step: int, epoch: int) -> None:
         width = shutil.get_terminal_size((100, 20)).columns

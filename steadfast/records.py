@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ class RunRecord:
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.enabled = run_dir, rank == 0
         self._metrics: Optional[TextIO] = None  # kept open: opening it for every row cost more than the row
+        self._holding = False  # rows buffered until held() ends
 
     def event(self, kind: Event, **fields: Any) -> None:
         if self.enabled:
@@ -37,7 +39,19 @@ class RunRecord:
             if self._metrics is None:
                 self._metrics = open(self.run_dir / METRICS_FILE, "a")
             self._metrics.write(json.dumps(row) + "\n")
-            self._metrics.flush()  # whole rows for a reader (the benchmarks, a person's tail -f)
+            if not self._holding:
+                self._metrics.flush()  # whole rows for a reader (the benchmarks, a person's tail -f)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Rows written inside reach the file together, at the end (one write for a message's windows)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            if self._metrics is not None:
+                self._metrics.flush()
 
     def close(self) -> None:
         """Close metrics.jsonl (a later row opens it again)."""

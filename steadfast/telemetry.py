@@ -53,8 +53,9 @@ class _Window:
     time: float
     wall: float
     lr: Optional[float]
-    rss_mb: float  # this rank's, when the window closed
-    loss: Optional[torch.Tensor]  # this rank's loss sum and count in the window (for a checkpoint taken meanwhile)
+    rss_mb: float  # this rank's peak so far, read when the window is sent (one read per message, not per window)
+    loss: float  # this rank's loss sum in the window, the part summed on the host (CPU losses)
+    device_loss: Optional[torch.Tensor]  # and the part summed on the device (CUDA losses), not yet read
     count: int
     shared: List[float]  # summed over the ranks: [loss sum, count]
     own: List[float]  # this rank's: [peak memory MB, local seconds per step(, CUDA peak MB)]
@@ -88,7 +89,8 @@ class Telemetry:
         self._drives = exchange is None  # alone: an exchange of its own, one message per window
         self.exchange = Exchange(comm, self.every) if exchange is None else exchange
         self.exchange.ride(self._post)
-        self._losses: List[torch.Tensor] = []  # this window's losses, detached, on the device: summed when it closes
+        self._total = 0.0  # this window's CPU losses, summed as they come (reading a CPU tensor waits for nothing)
+        self._losses: List[torch.Tensor] = []  # its device losses, detached: summed on the device when it closes
         self._count = 0
         self._closed: List[_Window] = []  # not yet sent
         self._sent: List[_Window] = []  # sent, their answer not yet read
@@ -109,12 +111,16 @@ class Telemetry:
     def add_loss(self, loss: Any) -> None:
         if loss is None:
             return
-        # one op a step (an add would be a second): the window's sum is one stack and sum when it closes
-        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        if not isinstance(loss, torch.Tensor):
+            self._total += float(loss)
+        elif loss.device.type == "cpu":
+            self._total += loss.item()  # waits for nothing on the CPU (and, unlike float(), warns of no graph)
+        else:  # no op but an append a step: the window's device sum is one stack and sum when it closes
+            self._losses.append(loss.detach())
         self._count += 1
 
-    def _sum(self) -> Optional[torch.Tensor]:
-        """The window's loss sum so far, on the device (None before its first loss)."""
+    def _device_sum(self) -> Optional[torch.Tensor]:
+        """The window's device losses so far, summed on the device (None when it has none)."""
         return torch.stack(self._losses).sum(dtype=torch.float32) if self._losses else None
 
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
@@ -139,20 +145,18 @@ class Telemetry:
     def _close(self, step: Optional[int], epoch: int) -> _Window:
         """This window's numbers, on the host (the rest of an epoch, `step` None, leaves its steps'
         local time to the next window). A loss sum on the device is copied without waiting."""
-        rss = peak_rss_mb()
-        own = [rss, self.timer.window() if step is not None else 0.0]
+        own = [0.0, self.timer.window() if step is not None else 0.0]  # [0]: the peak memory, when sent
         if self.cuda:
             own.append(torch.cuda.max_memory_allocated(self.comm.device) / 2**20)
-        loss, count = self._sum(), self._count
-        self._losses, self._count = [], 0
-        total, host, landed = 0.0, None, None
-        if loss is not None and loss.device.type == "cuda":
-            host = torch.empty((), dtype=torch.float64, pin_memory=True)
-            host.copy_(loss.double(), non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record()
-        elif loss is not None:
-            total = float(loss)  # a CPU tensor
+        total, device, count = self._total, self._device_sum(), self._count
+        self._total, self._losses, self._count = 0.0, [], 0
+        host, landed = None, None
+        if device is not None:
+            host = torch.empty((), dtype=torch.float64, pin_memory=device.device.type == "cuda")
+            host.copy_(device.double(), non_blocking=True)
+            landed = torch.cuda.Event() if device.device.type == "cuda" else None
+            if landed is not None:
+                landed.record()
         closed_at = self._last if step is None else step
         wall = time.time() - self.started
         return _Window(
@@ -162,8 +166,9 @@ class Telemetry:
             time.time(),
             wall,
             self.lr,
-            rss,
-            loss,
+            0.0,
+            total,
+            device,
             count,
             [total, float(count)],
             own,
@@ -179,11 +184,13 @@ class Telemetry:
         if not ready:
             return
         del self._closed[: len(ready)]
+        rss = peak_rss_mb()  # a peak: the same or more than when the windows closed
         for w in ready:
+            w.own[0] = w.rss_mb = rss
             if w.host is not None:
-                if not w.landed.query():  # only when sent at once: an epoch's end, a stop, the end
+                if w.landed is not None and not w.landed.query():  # only when sent at once: an epoch's end, a stop, the end
                     w.landed.synchronize()
-                w.shared[0] = float(w.host)  # host memory
+                w.shared[0] += float(w.host)  # host memory
         self._sent.extend(ready)
         n = len(ready[0].own)
         self.exchange.post(
@@ -195,8 +202,9 @@ class Telemetry:
     def _read(self, windows: List[_Window], shared: List[float], own: List[List[List[float]]]) -> None:
         """The answer for `windows`: each one's sums and every rank's numbers (own[rank][window])."""
         del self._sent[: len(windows)]
-        for i, window in enumerate(windows):
-            self._reduced(window, shared[SHARED * i : SHARED * (i + 1)], [rows[i] for rows in own])
+        with self.record.held():
+            for i, window in enumerate(windows):
+                self._reduced(window, shared[SHARED * i : SHARED * (i + 1)], [rows[i] for rows in own])
 
     def _pop_over(self) -> Optional[Tuple[int, float]]:
         over, self._over = self._over, None
@@ -271,17 +279,22 @@ class Telemetry:
         run's epoch losses are the uninterrupted run's. The windows not yet read (sent or not) are not
         waited for: their sums are saved with the loss not yet logged, and a resumed run reduces them
         with its first window."""
-        window, count = self._sum(), self._count
+        total, count = self._total, self._count
+        device = [self._device_sum()]
         for unread in (*self._sent, *self._closed):
-            if unread.step is not None and unread.count and unread.loss is not None:
-                window = unread.loss if window is None else window + unread.loss
+            if unread.step is not None and unread.count:
+                total += unread.loss
+                device.append(unread.device_loss)
                 count += unread.count
-        saved = window.detach().cpu() if window is not None else torch.zeros((), dtype=torch.float32)
+        saved = torch.tensor(total, dtype=torch.float32)
+        for part in device:
+            if part is not None:
+                saved += part.detach().cpu()
         return {"window": saved, "count": count, "epoch_sum": self._epoch[0], "epoch_batches": self._epoch[1]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._count = int(state["count"])
-        self._losses = [state["window"].to(self.comm.device).float().clone()] if self._count else []
+        self._total, self._losses = (float(state["window"]) if self._count else 0.0), []
         self._epoch = [float(state["epoch_sum"]), int(state["epoch_batches"])]
 
     def metrics(self, **row: Any) -> None:
