@@ -10,7 +10,7 @@ import pytest
 
 from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # see scripts/test.sh
+pytestmark = [pytest.mark.slow]
 
 
 def free_port() -> int:
@@ -37,6 +37,7 @@ def finish(proc, timeout: float = 150) -> tuple:
     return proc.returncode, out
 
 
+@pytest.mark.alone  # the other launches must start while the job holds the folder (see scripts/test.sh)
 def test_two_agents_complete_one_job_and_an_unrelated_launch_is_refused(tmp_path: Path) -> None:
     port = free_port()
     # the job holds the folder for a while: rank 0 stalls for 12 s at step 5 (workers that fork from
@@ -88,6 +89,7 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.alone  # node B's kill and return are placed against node A's progress
 def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     """nnodes=1:2: node B (agent and worker) is SIGKILLed; node A re-rendezvouses alone and continues
     from the last committed checkpoint with 1 worker; B restarted joins at the next rendezvous and
