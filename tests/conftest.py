@@ -19,6 +19,14 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return reference_run(tmp_path_factory, "baseline", *QUICK)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that launch real jobs first, the rest (seconds in all) after them, each module's tests
+    together and in their order: pytest-xdist's workers then end on short tests, not with one worker
+    still in a minute-long launch test while the other has nothing left (scripts/test.sh)."""
+    launches = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in launches)
+
+
 def _horovod_available() -> bool:
     from importlib.util import find_spec
 
