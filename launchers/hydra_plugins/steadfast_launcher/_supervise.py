@@ -146,7 +146,6 @@ class Supervisor:
         self.workers: Dict[int, _Worker] = {}
         self.incarnations: Dict[int, _Incarnation] = {}
         self.first_hang: Optional[str] = None  # the message of this launch's first hang
-        self.last_hang: Optional[str] = None
         self.grace_expired = False
         self._backend_stops = False
         self._forward_logged = False
@@ -445,7 +444,6 @@ class Supervisor:
             w.handled = True
             kill(w.pid, signal.SIGKILL)
         self.first_hang = self.first_hang or message
-        self.last_hang = message
 
     def _stacks(self, rank: int) -> Path:
         return self.run_dir / STACKS_DIR / f"rank{rank}.txt"

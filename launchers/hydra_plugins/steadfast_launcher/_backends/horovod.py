@@ -206,9 +206,13 @@ def first_exit(err: BaseException) -> List[WorkerExit]:
     if not found or not found.group(1).isdigit():
         return []
     code = int(found.group(2))
-    if code > 128 and code - 128 in signal.valid_signals():
-        code = -(code - 128)
-    return [WorkerExit(code, rank=int(found.group(1)))]
+    signum = _signal_of(code)
+    return [WorkerExit(-signum if signum else code, rank=int(found.group(1)))]
+
+
+def _signal_of(status: int) -> Optional[int]:
+    """The signal a shell's exit status 128+N says killed the process (None for any other status)."""
+    return status - 128 if status > 128 and status - 128 in signal.valid_signals() else None
 
 
 def root_cause(err: BaseException, logs: Path) -> str:
@@ -218,9 +222,9 @@ def root_cause(err: BaseException, logs: Path) -> str:
     if not found:  # not a worker exit: a start-up, rendezvous or elastic driver error
         return f"horovod runner: {type(err).__name__}: {text.splitlines()[0] if text else 'no message'}"
     name, code = found.group(1), int(found.group(2))
-    how = f"exit code {code}"
-    if code > 128 and code - 128 in signal.valid_signals():
-        how += f", killed by {signal.Signals(code - 128).name}"
+    how, signum = f"exit code {code}", _signal_of(code)
+    if signum:
+        how += f", killed by {signal.Signals(signum).name}"
     if not name.isdigit():  # elastic mode names workers HOST[LOCAL_RANK]
         return f"worker {name} ({how})"
     causes = {int(p.parent.name.rpartition(".")[2]): _last_exception(p) for p in logs.glob("rank.*/stderr")}
