@@ -153,10 +153,14 @@ def test_launch_config_mapping(tmp_path: Path) -> None:
     )
     assert static.rdzv_endpoint == "127.0.0.1:29999" and static.rdzv_configs["rank"] == 0
     quick = launch_config(
-        TorchrunBackendConf(nnodes="1:2", rdzv_endpoint="n:1", rdzv_node_timeout_s=6), RestartConf(), "r", tmp_path
+        TorchrunBackendConf(nnodes="1:2", rdzv_endpoint="n:1", rdzv_node_timeout_s=6, rdzv_is_host=False),
+        RestartConf(),
+        "r",
+        tmp_path,
     )
     assert (quick.rdzv_configs["keep_alive_interval"], quick.rdzv_configs["keep_alive_max_attempt"]) == (2, 3)
-    assert "keep_alive_interval" not in standalone.rdzv_configs  # torch's default
+    assert quick.rdzv_configs["is_host"] is False
+    assert "keep_alive_interval" not in standalone.rdzv_configs and "is_host" not in standalone.rdzv_configs  # torch's default
 
 
 def test_backend_problems() -> None:
@@ -166,3 +170,4 @@ def test_backend_problems() -> None:
     assert any("mutually exclusive" in p for p in HorovodBackendConf(hosts="a:1", host_discovery_script="x.sh").problems())
     assert any("min_np" in p for p in HorovodBackendConf(min_np=3, max_np=2).problems())
     assert any("backend.rdzv_node_timeout_s" in p and ">= 3" in p for p in TorchrunBackendConf(rdzv_node_timeout_s=1).problems())
+    assert any("backend.rdzv_is_host" in p for p in TorchrunBackendConf(rdzv_backend="static", rdzv_is_host=True).problems())

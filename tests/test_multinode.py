@@ -118,12 +118,16 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
     ]
     args = [a for a in args if a != "trainer.max_epochs=2"]
     folder = run_dir(tmp_path, "el")
-    a = start_train(tmp_path, *args)
-    b = b2 = None
+    client = [*args, "backend.rdzv_is_host=false"]  # B only connects to A's store, waiting for it
+    # B first, so that it already waits when A's store opens: A's first round (it closes 3 s after A
+    # joins) then has both nodes, however long a launcher takes to start, and A cannot train alone to
+    # the hold at step 200 before the pair round
+    b = start_train(tmp_path, *client)
+    a = b2 = None
     try:
+        wait_for(lambda: event_of(folder, "launch"), 60, "node B's launcher", b)
+        a = start_train(tmp_path, *args)
         wait_for(lambda: _listening(port), 60, "node A's rendezvous store", a)
-        b = start_train(tmp_path, *args)
-        # (if A's first round started alone, B's arrival makes A save and re-rendezvous with both: fine)
         pair = wait_for(
             lambda: [e for e in events(folder) if e.get("event") == "attempt_started" and e.get("world_size") == 2],
             120,
@@ -142,7 +146,7 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
         )
         assert changed["saved_world_size"] == 2 and changed["global_batch"] == 32  # keep_global_batch: 16 x 2
         wait_for(lambda: event_of(folder, "fault_fired", step=200), 120, "node A alone holding at step 200", a)
-        b2 = start_train(tmp_path, *args)
+        b2 = start_train(tmp_path, *client)
         back = wait_for(
             lambda: [
                 e

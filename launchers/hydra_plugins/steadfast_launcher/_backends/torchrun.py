@@ -55,6 +55,10 @@ class TorchrunBackendConf(BackendConf):
     # Elastic jobs: how long a node's agent may go silent before the other nodes take it for lost and
     # re-rendezvous without it (a keep-alive every third of it). null: torch's default (15 s).
     rdzv_node_timeout_s: Optional[int] = None
+    # c10d: whether this node hosts the rendezvous store. null: torch decides (a node whose own address
+    # the endpoint names hosts it; several such nodes, e.g. on one machine: the first to bind the port).
+    # false: this node only connects to it, waiting for the host (up to 60 s), so it may start first.
+    rdzv_is_host: Optional[bool] = None
     master_addr: str = "127.0.0.1"  # only for rdzv_backend=static
     master_port: Optional[int] = None  # only for rdzv_backend=static
     node_rank: int = 0  # only for rdzv_backend=static
@@ -96,6 +100,8 @@ class TorchrunBackendConf(BackendConf):
             out.append(bad(f"{prefix}.rdzv_last_call_s", self.rdzv_last_call_s, "seconds >= 1, or null (torch's 30 s)"))
         if self.rdzv_node_timeout_s is not None and self.rdzv_node_timeout_s < 3:
             out.append(bad(f"{prefix}.rdzv_node_timeout_s", self.rdzv_node_timeout_s, "seconds >= 3, or null (torch's 15 s)"))
+        if self.rdzv_is_host is not None and self.rdzv_backend != "c10d":
+            out.append(bad(f"{prefix}.rdzv_is_host", self.rdzv_is_host, "null unless rdzv_backend=c10d (it hosts the store)"))
         if self.start_method not in START_METHODS:
             out.append(bad(f"{prefix}.start_method", self.start_method, f"one of {', '.join(START_METHODS)}"))
         return out
@@ -201,6 +207,8 @@ def launch_config(backend: TorchrunBackendConf, restart: RestartConf, run_id: st
     if backend.rdzv_node_timeout_s is not None:  # torch takes a node for lost after 3 missed keep-alives
         rdzv_configs["keep_alive_interval"] = max(1, backend.rdzv_node_timeout_s // 3)
         rdzv_configs["keep_alive_max_attempt"] = 3
+    if backend.rdzv_is_host is not None:
+        rdzv_configs["is_host"] = backend.rdzv_is_host
     if backend.rdzv_backend == "static":
         endpoint = f"{backend.master_addr}:{backend.master_port}"
         rdzv_configs["rank"] = backend.node_rank
