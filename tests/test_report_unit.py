@@ -360,7 +360,7 @@ def test_missing_unreadable_and_wrongly_typed_files(tmp_path: Path, capsys: pyte
     assert "problem: metrics.jsonl: missing: no loss curve, no time per step" in out
     assert "problem: summary.json: unusable value(s) of global_step, val_loss, not shown" in out
     assert "problem: config.yaml: not a regular file: verified the default checkpoint folder" in out
-    assert out.splitlines()[0].endswith(": completed") and "steps -, final train loss -, val loss -" in out
+    assert out.splitlines()[0].endswith(": completed") and "steps -, train loss (last epoch) -, val loss -" in out
 
 
 def test_a_yaml_config_is_never_evaluated(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

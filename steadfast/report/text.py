@@ -59,7 +59,7 @@ def format_run(r: RunReport) -> str:
     if s.error:
         lines.append(f"  error: {s.error}")
     lines.append(
-        f"  epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, final train loss {_fmt(s.final_loss)}, "
+        f"  epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, train loss (last epoch) {_fmt(s.final_loss)}, "
         f"val loss {_fmt(s.val_loss)}, val accuracy {_fmt(s.val_accuracy, '.3f')}"
     )
     if s.model_sha256:
