@@ -71,10 +71,6 @@ class Comm:
         """The sum over the ranks of a tensor of the caller's, on its device (the training plane)."""
         return tensor
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is true on any rank."""
-        return flag
-
     def max_each(self, values: Sequence[float]) -> List[float]:
         """Element-wise maximum over the ranks, on every rank: the control agreement (stop
         requests, time-based saves). A few floats on the CPU, so it never waits for a GPU."""
@@ -140,9 +136,6 @@ class TorchDistComm(Comm):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM)
         return tensor
-
-    def any(self, flag: bool) -> bool:
-        return self.max_each([1.0 if flag else 0.0])[0] > 0
 
     def start_max_each(self, values: Sequence[float]) -> Pending:
         t = torch.tensor(values, dtype=torch.float64)

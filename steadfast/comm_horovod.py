@@ -72,10 +72,6 @@ class HorovodComm(Comm):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
-    def any(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
-        return bool(self.hvd.allreduce(t, op=self.hvd.Max).item())
-
     def start_max_each(self, values: Sequence[float]) -> Pending:
         # Horovod runs a collective only at its next cycle (HOROVOD_CYCLE_TIME): waiting for it
         # at once would cost a cycle every step; started now, it rides with the next gradients.
