@@ -53,7 +53,6 @@ class _Window:
     time: float
     wall: float
     lr: Optional[float]
-    rss_mb: float  # this rank's peak so far, read when the window is sent (one read per message, not per window)
     loss: float  # this rank's loss sum in the window, the part summed on the host (CPU losses)
     device_loss: Optional[torch.Tensor]  # and the part summed on the device (CUDA losses), not yet read
     count: int
@@ -145,7 +144,8 @@ class Telemetry:
     def _close(self, step: Optional[int], epoch: int) -> _Window:
         """This window's numbers, on the host (the rest of an epoch, `step` None, leaves its steps'
         local time to the next window). A loss sum on the device is copied without waiting."""
-        own = [0.0, self.timer.window() if step is not None else 0.0]  # [0]: the peak memory, when sent
+        # [0]: this rank's peak memory so far, read when the window is sent (once a message, not a window)
+        own = [0.0, self.timer.window() if step is not None else 0.0]
         if self.cuda:
             own.append(torch.cuda.max_memory_allocated(self.comm.device) / 2**20)
         total, device, count = self._total, self._device_sum(), self._count
@@ -166,7 +166,6 @@ class Telemetry:
             time.time(),
             wall,
             self.lr,
-            0.0,
             total,
             device,
             count,
@@ -186,7 +185,7 @@ class Telemetry:
         del self._closed[: len(ready)]
         rss = peak_rss_mb()  # a peak: the same or more than when the windows closed
         for w in ready:
-            w.own[0] = w.rss_mb = rss
+            w.own[0] = rss
             if w.host is not None:
                 if w.landed is not None and not w.landed.query():  # only when sent at once: an epoch's end, a stop, the end
                     w.landed.synchronize()
@@ -236,7 +235,7 @@ class Telemetry:
             **row,
             wall=round(window.wall, 3),
             restart=self.restarts,
-            rss_mb=window.rss_mb,
+            rss_mb=rss[self.comm.rank],
             rss_mb_per_rank=rss,
             rss_mb_max=max(rss),
             local_ms_per_rank=[round(1000 * v, 3) for v in local],
