@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import xxhash
 
 from .checkpoint import tensorfile
-from .checkpoint.codec import OWN, SHARED, Codec, for_state
+from .checkpoint.codec import OWN, SHARED, Codec, for_state, state_of
 from .checkpoint.replicated import ReplicatedCodec
 from .contract.events import Event
 from .contract.shm import SHM_DIR, Segments
@@ -266,8 +266,8 @@ class MemorySnapshots:
 
     def plan(self, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> List[Tuple[Buffer, Any]]:
         """What this rank writes now (buffer, layout), as the state's codec says."""
-        states = {name: obj.state_dict() for name, obj in objects.items()}
-        own = {name: obj.state_dict() for name, obj in per_rank.items()}
+        states = {name: state_of(obj) for name, obj in objects.items()}
+        own = {name: state_of(obj) for name, obj in per_rank.items()}
         blobs = for_state(states).snapshot(states, own, self.writes_objects)
         return [(self.buffers[name], layout) for name, layout in blobs.items()]
 
@@ -290,7 +290,7 @@ class MemorySnapshots:
         return self.buffers[OWN]
 
     def _codec(self, objects: Optional[Dict[str, Any]]) -> Codec:
-        return for_state({n: o.state_dict() for n, o in objects.items()}) if objects is not None else ReplicatedCodec()
+        return for_state({n: state_of(o) for n, o in objects.items()}) if objects is not None else ReplicatedCodec()
 
     def steps(self, objects: Optional[Dict[str, Any]] = None) -> List[int]:
         """The steps at which every buffer the codec of these live objects reads is filled on this

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
+import torch
+
 from .tensorwrite import Layout
 
 SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
@@ -31,6 +33,16 @@ class Collectives(Protocol):
     def broadcast_object(self, obj: Any) -> Any: ...
 
     def max_each(self, values: Sequence[float]) -> List[float]: ...
+
+
+def state_of(obj: Any) -> Any:
+    """What a save or a snapshot stores of a Stateful: its state_dict(); a module's with its parameters
+    and buffers themselves (keep_vars=True, hooks and overrides honoured as ever): what is stored is
+    their bytes, and a detached view of each costs about a microsecond, most of the call for a module of
+    many small tensors."""
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
 
 
 class Unsaveable(ValueError):

@@ -39,7 +39,7 @@ from ..contract.events import Event
 from . import fileio
 from . import manifest as mf
 from . import restore as rs
-from .codec import Codec, Collectives, Unsaveable, for_state
+from .codec import Codec, Collectives, Unsaveable, for_state, state_of
 from .ranks import RankWrite, write_own
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
@@ -112,14 +112,14 @@ class CheckpointManager:
         clash = sorted(mf.RESERVED & set(meta))
         if clash:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
-        states = {name: obj.state_dict() for name, obj in objects.items()}
+        states = {name: state_of(obj) for name, obj in objects.items()}
         codec = for_state(states)
         self._objects_of_save = list(objects.values())
         if codec.every_rank_writes:
             self.wait()
         started = time.perf_counter()
         try:
-            planned = codec.plan(states, {name: obj.state_dict() for name, obj in per_rank.items()}, self.comm)
+            planned = codec.plan(states, {name: state_of(obj) for name, obj in per_rank.items()}, self.comm)
             problem = None
         except Unsaveable as exc:
             planned, problem = None, f"cannot save {exc.name} at step {step}: {exc.reason}"
@@ -220,7 +220,7 @@ class CheckpointManager:
     def _snapshot(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Snapshot:
         """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
         later, before each optimizer's next step)."""
-        optimizers, owned = optimizer_owned(objects) if self.defer_optimizer_copy else ([], set())
+        optimizers, owned = optimizer_owned(objects) if self.defer_optimizer_copy else ([], None)
         snap = Snapshot(layouts, self._buffers, owned)
         self._copied = snap.copied
         for opt in optimizers:

@@ -32,28 +32,46 @@ _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 def _keys(tensors: Iterable[torch.Tensor]) -> Set[Key]:
-    """The keys of the non-empty ones (an async save's blocking part runs this for every parameter:
-    a plain tensor or Parameter is told by its class, without a call)."""
-    out = set()
-    for t in tensors:
-        cls = t.__class__
-        if cls is not _TENSOR and cls is not _PARAMETER and is_dtensor(t):  # its piece on this rank is what is copied
-            t = t.to_local()  # type: ignore[attr-defined]
-        if t.numel():
-            out.add((t.is_cuda, t.data_ptr()))
-    return out
+    """Their keys (a DTensor's: its local piece's, what a save copies). An empty tensor's key matches
+    only empty tensors', which a save copies nothing of."""
+    plain = (_TENSOR, _PARAMETER)
+    pieces = [t.to_local() for t in tensors if t.__class__ not in plain and is_dtensor(t)]  # type: ignore[attr-defined]
+    return {(t.is_cuda, t.data_ptr()) for t in tensors if t.__class__ in plain or not is_dtensor(t)} | {
+        (t.is_cuda, t.data_ptr()) for t in pieces
+    }
 
 
-def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer], Set[Key]]:
+class Owned:
+    """The tensors only the optimizers' step() changes: their parameters and their state. A save's
+    tensor is told by identity (a module's state holds its parameters themselves: codec.state_of),
+    else by its memory (a detached view, a DTensor's local piece), whose keys are read only then:
+    an async save's blocking part asks this of every tensor of the state."""
+
+    def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
+        self.tensors: List[torch.Tensor] = []
+        for opt in optimizers:
+            for group in opt.param_groups:
+                self.tensors.extend(group["params"])
+            for state in opt.state.values():
+                if isinstance(state, dict):
+                    self.tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        self._ids = set(map(id, self.tensors))
+        self._keys: Optional[Set[Key]] = None
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        if id(t) in self._ids:
+            return True
+        if not self.tensors:
+            return False
+        if self._keys is None:
+            self._keys = _keys(self.tensors)
+        return (t.is_cuda, t.data_ptr()) in self._keys
+
+
+def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer], Owned]:
     """The optimizers among `objects`, and the tensors only their step() changes."""
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    owned: Set[Key] = set()
-    for opt in optimizers:
-        owned |= _keys(p for group in opt.param_groups for p in group["params"])
-        for state in opt.state.values():
-            if isinstance(state, dict):
-                owned |= _keys(v for v in state.values() if isinstance(v, torch.Tensor))
-    return optimizers, owned
+    return optimizers, Owned(optimizers)
 
 
 class HostBuffers:
@@ -99,7 +117,7 @@ def _copy_run(run: List[Entry], dst: torch.Tensor) -> None:
 class Snapshot:
     """One save's tensor data in host memory: copied now, or later but before the next optimizer step."""
 
-    def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: Set[Key]) -> None:
+    def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: "Owned | None") -> None:
         self.layouts = layouts
         self.data: Dict[str, torch.Tensor] = {}
         self._later: List[Tuple[List[Entry], torch.Tensor]] = []
@@ -111,10 +129,9 @@ class Snapshot:
             later: List[Entry] = []
             for e in layout.entries:
                 t = e.tensor
-                cuda = t.is_cuda
-                if cuda and gpu is None:
+                if gpu is None and t.is_cuda:
                     gpu = t.device
-                (later if (cuda, t.data_ptr()) in deferred else now).append(e)
+                (later if deferred is not None and t in deferred else now).append(e)
             parts.append((name, now, later))
         self._device = gpu
         self._ready: Optional[Any] = None
