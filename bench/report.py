@@ -282,13 +282,14 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         for case in ck.get("results", []):
             rr = case["ratios"]
             tag = case["case"].split(":")[0]
+            goal = 0.9 if tag == "A" else 0.8  # B and C, states of many small tensors: 0.8 (issue 25)
             rows.append(
                 [
                     "5",
                     f"checkpoint {tag}: project sync save / raw fsync write, throughput",
                     f(rr.get("project_sync/raw_fsync_write throughput"), 2),
-                    ">= 0.9",
-                    status(rr.get("project_sync/raw_fsync_write throughput"), ">=", 0.9),
+                    f">= {goal}",
+                    status(rr.get("project_sync/raw_fsync_write throughput"), ">=", goal),
                 ]
             )
             rows.append(
@@ -311,7 +312,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             )
     if hv and not hv.get("skipped"):
         v = hv["ratios"].get("horovod/torchrun steps_per_s")
-        rows.append(["6", "Horovod / torchrun: steps/s (default settings)", f(v, 2), ">= 0.90", status(v, ">=", 0.90)])
+        rows.append(["6", "Horovod / torchrun: steps/s (default settings)", f(v, 2), ">= 0.95", status(v, ">=", 0.95)])
         for k in hv.get("variants", {}):
             if k != "horovod" and f"{k}/torchrun steps_per_s" in hv["ratios"]:
                 rows.append(
@@ -338,13 +339,14 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                 ]
             )
         for k, v in sc.get("model_size", {}).items():
+            tiny = k == "tiny"  # short steps: the library's fixed per-step work is the largest share (issue 25)
             rows.append(
                 [
                     "7",
                     f"{k} model ({v['job']['parameter_MB']} MB of parameters): steps/s ours / baseline; time to first step",
                     f"{f(v['ours/baseline steps_per_s'], 3)}; {f(v['ours/baseline ttfs'], 2)}",
-                    "-",
-                    "reported",
+                    ">= 0.95 (steps/s)" if tiny else "-",
+                    status(v["ours/baseline steps_per_s"], ">=", 0.95) if tiny else "reported",
                 ]
             )
     if sa:
@@ -371,6 +373,17 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                 "reported",
             ]
         )
+    if sc_step and sc_step.get("run.step_us_per_step") is not None:
+        direct = sc_step["run.step_us_per_step"]
+        rows.append(
+            [
+                "8",
+                "run.step timed around the call, amortised over every step (rank 0 of 2, median of blocks)",
+                f"{f(direct, 1)} us",
+                "<= 20 us",
+                status(direct, "<=", 20.0),
+            ]
+        )
     if sc_step and "run" in sc_step["ms_per_step"]:
         extra = sc_step["extra_us_per_step"]["run"]
         rows.append(
@@ -380,8 +393,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
                 " (steps/s with / without; per CPU-second)",
                 f"{f(extra, 1)} ({f(sc_step['bare/config steps_per_s']['run'], 3)};"
                 f" {f(sc_step['bare/config steps per CPU-second']['run'], 3)})",
-                "<= 20 us",
-                status(extra, "<=", 20.0),
+                "-",
+                "reported (block differences move by ~100 us here)",
             ]
         )
     if sc_step and sc_step.get("snapshot"):
