@@ -1,5 +1,6 @@
 """Whether a process is still there: the one check the launcher and the workers use (the launcher's
-watch over its workers, a worker's watch over its launcher, orphaned snapshot segments and folders)."""
+watch over its workers, a worker's watch over its launcher, orphaned snapshot segments and folders),
+and a signal to one that may be gone."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def kill(pid: int, sig: int) -> None:
+    """Send `sig` to `pid`; a process already gone (or not ours) is not an error."""
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass

@@ -10,10 +10,10 @@ from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 from steadfast.contract.heartbeat import read_heartbeats
-from steadfast.contract.pids import alive
+from steadfast.contract.pids import alive, kill
 from steadfast.contract.stop import STOP_SIGNALS, request_stop, signal_name, stop_requested
 
-from ._supervise import HOST, kill, mark_stop
+from ._supervise import HOST, mark_stop
 from ._types import Interrupted
 
 

@@ -1,4 +1,4 @@
-"""The launcher's watch over one launch: stop requests (preemption) and the hang watchdog.
+"""The launcher's watch over one launch: stop requests (preemption), hangs (_watchdog), attempts and failures.
 
 A thread in the launcher process reads the workers' heartbeat files (steadfast.contract.heartbeat) of this
 launch on this host, a few times a second:
@@ -12,13 +12,9 @@ launch on this host, a few times a second:
   `stop_on_grace_expired`), and a few seconds later anything left is killed. Workers register right
   after installing their stop handlers, so a forwarded signal never kills a worker that cannot
   handle it.
-- Hangs. A rank whose progress counter has not moved for `restart.hang_timeout_s` (measured on
-  this launcher's clock, never by comparing clocks of hosts) is stuck. Its peers soon stop
-  moving too, waiting for it in a collective. Every stuck worker is asked for its Python stacks
-  (SIGUSR1 -> faulthandler, appended to logs/stacks/rank<r>.txt); a rank whose main thread is
-  not inside a collective is the suspect. The stuck workers are killed: torch elastic's agent
-  then restarts the group, and Horovod's runner fails, so the launcher relaunches it; both count
-  against `restart.max_restarts`.
+- Hangs. The watchdog (_watchdog) finds the ranks whose progress has stopped, names the suspect
+  from their stacks and kills them: torch elastic's agent then restarts the group, and Horovod's
+  runner fails, so the launcher relaunches it; both count against `restart.max_restarts`.
 - Attempts. When every worker of one incarnation of the group is gone, an `attempt_ended`
   event records the last step each rank reached (the report uses it to count lost work).
 - Failures. When an incarnation fails, the supervisor decides which rank failed first and which
@@ -33,7 +29,6 @@ launch on this host, a few times a second:
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import threading
@@ -44,9 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from steadfast.contract import events
 from steadfast.contract.events import Event
-from steadfast.contract.files import STACKS_DIR
-from steadfast.contract.heartbeat import DONE_PHASE, STACK_SIGNAL, STARTUP_PHASES, read_heartbeats, stop_marker
-from steadfast.contract.pids import alive
+from steadfast.contract.heartbeat import DONE_PHASE, read_heartbeats, stop_marker
+from steadfast.contract.pids import alive, kill
 from steadfast.contract.schemas import RestartConf
 from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
@@ -55,13 +49,11 @@ from ._diagnosis import (
     Diagnosis,
     RankEnd,
     crash_site,
-    describe_frame,
     diagnose,
-    main_thread_frames,
-    waits_in_collective,
 )
 from ._logfiles import DETAILS, files_only
 from ._types import WorkerExit
+from ._watchdog import Watchdog, stacks_file
 
 log = logging.getLogger(__name__)
 details = logging.getLogger(DETAILS)  # train.log only
@@ -102,13 +94,6 @@ class _Incarnation:
     diagnosed: bool = False
 
 
-def kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
-
-
 def mark_stop(run_dir: Path, launch_id: str) -> None:
     """Tell this launch's workers that the stop signals they get now are the launcher's stop request
     (written before the first one is sent; see the workers' start-up guard in _worker)."""
@@ -136,13 +121,8 @@ class Supervisor:
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
         self._overdue = False
-        self.hang_timeout = restart.hang_timeout_s
         self.poll = POLL_S
-        # declared hung when the counter has been still for this long: detection, which also
-        # waits for the next poll, then stays within the timeout
-        self.threshold = max(self.hang_timeout - self.poll, self.hang_timeout / 2) if self.hang_timeout else None
-        startup = restart.startup_timeout_s or self.hang_timeout
-        self.startup_threshold = max(startup - self.poll, startup / 2) if self.threshold and startup else None
+        self.watchdog = Watchdog(run_dir, restart.hang_timeout_s, restart.startup_timeout_s, self.poll)
         self.workers: Dict[int, _Worker] = {}
         self.incarnations: Dict[int, _Incarnation] = {}
         self.first_hang: Optional[str] = None  # the message of this launch's first hang
@@ -207,15 +187,11 @@ class Supervisor:
         signum = stop_requested()
         if signum is not None:
             self._forward_stop(signum, live)
-        elif self.threshold is not None and self.startup_threshold is not None:  # both None when hang detection is off
-            stuck = [
-                w
-                for w in live
-                if w.phase != DONE_PHASE
-                and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)
-            ]
+        else:
+            stuck = self.watchdog.stuck(live, now)
             if stuck:
-                self._handle_hang(stuck, now)
+                message = self.watchdog.handle(stuck, now)
+                self.first_hang = self.first_hang or message
 
     def _record_ended(self, inc: _Incarnation) -> None:
         if inc.recorded or not inc.pids:
@@ -335,7 +311,7 @@ class Supervisor:
             finished=w.phase == DONE_PHASE,
         )
         if end.signal_name in FATAL_SIGNALS and end.where is None:
-            end.where = crash_site(self._stacks(w.rank))
+            end.where = crash_site(stacks_file(self.run_dir, w.rank))
         return end
 
     # ---- preemption -----------------------------------------------------------------------------
@@ -385,83 +361,3 @@ class Supervisor:
             self._overdue = True
             log.error("%s: the launch has not ended %g s after the grace; abandoning it", name, OVERDUE_S)
             self.on_overdue()
-
-    # ---- hangs ----------------------------------------------------------------------------------
-    def _handle_hang(self, stuck: List[_Worker], now: float) -> None:
-        stuck.sort(key=lambda w: w.rank)
-        sizes: Dict[int, int] = {}
-        for w in stuck:
-            path = self._stacks(w.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            header = (
-                f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} watchdog: rank {w.rank} (pid {w.pid}, restart "
-                f"{w.restart}) made no progress for {now - w.last_change:.1f} s; last step {w.step}, phase {w.phase} ====\n"
-            )
-            with open(path, "a") as f:
-                f.write(header)
-            sizes[w.rank] = path.stat().st_size
-            kill(w.pid, STACK_SIGNAL)
-        dumps = self._wait_for_stacks(stuck, sizes)
-        frames = {w.rank: main_thread_frames(dumps.get(w.rank, "")) for w in stuck}
-        suspects = [w for w in stuck if not waits_in_collective(frames[w.rank])] or stuck
-        first = suspects[0]
-        waiting = [w for w in stuck if w not in suspects]
-        seconds = now - first.last_change
-        message = (
-            f"rank {first.rank} hung: no progress for {seconds:.1f} s at step {first.step} (phase {first.phase}), "
-            f"at {describe_frame(frames[first.rank][0] if frames[first.rank] else None)}"
-        )
-        if len(suspects) > 1:
-            message += f"; also stuck: rank(s) {', '.join(str(w.rank) for w in suspects[1:])}"
-        if waiting:
-            message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
-        stacks = [str(self._stacks(w.rank)) for w in stuck]
-        for w in stuck:
-            w.hang = ""
-        for w in suspects:
-            here = describe_frame(frames[w.rank][0] if frames[w.rank] else None)
-            w.hang = (
-                f"no progress for {now - w.last_change:.1f} s at step {w.step} (phase {w.phase}), at {here}; "
-                f"stacks in {STACKS_DIR}/"
-            )
-        events.write(
-            self.run_dir,
-            events.HangDetected(
-                rank=first.rank,
-                step=first.step,
-                phase=first.phase,
-                seconds_without_progress=round(seconds, 2),
-                hang_timeout_s=self.hang_timeout,
-                restart=first.restart,
-                where=describe_frame(frames[first.rank][0] if frames[first.rank] else None),
-                suspects=[w.rank for w in suspects],
-                waiting=[w.rank for w in waiting],
-                stacks=stacks,
-            ),
-        )
-        details.error("%s. Stacks: %s. Killing the stuck worker(s).", message, ", ".join(stacks))
-        for w in stuck:
-            w.handled = True
-            kill(w.pid, signal.SIGKILL)
-        self.first_hang = self.first_hang or message
-
-    def _stacks(self, rank: int) -> Path:
-        return self.run_dir / STACKS_DIR / f"rank{rank}.txt"
-
-    def _wait_for_stacks(self, stuck: List[_Worker], sizes: Dict[int, int], timeout: float = 3.0) -> Dict[int, str]:
-        """Wait until every stuck worker's dump has landed (its file stopped growing), up to `timeout`."""
-        deadline = time.monotonic() + timeout
-        seen: Dict[int, int] = {}
-        while time.monotonic() < deadline:
-            now_sizes = {w.rank: self._stacks(w.rank).stat().st_size for w in stuck}
-            grown = all(now_sizes[r] > sizes[r] for r in now_sizes)
-            if grown and now_sizes == seen:
-                break
-            seen = now_sizes
-            time.sleep(0.05)
-        out = {}
-        for w in stuck:
-            with open(self._stacks(w.rank), "rb") as f:
-                f.seek(sizes[w.rank])
-                out[w.rank] = f.read().decode(errors="replace")
-        return out
