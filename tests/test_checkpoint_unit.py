@@ -135,6 +135,48 @@ def test_save_commit_retention_and_restore(tmp_path: Path, async_save: bool) -> 
     assert fresh.state["w"].tolist() == [3.0, 3.0, 3.0] and rng.state == {"seed": 3}
 
 
+class OwnStateDict(torch.nn.Linear):
+    """A module whose class defines state_dict() without torch's keyword arguments."""
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return {"w": self.weight.detach().clone(), "note": "mine"}
+
+    def load_state_dict(self, state: dict) -> None:  # type: ignore[override]
+        with torch.no_grad():
+            self.weight.copy_(state["w"])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_modules_are_saved_as_their_values_whatever_their_state_dict(tmp_path: Path, async_save: bool) -> None:
+    """A module's state is read with its tensors themselves (keep_vars), a module of its own
+    state_dict() as it defines it; either way the checkpoint holds the values at the save's step,
+    also when the optimizer changes the parameters right after an asynchronous save returns."""
+    torch.manual_seed(0)
+    model, own = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), OwnStateDict(2, 2)
+    opt = torch.optim.Adam([*model.parameters(), *own.parameters()], lr=0.1)
+
+    def step() -> None:
+        opt.zero_grad()
+        (model(torch.randn(5, 4)).square().sum() + own(torch.randn(3, 2)).sum()).backward()
+        opt.step()
+
+    step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    own_expected = own.weight.detach().clone()
+    m = manager(tmp_path, async_save=async_save)
+    m.save(1, {"model": model, "own": own, "optimizer": opt}, {}, {})
+    step()  # waits for the deferred copy of the optimizer's tensors, then changes them in place
+    m.close()
+    fresh, fresh_own = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), OwnStateDict(2, 2)
+    fresh_opt = torch.optim.Adam([*fresh.parameters(), *fresh_own.parameters()], lr=0.1)
+    assert manager(tmp_path).restore({"model": fresh, "own": fresh_own, "optimizer": fresh_opt}, {}, False).step == 1
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert torch.equal(fresh_own.weight, own_expected)
+    assert not any(v.requires_grad for v in fresh.state_dict(keep_vars=False).values())
+    assert all(p.requires_grad for p in fresh.parameters())  # loaded into, not replaced
+
+
 def test_corrupt_newest_falls_back_to_the_previous(tmp_path: Path) -> None:
     m = manager(tmp_path)
     for step in (1, 2):

@@ -39,8 +39,8 @@ def state_of(obj: Any) -> Any:
     """What a save or a snapshot stores of a Stateful: its state_dict(); a module's with its parameters
     and buffers themselves (keep_vars=True, hooks and overrides honoured as ever): what is stored is
     their bytes, and a detached view of each costs about a microsecond, most of the call for a module of
-    many small tensors."""
-    if isinstance(obj, torch.nn.Module):
+    many small tensors. A module whose class defines its own state_dict() is asked as a Stateful is."""
+    if isinstance(obj, torch.nn.Module) and type(obj).state_dict is torch.nn.Module.state_dict:
         return obj.state_dict(keep_vars=True)
     return obj.state_dict()
 
