@@ -162,9 +162,11 @@ def test_sharded_bench_smoke(tmp_path: Path) -> None:
     assert all(e["verified"] and _positive(e["warm_s"]["median"]) for e in st["restore"].values())
     assert len(st["restore"]["3"]["warm_rchar_MB_per_rank"]) == 3
     assert isinstance(st["memory_vs_ranks"]["sharded rank0 peak does not grow with the ranks"], bool)
-    assert _positive(r["hot_loop"]["ours/baseline steps_per_s"]) and _positive(
-        r["hot_loop"]["ours/baseline steps per CPU-second"]
-    )
+    assert _positive(r["hot_loop"]["ours/baseline steps_per_s"])
+    # the CPU view needs two of the sampler's reads (every 0.2 s) inside a run's measured window: the
+    # --tiny form's few steps can fall between them on a loaded machine (then None, not a wrong figure)
+    cpu = r["hot_loop"]["ours/baseline steps per CPU-second"]
+    assert cpu is None or _positive(cpu)
     assert set(r["targets"]) >= {
         "save throughput per rank, sharded / raw fsync write (2 workers)",
         "hot loop steps/s, ours / hand-written FSDP2",
