@@ -1,20 +1,12 @@
-"""BENCHMARKS.md's rows and section for bench.sharded (FSDP2 sharded state); bench/report.py calls these."""
+"""BENCHMARKS.md's rows and section 9, sharded state (bench.sharded, FSDP2); bench/report.py calls these."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from .cells import f, status, table
+
 SECTION = "9"
-
-
-def _f(x: Any, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}" if isinstance(x, (int, float)) else str(x)
-
-
-def _status(value: Optional[float], op: str, goal: float) -> str:
-    if value is None:
-        return "not measured"
-    return "**met**" if (value >= goal if op == ">=" else value <= goal) else "**missed**"
 
 
 def _med(d: Optional[Dict[str, Any]], *keys: str) -> Optional[float]:
@@ -33,14 +25,14 @@ def rows(sh: Dict[str, Any]) -> List[List[str]]:
             [
                 SECTION,
                 f"sharded save throughput per rank / raw fsync'd write of the same bytes, {w} workers",
-                _f(v),
+                f(v),
                 f">= {goal}" if goal else "-",
-                _status(v, ">=", goal) if goal else "reported",
+                status(v, ">=", goal) if goal else "reported",
             ]
         )
     mem, grows = st["memory"], st["memory_vs_ranks"]
     peaks = "; ".join(
-        f"{w}: {_f(_med(mem.get(w), 'gathered', 'rank0_peak_above_rss_MB'), 0)} / {_f(_med(mem.get(w), 'sharded', 'rank0_peak_above_rss_MB'), 0)}"
+        f"{w}: {f(_med(mem.get(w), 'gathered', 'rank0_peak_above_rss_MB'), 0)} / {f(_med(mem.get(w), 'sharded', 'rank0_peak_above_rss_MB'), 0)}"
         for w in ("2", "3")
     )
     ok = grows.get("sharded rank0 peak does not grow with the ranks")
@@ -58,23 +50,19 @@ def rows(sh: Dict[str, Any]) -> List[List[str]]:
         [
             SECTION,
             f"restore of a checkpoint saved on 2 workers, time on 1; on 3 / on 2 ({mode})",
-            "; ".join(_f(r.get(f"restore time, saved on 2 loaded on {w} / on 2 ({mode})")) for w in ("1", "3")),
+            "; ".join(f(r.get(f"restore time, saved on 2 loaded on {w} / on 2 ({mode})")) for w in ("1", "3")),
             "-",
             "reported",
         ]
     )
     v = r.get("hot loop steps/s, ours / hand-written FSDP2")
     out.append(
-        [SECTION, "FSDP2 hot loop: steps/s, ours (parallel=fsdp) / hand-written FSDP2 loop (wall clock)", _f(v, 3), ">= 0.97"]
-        + [_status(v, ">=", 0.97)]
+        [SECTION, "FSDP2 hot loop: steps/s, ours (parallel=fsdp) / hand-written FSDP2 loop (wall clock)", f(v, 3), ">= 0.97"]
+        + [status(v, ">=", 0.97)]
     )
     v = hot.get("ours/baseline steps per CPU-second")
-    out.append([SECTION, "the same per CPU-second (low-noise view)", _f(v, 3), ">= 0.97", _status(v, ">=", 0.97)])
+    out.append([SECTION, "the same per CPU-second (low-noise view)", f(v, 3), ">= 0.97", status(v, ">=", 0.97)])
     return out
-
-
-def _table(header: List[str], body: List[List[str]]) -> List[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *["| " + " | ".join(x) + " |" for x in body], ""]
 
 
 def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
@@ -104,17 +92,17 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
         " the previous one's files were removed; a sample's time is its slowest rank's.",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["workers", "rank file (MB)", "sharded save (s)", "raw write (s)", "MB/s per rank, sharded", "raw", "sharded / raw"],
         [
             [
                 w,
-                "/".join(_f(b / 1e6, 0) for b in t["rank_file_bytes"]),
-                _f(t["sharded_save_s"]["median"], 3),
-                _f(t["raw_fsync_write_s"]["median"], 3),
-                _f(t["sharded_save_MB_per_s_per_rank"], 0),
-                _f(t["raw_fsync_write_MB_per_s_per_rank"], 0),
-                _f(t["sharded/raw throughput"]),
+                "/".join(f(b / 1e6, 0) for b in t["rank_file_bytes"]),
+                f(t["sharded_save_s"]["median"], 3),
+                f(t["raw_fsync_write_s"]["median"], 3),
+                f(t["sharded_save_MB_per_s_per_rank"], 0),
+                f(t["raw_fsync_write_MB_per_s_per_rank"], 0),
+                f(t["sharded/raw throughput"]),
             ]
             for w, t in st["throughput"].items()
         ],
@@ -135,14 +123,14 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
                     [
                         w,
                         method,
-                        _f(e["rank0_peak_above_rss_MB"]["median"], 1),
-                        ", ".join(_f(x, 1) for x in e["every_rank_peak_above_rss_MB (median)"]),
-                        _f(e["rank0_rss_before_MB"], 0),
-                        _f(e["save_s"]["median"], 2),
-                        _f(e["checkpoint_bytes"] / 1e6, 0),
+                        f(e["rank0_peak_above_rss_MB"]["median"], 1),
+                        ", ".join(f(x, 1) for x in e["every_rank_peak_above_rss_MB (median)"]),
+                        f(e["rank0_rss_before_MB"], 0),
+                        f(e["save_s"]["median"], 2),
+                        f(e["checkpoint_bytes"] / 1e6, 0),
                     ]
                 )
-    lines += _table(
+    lines += table(
         [
             "workers",
             "save",
@@ -160,16 +148,16 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
         " rank: /proc/self/io rchar during a warm restore (each file is also verified whole, by one rank each).",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["workers", "cold (s)", "/ 2 workers", "warm (s)", "/ 2 workers", "MB read per rank (warm)", "verified"],
         [
             [
                 w,
-                _f(_med(e, "cold_s"), 3),
-                _f(e.get("/2 workers (cold)")),
-                _f(_med(e, "warm_s"), 3),
-                _f(e.get("/2 workers (warm)")),
-                ", ".join(_f(x, 0) for x in e.get("warm_rchar_MB_per_rank", [])),
+                f(_med(e, "cold_s"), 3),
+                f(e.get("/2 workers (cold)")),
+                f(_med(e, "warm_s"), 3),
+                f(e.get("/2 workers (warm)")),
+                ", ".join(f(x, 0) for x in e.get("warm_rchar_MB_per_rank", [])),
                 "yes" if e.get("verified") else "no",
             ]
             for w, e in sorted(st["restore"].items())
@@ -184,7 +172,7 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
         f" Snapshot interval ours settled on (auto): {hot.get('ours_snapshot_every_n_steps')}.",
         "",
     ]
-    lines += _table(
+    lines += table(
         [
             "run",
             "steps/s (median)",
@@ -197,12 +185,12 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
         [
             [
                 k,
-                _f(v["median"], 1),
-                _f(v["min"], 1),
-                _f(v["max"], 1),
-                _f(hot["cpu_ms_per_step"][k]["median"], 1),
-                _f((hot["foreign_load"].get(k) or {}).get("median")),
-                _f(hot["ttfs_s"][k]["median"]),
+                f(v["median"], 1),
+                f(v["min"], 1),
+                f(v["max"], 1),
+                f(hot["cpu_ms_per_step"][k]["median"], 1),
+                f((hot["foreign_load"].get(k) or {}).get("median")),
+                f(hot["ttfs_s"][k]["median"]),
             ]
             for k, v in hot["steps_per_s (median interval)"].items()
         ],

@@ -1,0 +1,40 @@
+"""The cells and tables of BENCHMARKS.md, and reading a benchmark's results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+def load(results: Path, name: str) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads((results / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def f(x: Any, digits: int = 2, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}f}{unit}"
+    return str(x)
+
+
+def status(value: Optional[float], op: str, goal: float) -> str:
+    if value is None:
+        return "not measured"
+    ok = value >= goal if op == ">=" else value <= goal
+    return "**met**" if ok else "**missed**"
+
+
+def table(header: List[str], rows: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *["| " + " | ".join(r) + " |" for r in rows], ""]
+
+
+def foreign_note(*loads: Optional[Dict[str, Any]]) -> str:
+    shares = [load["median"] for load in loads if load and load.get("median") is not None]
+    if not shares:
+        return ""
+    return f" Other tenants used a median {max(shares) * 100:.0f}% of the machine during these runs."
