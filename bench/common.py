@@ -70,7 +70,7 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def median(values: Iterable[float]) -> Optional[float]:
+def median(values: Iterable[Optional[float]]) -> Optional[float]:
     v = [x for x in values if x is not None]
     return statistics.median(v) if v else None
 

@@ -39,7 +39,9 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "sharded",
         )
     )
-    m = run_all.get("machine") or next((x["machine"] for x in (hot, st, rec, gp, ck, hv, sc) if x and "machine" in x), {})
+    m: Dict[str, Any] = run_all.get("machine") or next(
+        (x["machine"] for x in (hot, st, rec, gp, ck, hv, sc) if x and "machine" in x), {}
+    )
     lines: List[str] = ["# Benchmarks", ""]
     git = run_all.get("git", {})
     dirty = git.get("uncommitted_changes_in") or []

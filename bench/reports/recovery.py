@@ -48,7 +48,7 @@ def recommend_interval(rec: Dict[str, Any], hot: Optional[Dict[str, Any]]) -> Tu
         + " (it includes the agent SIGTERMing the surviving worker and waiting for it to exit, which is why it is not interval/2)"
         + (
             f"; polling costs at most {poll * 1e3:.1f} ms of CPU per poll ({poll / pick * 100:.2f}% of a core at {pick:g} s)"
-            if poll
+            if poll and pick
             else ""
         )
     )
