@@ -23,12 +23,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Iterator, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by torchrun
 from pipeline.data import synthetic  # noqa: E402  (numpy only)
@@ -68,11 +69,12 @@ def main() -> None:
     )
     model = DDP(MLP(data.input_shape, data.output_size, [int(h) for h in args.hidden.split(",")], dropout=0.1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    assert isinstance(data.train, TensorDataset)  # the synthetic data's
+    sampler: DistributedSampler[int] = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler)
     features, labels = data.train.tensors
 
-    def slices(epoch: int):  # type: ignore[no-untyped-def]
+    def slices(epoch: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator()
         g.manual_seed(args.seed + epoch)
         order = torch.randperm(len(features), generator=g)

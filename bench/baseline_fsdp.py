@@ -21,12 +21,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Iterator, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by torchrun
 from pipeline.data import synthetic  # noqa: E402  (numpy only)
@@ -68,9 +70,10 @@ def main() -> None:
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    assert isinstance(data.train, TensorDataset)  # the synthetic data's
     features, labels = data.train.tensors
 
-    def slices(epoch: int):  # type: ignore[no-untyped-def]
+    def slices(epoch: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator()
         g.manual_seed(args.seed + epoch)
         order = torch.randperm(len(features), generator=g)

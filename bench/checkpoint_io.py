@@ -179,7 +179,7 @@ def torch_save(case: Case, folder: Path) -> Dict[str, float]:
 
 
 def raw_write(case: Case, folder: Path) -> Dict[str, float]:
-    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors_of(case.tree())]
+    views = [t.detach().reshape(-1).view(torch.uint8).numpy().data for t in tensors_of(case.tree())]
 
     def write() -> None:
         with open(folder / "raw.bin", "wb", buffering=0) as f:

@@ -47,7 +47,7 @@ def machine() -> Dict[str, Any]:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version = str(torch.__version__)
     except ImportError:  # pragma: no cover
         torch_version = "?"
     return {

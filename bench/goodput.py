@@ -254,7 +254,7 @@ def measure(
     train_s: List[float],
     cap_factor: float,
     job: Job = JOB,
-    given: Optional[Dict[str, float]] = None,
+    given: Optional[Dict[str, Any]] = None,
     cadences_wanted: str = "all",
     max_kills: Optional[int] = None,
     skip_default_below: Optional[float] = None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -85,9 +86,7 @@ def measure(
         makers += [
             (
                 name,
-                lambda name=name, e=e: run_ours(
-                    work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e
-                ),
+                functools.partial(run_ours, work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e),
             )
             for name, e in variants.items()
         ]

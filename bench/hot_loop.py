@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -94,8 +95,8 @@ def measure(
         "ours_async_ckpt": lambda: run_ours(work, "async", ours_overrides(job, "async", every, extra), timeout, sample_cpu=True),
     }
     for name, overrides in VARIANTS.items():
-        makers[name] = lambda overrides=overrides: run_ours(
-            work, "variant", ours_overrides(job, "none", every, [*extra, *overrides]), timeout, sample_cpu=True
+        makers[name] = functools.partial(
+            run_ours, work, "variant", ours_overrides(job, "none", every, [*extra, *overrides]), timeout, sample_cpu=True
         )
     runs: Dict[str, List[Run]] = {k: [] for k in (makers if ckpt_rounds else CORE) if k not in (skip or ())}
     failed: Dict[str, str] = {}
@@ -111,11 +112,11 @@ def measure(
                     continue
                 check(run, f"hot loop {name}")
                 runs[name].append(run)
-                cpu = cpu_per_step(run, warm) or {}
+                used = cpu_per_step(run, warm) or {}
                 log(
                     f"  round {r + 1} {name:<16} steps/s {fmt(steady_rate(run, warm), 1):>7} (median interval)"
                     f"  {fmt(steady_rate(run, warm, False, 'mean'), 1):>7} (mean, all)"
-                    f"  CPU ms/step {fmt((cpu.get('total_cpu_s_per_step') or 0) * 1e3, 2)}"
+                    f"  CPU ms/step {fmt((used.get('total_cpu_s_per_step') or 0) * 1e3, 2)}"
                     f"  foreign {run.extra.get('load', {}).get('foreign_share', 0):.0%}  ttfs {fmt(run.ttfs(), 2)} s  wall {run.wall:.1f} s"
                 )
     finally:

@@ -10,6 +10,7 @@ MASTER_ADDR and MASTER_PORT set as torchrun sets them, on Gloo, through steadfas
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -265,7 +266,7 @@ class _Worker:
             for name, fn in methods if i % 2 == 0 else methods[::-1]:
                 self.between(previous)  # every timed write starts right after the last one's files were removed
                 previous = self.folder_for(name)
-                t = self.timed(lambda fn=fn, where=previous: fn(where))
+                t = self.timed(functools.partial(fn, previous))
                 if t:
                     samples[name].append(t)
         self.between(previous)
@@ -286,9 +287,7 @@ class _Worker:
                     self.between(None)
                 objects = {"model": self.model, "optimizer": self.optimizer}
                 found: List[Any] = []
-                t = self.timed(
-                    lambda m=m, objects=objects, found=found: found.append(m.restore(objects, {}, False, new_rank=_no_state))
-                )
+                t = self.timed(functools.partial(_restore_into, found, m, objects))
                 m.close()
                 if found[0] is None:
                     raise RuntimeError(f"rank {self.rank}: nothing restored from {self.ref}")
@@ -325,6 +324,10 @@ class _Worker:
 
 def _no_state(step: int) -> None:
     """A rank the checkpoint does not have (a larger world): it has no own state to seed here."""
+
+
+def _restore_into(found: List[Any], manager: Any, objects: Dict[str, Any]) -> None:
+    found.append(manager.restore(objects, {}, False, new_rank=_no_state))
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------

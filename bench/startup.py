@@ -21,6 +21,7 @@ finish importing and when the launcher's, the agent's and the library's steps st
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -221,7 +222,7 @@ def breakdown(
         makers.insert(0, ("baseline", lambda: traced(work, "baseline", job, timeout)))
     for name, overrides in VARIANTS.items() if variants else ():
         samples[name] = []
-        makers.append((name, lambda overrides=overrides: traced(work, "ours", job, timeout, overrides)))
+        makers.append((name, functools.partial(traced, work, "ours", job, timeout, overrides)))
 
     def keep(name: str, r: int, item: Any) -> None:
         run, info = item
@@ -259,9 +260,7 @@ def measure(job: Job, rounds: int, traced_rounds: int, variants: bool = True, ti
     with Workdir() as work:
         makers = [("baseline", lambda: run_baseline(work, "baseline", job, timeout))]
         for name, overrides in START_METHODS.items() if variants else [("ours", [])]:
-            makers.append(
-                (name, lambda name=name, overrides=overrides: run_ours(work, name, ours_overrides(job) + overrides, timeout))
-            )
+            makers.append((name, functools.partial(run_ours, work, name, ours_overrides(job) + overrides, timeout)))
 
         def show(name: str, r: int, run: Run) -> None:
             check(run, f"startup {name}")

@@ -70,7 +70,7 @@ def _worker(args: argparse.Namespace) -> None:
     sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
     import torch
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from bench.common import HOT, TINY
     from pipeline.data import synthetic
@@ -111,6 +111,7 @@ def _worker(args: argparse.Namespace) -> None:
     run_model, run_optimizer = run.setup(theirs, torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9))
     run.resume(model=theirs, optimizer=run_optimizer)
     run_loader = run.loader(data.train, job.batch_size)
+    assert isinstance(data.train, TensorDataset)  # the synthetic data's
     features, labels = data.train.tensors
     progress = Progress()
     sampler = ResumableSampler(len(features), comm.world_size, comm.rank, 0, job.batch_size, True, progress)
@@ -135,10 +136,12 @@ def _worker(args: argparse.Namespace) -> None:
             index = order[begin : begin + job.batch_size]
             yield features[index], labels[index]
 
-    def library() -> Iterator[Tuple[Any, Any]]:
+    def library() -> Iterator[Tuple[Any, ...]]:
         return iter(TensorBatches((features, labels), sampler, job.batch_size))
 
-    torch_sampler = DistributedSampler(data.train, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=0)
+    torch_sampler: DistributedSampler[int] = DistributedSampler(
+        data.train, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=0
+    )
 
     def dataloader() -> Iterator[Tuple[Any, Any]]:
         torch_sampler.set_epoch(progress.epoch)
@@ -257,6 +260,7 @@ def _worker(args: argparse.Namespace) -> None:
     run.finish()  # shuts the process groups down
     if comm.rank == 0:
         segment.remove()
+        assert every_rank is not None  # rank 0 gathers
         total = {name: [sum(c[name][i] for c in every_rank) for i in range(args.rounds)] for name in configs}
         Path(args.out).write_text(
             json.dumps(

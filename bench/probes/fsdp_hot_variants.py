@@ -10,9 +10,11 @@ the intervals snapshot.every_n_steps=auto chose. A development probe: its figure
 bench/NOTES.md, not in the tables.
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,9 +28,9 @@ with Workdir() as work:
     script = ROOT / "bench" / "baseline_fsdp.py"
     makers = [("baseline", lambda: run_baseline(work, "b", HOT, 600, sample_cpu=True, loader="slices", script=script))]
     for name, overrides in variants.items():
-        makers.append((name, lambda overrides=overrides: run_ours(work, "o", overrides, 600, sample_cpu=True)))
+        makers.append((name, functools.partial(run_ours, work, "o", overrides, 600, sample_cpu=True)))
 
-    def on_run(name, r, run):  # type: ignore[no-untyped-def]
+    def on_run(name: str, r: int, run: Any) -> None:
         cpu = (cpu_per_step(run, 30) or {}).get("total_cpu_s_per_step") or 0
         every = [e.get("every_n_steps") for e in run.events if e.get("event") == "snapshot_interval"]
         print(

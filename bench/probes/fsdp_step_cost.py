@@ -42,6 +42,7 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
     import torch.nn.functional as F
     from torch import nn
     from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import TensorDataset
 
     from bench.common import HOT
     from pipeline.data import synthetic
@@ -64,6 +65,7 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    assert isinstance(data.train, TensorDataset)  # the synthetic data's
     features, labels = data.train.tensors
     segment = shm.LaunchFolder(folder)
     if comm.rank == 0:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from bench.common import HOT, TINY  # noqa: E402
 from pipeline.data import synthetic  # noqa: E402
@@ -45,6 +45,7 @@ WORLD, RANK = 2, 0
 def ways(job: str) -> Dict[str, Callable[[int], Iterator[object]]]:
     spec = HOT if job == "hot" else dataclasses.replace(TINY, num_samples=40960)
     data = synthetic(num_samples=spec.num_samples, num_features=spec.num_features, num_classes=spec.num_classes, seed=0)
+    assert isinstance(data.train, TensorDataset)  # the synthetic data's
     x, y = data.train.tensors
     size = spec.batch_size
 
@@ -84,7 +85,7 @@ def ways(job: str) -> Dict[str, Callable[[int], Iterator[object]]]:
             yield batch
         run_data.end_epoch()
 
-    torch_sampler = DistributedSampler(data.train, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
+    torch_sampler: DistributedSampler[int] = DistributedSampler(data.train, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)
 
     def dataloader(epoch: int) -> Iterator[object]:
         torch_sampler.set_epoch(epoch)

@@ -41,9 +41,11 @@ if __name__ == "__main__":
         port = free_port()
         q = ctx.Queue()
         ps = [ctx.Process(target=worker, args=(r, port, d, q)) for r, d in ((0, d0), (1, d1))]
-        [p.start() for p in ps]
+        for p in ps:
+            p.start()
         res = sorted(q.get() for _ in ps)
-        [p.join() for p in ps]
+        for p in ps:
+            p.join()
         t0 = min(r[1] for r in res)
         print(
             f"delays {d0},{d1}: "

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any, DefaultDict, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 label, backend = sys.argv[1], sys.argv[2]
@@ -102,7 +103,7 @@ s1, b = step(), threads(descendants(proc.pid))
 w1 = time.time()
 proc.wait(timeout=300)
 n = s1 - s0
-agg = collections.defaultdict(float)
+agg: DefaultDict[Tuple[Any, ...], float] = collections.defaultdict(float)
 for k, v in b.items():
     if k in a:
         agg[(v[0], v[1] + " " + str(k[0]) + "/" + str(k[1]) + " u" + str(v[3] - a[k][3]) + " s" + str(v[4] - a[k][4]))] += (

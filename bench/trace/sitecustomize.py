@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
 _PATH = os.environ.get("STEADFAST_BENCH_TRACE")
 
@@ -100,9 +101,9 @@ def _process_created() -> float:
     return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def _wrap(label: str, fn):  # type: ignore[no-untyped-def]
+def _wrap(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.time()
         if label in ("torchrun_adapter_run", "horovod_adapter_run") and len(args) > 1 and hasattr(args[1], "size"):
             record("payload", bytes=int(args[1].size))  # the job payload every worker reads (a PayloadRef's file)
@@ -148,7 +149,7 @@ def _patch(name: str, module: object) -> None:
 class _Finder:
     """Times the watched imports and wraps functions of watched modules once they are loaded."""
 
-    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name not in WATCH_IMPORTS and name not in WRAP:
             return None
         start = time.time()
@@ -164,7 +165,7 @@ class _Finder:
             return spec
         original = loader.exec_module
 
-        def exec_module(module):  # type: ignore[no-untyped-def]
+        def exec_module(module: Any) -> None:
             try:
                 original(module)
             finally:
