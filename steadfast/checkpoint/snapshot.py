@@ -31,7 +31,7 @@ Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
-def _keys(tensors: Iterable[torch.Tensor]) -> Set[Key]:
+def _keys(tensors: List[torch.Tensor]) -> Set[Key]:
     """Their keys (a DTensor's: its local piece's, what a save copies). An empty tensor's key matches
     only empty tensors', which a save copies nothing of."""
     plain = (_TENSOR, _PARAMETER)
@@ -117,7 +117,7 @@ def _copy_run(run: List[Entry], dst: torch.Tensor) -> None:
 class Snapshot:
     """One save's tensor data in host memory: copied now, or later but before the next optimizer step."""
 
-    def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: "Owned | None") -> None:
+    def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: Optional[Owned]) -> None:
         self.layouts = layouts
         self.data: Dict[str, torch.Tensor] = {}
         self._later: List[Tuple[List[Entry], torch.Tensor]] = []
