@@ -83,6 +83,10 @@ class Cadence:
     def step_due(self, step: int) -> bool:
         return bool(self.every_n_steps and step % self.every_n_steps == 0)
 
+    def next_step_due(self, step: int) -> Optional[int]:
+        """The first step after `step` that checkpoint.every_n_steps saves at (None: no step cadence)."""
+        return step - step % self.every_n_steps + self.every_n_steps if self.every_n_steps else None
+
     def epoch_due(self, epochs_completed: int) -> bool:
         return bool(self.every_n_epochs and epochs_completed % self.every_n_epochs == 0)
 

@@ -60,6 +60,10 @@ class Exchange:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def next_due(self, step: int) -> int:
+        """The first step after `step` at which the message is due (at the interval now in force)."""
+        return step - step % self.every + self.every
+
     def ride(self, rider: Rider) -> None:
         """Ask `rider` for its posts at every send, after the parts that post directly."""
         self._riders.append(rider)

@@ -31,7 +31,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .config import FaultKind
 from .contract.events import Event
@@ -69,6 +69,15 @@ class FaultInjector:
             self._slowing = True
             self.record_event(Event.FAULT_FIRED, fault=self.kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=False)
         time.sleep(self.cfg.delay_s)
+
+    def next_due(self, step: int) -> Optional[int]:
+        """The step after `step` whose end `after_step` fires at (None: none)."""
+        return self.cfg.at_step if self.active and self.kind in STEP_KINDS and self.cfg.at_step > step else None
+
+    @property
+    def slows(self) -> bool:
+        """fault=slow_rank on this rank: `before_work` has work at every step boundary."""
+        return self.active and self.kind is FaultKind.slow_rank
 
     def after_step(self, step: int) -> None:
         if self.active and step == self.cfg.at_step and self.kind in STEP_KINDS and self._claim():

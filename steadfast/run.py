@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import comm as comms
 from . import parallel
 from .agreement import StopAgreement
+from .boundary import StepBoundary
 from .cadence import Cadence, history
 from .checkpoint.manifest import step_dir_name
 from .checkpointer import Checkpointer
@@ -105,6 +106,12 @@ class Run:
         self.progress = Progress()
         lg = self.settings.logger
         self.exchange = Exchange(self.comm, stop_check_every_n_steps)  # the control plane's periodic message
+        self.faults = FaultInjector(
+            self.settings.fault,
+            self.comm.rank,
+            self.dir,
+            lambda kind, **f: events.append(self.dir, kind, restart=self.restarts, **f),
+        )
         self.telemetry = Telemetry(
             self.comm,
             self.record,
@@ -117,14 +124,8 @@ class Run:
             max_rss_mb,
             lg.straggler_margin,
             lg.straggler_windows,
-            on_boundary=lambda: self.faults.before_work(self.progress.global_step + 1),  # fault=slow_rank
+            on_boundary=(lambda: self.faults.before_work(self.progress.global_step + 1)) if self.faults.slows else None,
             exchange=self.exchange,
-        )
-        self.faults = FaultInjector(
-            self.settings.fault,
-            self.comm.rank,
-            self.dir,
-            lambda kind, **f: events.append(self.dir, kind, restart=self.restarts, **f),
         )
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
@@ -148,14 +149,20 @@ class Run:
             on_interval=lambda **f: self.record.event(Event.CHECKPOINT_INTERVAL, **f),
             save_cost=save_cost,
         )
-        self._time_due = self.cadence.time_due if self.comm.rank == 0 else _never  # rank 0's clock decides
         tracked = (self.checkpointer.objects, self.checkpointer.per_rank)
-        self._memory = (
+        self.agreement = StopAgreement(self.exchange)
+        self.boundary = StepBoundary(
+            self.telemetry,
+            self.agreement,
+            self.cadence,
+            self.faults,
+            self.checkpointer,
             MemoryCadence(memory, every, self.exchange, self.record.event, tracked, self.faults.during_snapshot)
             if memory
-            else None
+            else None,
+            self._heartbeat,
+            self.cadence.time_due if self.comm.rank == 0 else _never,  # rank 0's clock decides
         )
-        self.agreement = StopAgreement(self.exchange)
         self.model: Optional[torch.nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.resumed_from: Optional[int] = None
@@ -291,6 +298,7 @@ class Run:
             self.data.world_size_changed(self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes)
         while self.progress.epoch < max_epochs:
             self.data.begin_epoch()
+            self.boundary.reset()
             self.telemetry.timer.mark()
             yield self.progress.epoch
             self._end_epoch(max_epochs)
@@ -318,25 +326,18 @@ class Run:
         p = self.progress
         p.global_step += 1
         self.data.stepped()
+        if self.boundary.quiet(p.global_step, p.epoch, loss):  # most steps: nothing is due but counting
+            return
         if self._first_step:
             self._first_step = False
             self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
-        self.telemetry.add_loss(loss)
         if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
-        over = self.telemetry.after_step(p.global_step, p.epoch)
-        self._beat("train")
-        self.faults.after_step(p.global_step)
-        due = self.cadence.step_due(p.global_step)
-        manager = self.checkpointer.manager
-        control = self.agreement.at_step(p.global_step, self._time_due, busy=manager.busy())
-        written = manager.written_step()
-        if written is not None and control.since > written and not control.busy:
-            manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
-        if control.stop is not None:
-            self._preempt(control.stop)
-        if over is not None:
-            rank, mb = over
+        due = self.boundary.due(p.global_step, p.epoch, loss)
+        if due.stop is not None:
+            self._preempt(due.stop)
+        if due.over_memory is not None:
+            rank, mb = due.over_memory
             self._stop(
                 "memory_limit",
                 None,
@@ -347,11 +348,9 @@ class Run:
                 rss_mb=mb,
                 rank=rank,
             )
-        if due or control.save_due:
+        if due.save:
             self.save()
-        if self._memory is not None and not self._memory.at_step(p.global_step):
-            self._memory = self.checkpointer.memory = None  # off on every rank from now on
-        self.telemetry.timer.mark()  # the next step's local work begins (steadfast/stragglers.py)
+        self.boundary.after(p.global_step)
 
     def save(self) -> None:
         """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""

@@ -67,22 +67,25 @@ class MemoryCadence:
         self._costs: Deque[float] = deque(maxlen=SMOOTHING)  # this rank's recent copy times
         self._steps: Deque[float] = deque(maxlen=SMOOTHING)  # this rank's recent step times, without the copy
         self._work, self._work_steps = 0.0, 0  # time in steps (copies excluded) since the last retune, and how many
-        self._mark: Optional[float] = None  # when the last call ended
+        self._mark: Optional[Tuple[int, float]] = None  # (step, clock) up to which steps are in _work: the last copy's end
         self.off = False  # snapshots are off on every rank from now on
         self._decided = False  # auto: the first interval agreed (until then a copy every step, an exchange every step)
         exchange.ride(self.retune)
         exchange.hold(lambda: self.auto and not self.off and not self._decided)
 
+    def next_due(self, step: int) -> int:
+        """The first step after `step` whose `at_step` may copy (at the interval now in force)."""
+        return step + 1 if self._last is None else max(step + 1, self._last + self.every)
+
     def at_step(self, step: int) -> bool:
-        """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank)."""
-        started = self.clock()
-        if self._mark is not None:
-            self._work, self._work_steps = self._work + started - self._mark, self._work_steps + 1
-        self._mark = started
+        """Take this step's snapshot if it is due; False when snapshots are off from now on (on every rank).
+        Called at every step, or only at the steps `next_due` names: the steps between need nothing."""
         if self._last is None:  # the first step of this attempt: the one before is restored (or step 0)
             self._last = step - 1
+            self._mark = step, self.clock()
         if step - self._last < self.every:
             return True
+        started = self._measure(step)
         memory = self.memory
         planned = memory.plan(*self.tracked)
         announce = self._first
@@ -98,8 +101,9 @@ class MemoryCadence:
         except OSError as exc:
             announce_off(self.record, f"writing to {memory.folder.parent} failed ({exc.strerror or exc})")
             raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
-        self._last, self._mark = step, self.clock()
-        memory.seconds = self._mark - started
+        ended = self.clock()
+        self._last, self._mark = step, (step, ended)
+        memory.seconds = ended - started
         self._costs.append(memory.seconds)
         if announce and self.comm.rank == 0:
             log.info(
@@ -117,12 +121,21 @@ class MemoryCadence:
         this rank's numbers out; their answer sets a new interval if the budget asks for one."""
         if not self.auto or self.off:
             return
+        self._measure(step)
         if self._work_steps:
             self._steps.append(self._work / self._work_steps)
             self._work, self._work_steps = 0.0, 0
         if len(self._steps) < 2:  # the attempt's first measurement is its warm-up (twice as slow here): not alone
             return  # (every rank has measured as many)
         self.exchange.post([], [min(self._costs, default=0.0), min(self._steps)], self._decide)
+
+    def _measure(self, step: int) -> float:
+        """The steps since the mark into the work time (the clock read once, no copy among them); the clock."""
+        now = self.clock()
+        if self._mark is not None and step > self._mark[0]:
+            self._work, self._work_steps = self._work + now - self._mark[1], self._work_steps + step - self._mark[0]
+            self._mark = step, now
+        return now
 
     def _decide(self, shared: List[float], own: List[List[float]]) -> None:
         """Every rank's numbers: the slowest rank's copy against the fastest rank's step."""

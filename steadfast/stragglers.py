@@ -100,7 +100,17 @@ class StepTimer:
 
     def step(self) -> None:
         """At a step boundary, before the library's own work: the step's local time into the window."""
+        self._count(time.perf_counter())
+
+    def boundary(self) -> None:
+        """A step boundary with none of the library's own work: `step` and `mark` on one clock read."""
         now = time.perf_counter()
+        self._count(now)
+        self._mark = now
+        if self.on_mark is not None:
+            self.on_mark()
+
+    def _count(self, now: float) -> None:
         if self._arrival is None:  # no forward seen: the whole time since the last boundary
             self._sum += now - self._mark
         else:

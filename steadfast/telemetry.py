@@ -112,7 +112,7 @@ class Telemetry:
             return
         if not isinstance(loss, torch.Tensor):
             self._total += float(loss)
-        elif loss.device.type == "cpu":
+        elif loss.is_cpu:
             self._total += loss.item()  # waits for nothing on the CPU (and, unlike float(), warns of no graph)
         else:  # no op but an append a step: the window's device sum is one stack and sum when it closes
             self._losses.append(loss.detach())
@@ -121,6 +121,19 @@ class Telemetry:
     def _device_sum(self) -> Optional[torch.Tensor]:
         """The window's device losses so far, summed on the device (None when it has none)."""
         return torch.stack(self._losses).sum(dtype=torch.float32) if self._losses else None
+
+    def next_due(self, step: int) -> int:
+        """The first step after `step` at which `after_step` has more to do than `quiet_step`: a window
+        closes, or a rank's peak memory read at this step's exchange is to be acted on."""
+        return step + 1 if self._over is not None else step - step % self.every + self.every
+
+    def quiet_step(self, step: int, epoch: int, loss: Any) -> None:
+        """A step before `next_due`: its loss, its local time (the step's boundary too), the display."""
+        if loss is not None:
+            self.add_loss(loss)
+        self.timer.boundary()
+        self._last = step
+        self.display.update(step, epoch)
 
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
         """Per step: its local time into the window, the display; every log_every_n_steps the window

@@ -12,6 +12,7 @@ exchange either (the model is not wrapped there: the check is of the library, no
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -216,3 +217,42 @@ def test_the_automatic_interval_is_a_power_of_two_of_about_the_control_interval(
         time.sleep(0.002)
         paced.send(step)
     assert paced.every > 1  # the second message's answer, read at step 3, set it
+
+
+def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
+    launched: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run.step does its whole boundary only where a part has work (steadfast/boundary.py): the first
+    step, the metrics windows (every 5), the control plane's message (every 8), the step cadence
+    (every 7); at the others it only counts, and what it counts there is all in the records: each
+    window's loss is the mean of every step's loss in it, and the checkpoints are at the cadence."""
+    from steadfast.boundary import StepBoundary
+
+    whole: List[int] = []
+    real_due = StepBoundary.due
+
+    def due(self: StepBoundary, step: int, epoch: int, loss: Any) -> Any:
+        whole.append(step)
+        return real_due(self, step, epoch, loss)
+
+    monkeypatch.setattr(StepBoundary, "due", due)
+    losses: List[float] = []
+    real_step = Run.step
+
+    def step(self: Run, loss: Any = None) -> None:
+        losses.append(float(loss))
+        real_step(self, loss)
+
+    monkeypatch.setattr(Run, "step", step)
+    cfg = {"logger": {"progress": "none"}, "checkpoint": {"every_n_steps": 7, "every_n_epochs": None}}
+    with Run(cfg, log_every_n_steps=LOG, stop_check_every_n_steps=EVERY, num_threads=1) as run:
+        _train(run, False, [])
+    assert whole == [s for s in range(1, STEPS + 1) if s == 1 or s % LOG == 0 or s % EVERY == 0 or s % 7 == 0]
+    rows = [json.loads(r) for r in (launched / "metrics.jsonl").read_text().splitlines() if '"loss"' in r and "val_" not in r]
+    assert [r["step"] for r in rows] == list(range(LOG, STEPS + 1, LOG))
+    for r in rows:
+        window = losses[r["step"] - LOG : r["step"]]
+        assert r["loss"] == pytest.approx(sum(window) / LOG, rel=1e-5), (r, window)
+    records = [json.loads(line) for line in (launched / "events.jsonl").read_text().splitlines()]
+    saved = [e["step"] for e in records if e["event"] == "checkpoint_saved"]
+    assert saved == [7, 14, 21, 28, 35, STEPS]  # the cadence's steps, and the last one at the end

@@ -1,0 +1,92 @@
+"""A step boundary: what is due once an optimizer step ends, and the steps at which nothing is.
+
+Each part says what it has to do at a step and the next step at which it may have more than
+counting to do: the metrics window (steadfast/telemetry.py), the control plane's message and what
+rides it (steadfast/exchange.py: a stop, a save by time, an asynchronous save's commit, the
+intervals' changes), the checkpoint cadence by steps, a step fault, the snapshot cadence. Before the
+first such step a boundary only counts: the loss into the window, the step's local time, the
+display's clock and the heartbeat (the library's whole per-step cost on most steps,
+bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Run` acts on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+from .agreement import StopAgreement
+from .cadence import Cadence
+from .checkpointer import Checkpointer
+from .contract.heartbeat import Heartbeat
+from .faults import FaultInjector
+from .snapshot_cadence import MemoryCadence
+from .telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class Due:
+    """What a step boundary asks of the run, the same on every rank."""
+
+    save: bool = False  # commit this step (the step cadence, or the ranks agreed on rank 0's clock)
+    stop: Optional[int] = None  # the signal every rank agreed to stop on
+    over_memory: Optional[Tuple[int, float]] = None  # (rank, MB): a rank's peak memory passed max_rss_mb
+
+
+class StepBoundary:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        agreement: StopAgreement,
+        cadence: Cadence,
+        faults: FaultInjector,
+        checkpointer: Checkpointer,
+        memory: Optional[MemoryCadence],
+        heartbeat: Optional[Heartbeat],
+        time_due: Callable[[], bool],
+    ) -> None:
+        self.telemetry, self.agreement, self.cadence, self.faults = telemetry, agreement, cadence, faults
+        self.checkpointer, self.memory, self.heartbeat, self.time_due = checkpointer, memory, heartbeat, time_due
+        self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
+
+    def quiet(self, step: int, epoch: int, loss: Any) -> bool:
+        """Most steps: when nothing but counting is due at `step`, count it and say so."""
+        if step >= self.quiet_until:
+            return False
+        self.telemetry.quiet_step(step, epoch, loss)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, "train")
+        return True
+
+    def due(self, step: int, epoch: int, loss: Any) -> Due:
+        """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
+        The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
+        self.telemetry.add_loss(loss)
+        over = self.telemetry.after_step(step, epoch)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, "train")
+        self.faults.after_step(step)
+        manager = self.checkpointer.manager
+        control = self.agreement.at_step(step, self.time_due, busy=manager.busy())
+        written = manager.written_step()
+        if written is not None and control.since > written and not control.busy:
+            manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
+        return Due(self.cadence.step_due(step) or control.save_due, control.stop, over)
+
+    def after(self, step: int) -> None:
+        """The end of a whole boundary (after a save it asked for): this step's snapshot if one is due,
+        the next step with anything to do, the next step's local time from now."""
+        if self.memory is not None and not self.memory.at_step(step):
+            self.memory = self.checkpointer.memory = None  # off on every rank from now on
+        self.quiet_until = self._next_due(step)
+        self.telemetry.timer.mark()  # the next step's local work begins (steadfast/stragglers.py)
+
+    def reset(self) -> None:
+        """The next step is a whole boundary (an epoch begins: its end exchanged and may have saved)."""
+        self.quiet_until = 0
+
+    def _next_due(self, step: int) -> int:
+        due: List[Optional[int]] = [self.telemetry.next_due(step), self.agreement.exchange.next_due(step)]
+        due += [self.cadence.next_step_due(step), self.faults.next_due(step)]
+        if self.memory is not None:
+            due.append(self.memory.next_due(step))
+        return min(d for d in due if d is not None)
