@@ -57,7 +57,7 @@ def runner() -> Any:
     return horovod_runner
 
 
-@pytest.mark.parametrize("name", ["SHUTDOWN", "WORKER_TUNING", "GLOO_CHECK", "RESULT_STORE"])
+@pytest.mark.parametrize("name", ["SHUTDOWN", "WORKER_TUNING", "GLOO_CHECK", "RESULT_STORE", "EXIT_STATUSES"])
 def test_horovods_runner_still_has_what_each_patch_replaces(runner: Any, name: str) -> None:
     _holds(getattr(runner, name))
 
@@ -73,13 +73,14 @@ def _runner_internals() -> Dict[str, Any]:
         "set_env_from_args": config_parser.set_env_from_args,
         "gloo_built": runner_launch.gloo_built,
         "serve_forever": vars(http_server.KVStoreHTTPServer).get("serve_forever"),
+        "_exec_command_fn": gloo_run._exec_command_fn,
     }
 
 
 def test_the_runner_is_patched_for_a_launch_and_put_back(runner: Any, unchecked: None) -> None:
     before = _runner_internals()
     events: List[Any] = []
-    with runner.runner_patched(events):
+    with runner.runner_patched(events, []):
         during = _runner_internals()
         from horovod.runner import gloo_run
 

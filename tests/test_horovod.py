@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -99,6 +100,26 @@ def test_root_cause_names_the_failing_rank_and_its_exception(tmp_path: Path) -> 
     assert root_cause(_horovod_error("2", 137), tmp_path) == "rank 2 (exit code 137, killed by SIGKILL): no error recorded"
     assert root_cause(_horovod_error("localhost[1]", 137), tmp_path) == "worker localhost[1] (exit code 137, killed by SIGKILL)"
     assert root_cause(ValueError("bad hosts\nmore"), tmp_path) == "horovod runner: ValueError: bad hosts"
+
+
+def test_every_workers_exit_is_told_and_the_runners_own_stops_are_marked() -> None:
+    """A rank killed by a signal is often not the one horovod.run's error names (a peer's collective
+    fails at once and is reaped first): the runner's command function, patched, records every worker
+    as it is reaped, and a SIGTERM after another worker failed is the runner stopping the rest."""
+    from types import SimpleNamespace
+
+    from hydra_plugins.steadfast_launcher._backends.horovod import worker_exits
+    from hydra_plugins.steadfast_launcher._compat.horovod_runner import Exit, recording
+
+    statuses = {0: 1, 1: 137, 2: 143, 3: 0, 4: -11}  # as reaped: a raise, SIGKILL, SIGTERM, done, SIGSEGV unwrapped
+    exits: List[Exit] = []
+    exec_command = recording(lambda settings: lambda command, slot, events: (statuses[slot.rank], 0.0), exits)(None)
+    for rank in statuses:
+        assert exec_command("cmd", SimpleNamespace(rank=rank), []) == (statuses[rank], 0.0)
+    assert exits == [(0, 1, False), (1, 137, True), (2, 143, True), (3, 0, True), (4, -11, True)]
+    told = {e.rank: (e.exit_code, e.stopped_by_backend) for e in worker_exits(exits)}
+    assert told == {0: (1, False), 1: (-9, False), 2: (-15, True), 4: (-11, False)}
+    assert worker_exits([(1, 143, False)])[0].stopped_by_backend is False  # the first to fail: its own SIGTERM
 
 
 def test_workers_get_a_real_cycle_time_and_response_cache(monkeypatch: pytest.MonkeyPatch) -> None:

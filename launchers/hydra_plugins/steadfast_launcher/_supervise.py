@@ -67,6 +67,10 @@ POLL_S = 0.1
 # Without exit statuses from the backend, how long after an incarnation's last worker is gone the
 # supervisor waits (for the backend's report) before it diagnoses the failure from what it has.
 EXITS_WAIT_S = 1.0
+# The same for a backend that does not restart the group itself (Horovod's runner): it reports when it
+# returns, after reaping every worker (Horovod terminates the others with a 5 s grace), and the
+# attempt's end diagnoses at once (settle); this bounds the wait only if the runner does not return.
+RUNNER_EXITS_WAIT_S = 10.0
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Supervisor:
     ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
         self.group_restarts = group_restarts  # the backend restarts the group itself (torch elastic)
+        self.exits_wait_s = EXITS_WAIT_S if group_restarts else RUNNER_EXITS_WAIT_S
         self.started = time.time()
         self.diagnoses: List[Diagnosis] = []
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
@@ -181,7 +186,7 @@ class Supervisor:
             if not inc.recorded and not any(self.workers[p].alive for p in inc.pids):
                 inc.ended_at = now
                 self._record_ended(inc)
-            if not inc.diagnosed and inc.ended_at is not None and now - inc.ended_at >= EXITS_WAIT_S:
+            if not inc.diagnosed and inc.ended_at is not None and now - inc.ended_at >= self.exits_wait_s:
                 self._diagnose(inc)
         live = [w for w in self.workers.values() if w.alive and not w.handled]
         signum = stop_requested()

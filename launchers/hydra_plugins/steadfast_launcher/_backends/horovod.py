@@ -29,7 +29,7 @@ from steadfast.contract.env import HOROVOD
 from steadfast.contract.schemas import bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_handlers, signal_name, stop_requested
 
-from .._compat.horovod_runner import runner_patched
+from .._compat.horovod_runner import Exit, runner_patched
 from .._types import Completed, Failed, Outcome, WorkerExit
 from ._registry import register
 from .base import Attempt, Backend, restore_environment, saved_environment
@@ -162,9 +162,10 @@ class HorovodBackend(Backend):
         saved_env = saved_environment(worker_env)
         saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self._stop_events.clear()  # the runner's, set when the grace runs out (see runner_patched)
+        exits: List[Exit] = []  # every worker's, as the runner reaps them
         os.environ.update(worker_env)
         try:
-            with runner_patched(self._stop_events):
+            with runner_patched(self._stop_events, exits):
                 results = horovod.run(
                     attempt.entry,
                     args=(attempt.payload,),  # a small reference: each worker reads the payload file itself
@@ -188,8 +189,8 @@ class HorovodBackend(Backend):
                 return Stopped(
                     StopReason.PREEMPTED, message=f"the Horovod job was stopped by {signal_name(signum)}", signal=signum
                 )
-            if attempt.on_exits is not None:  # the runner reports the first worker to exit non-zero (by rank)
-                attempt.on_exits(first_exit(err))
+            if attempt.on_exits is not None:  # how each worker ended, or the one the runner's error names
+                attempt.on_exits(worker_exits(exits) or first_exit(err))
             return Failed(root_cause(err, logs))
         finally:
             restore_handlers(saved_signals)
@@ -198,6 +199,20 @@ class HorovodBackend(Backend):
         if stopped:  # the workers saved and stopped on purpose (a stop request, a memory guard): not a failure
             return stopped[0]
         return Completed(results[0])  # the list is in rank order
+
+
+def worker_exits(exits: List[Exit]) -> List[WorkerExit]:
+    """The workers that ended non-zero, from the statuses the runner recorded (a shell's 128+N, or -N
+    from a process it ran directly, is signal N). One that ended by SIGTERM after another had failed
+    was stopped by the runner, which terminates the rest so; any other status is the worker's own."""
+    out = []
+    for rank, status, after_failure in exits:
+        if status == 0:
+            continue
+        signum = -status if status < 0 else _signal_of(status)
+        stopped = after_failure and signum == signal.SIGTERM
+        out.append(WorkerExit(-signum if signum else status, stopped_by_backend=stopped, rank=rank))
+    return out
 
 
 def first_exit(err: BaseException) -> List[WorkerExit]:

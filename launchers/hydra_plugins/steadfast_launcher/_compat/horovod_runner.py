@@ -1,4 +1,4 @@
-"""Horovod 0.28.1's runner (`horovod.run`), patched for the duration of one launch: four patches.
+"""Horovod 0.28.1's runner (`horovod.run`), patched for the duration of one launch: five patches.
 
 - shutdown events: horovod.run would swap SIGINT/SIGTERM for an event that terminates the workers
   after a fixed 5 s. Instead the launcher's handlers stay (they only set the stop flag), its
@@ -18,6 +18,11 @@
 - result store: horovod.run's store of the workers' results answers through socketserver's
   serve_forever, which notices the runner's shutdown() only at its next poll (0.5 s by default):
   every launch and every relaunch ended with that wait.
+- exit statuses: when workers fail, horovod.run's error names one, the first whose runner thread
+  returned; a rank killed by a signal is often not that one (a peer's collective fails at once and its
+  process exits while the killed one's shell is still being reaped). Every worker's exit status is
+  recorded as its thread returns (rank, shell status, whether another had already failed), so the
+  launcher can say how each ended.
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ def _gloo_shape() -> Optional[str]:
     return None if callable(getattr(launch, "gloo_built", None)) else "horovod.runner.launch.gloo_built is gone"
 
 
+def _exits_shape() -> Optional[str]:
+    from horovod.runner import gloo_run
+
+    found = _parameters(gloo_run._exec_command_fn)
+    return None if found == ["settings"] else f"gloo_run._exec_command_fn{tuple(found)} is not (settings)"
+
+
 def _store_shape() -> Optional[str]:
     from horovod.runner.http import http_server
 
@@ -107,7 +119,15 @@ RESULT_STORE = Patch(
     _store_shape,
     "each launch ends up to 0.5 s later",
 )
-PATCHES = (SHUTDOWN, WORKER_TUNING, GLOO_CHECK, RESULT_STORE)
+EXIT_STATUSES = Patch(
+    "horovod.run tells every worker's exit status",
+    HOROVOD,
+    WRITTEN_FOR,
+    _exits_shape,
+    "a failure names how the first worker to be reaped ended, and no other's",
+)
+PATCHES = (SHUTDOWN, WORKER_TUNING, GLOO_CHECK, RESULT_STORE, EXIT_STATUSES)
+Exit = Tuple[int, int, bool]  # (rank, its shell's exit status, another worker had already failed when it was reaped)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,10 +153,29 @@ def tuned(set_env_from_args: Callable[[Dict[str, str], object], None]) -> Callab
     return with_tuning
 
 
+def recording(exec_command_fn: Callable[[Any], Any], exits: List[Exit]) -> Callable[[Any], Any]:
+    """Horovod's `gloo_run._exec_command_fn`, whose commands append each worker's exit to `exits`."""
+    lock = threading.Lock()
+
+    def fn(settings: Any) -> Any:
+        exec_command = exec_command_fn(settings)
+
+        def recorded(command: str, slot_info: Any, events: Any) -> Tuple[int, float]:
+            status, at = exec_command(command, slot_info, events)
+            with lock:
+                exits.append((int(slot_info.rank), int(status), any(s != 0 for _, s, _ in exits)))
+            return status, at
+
+        return recorded
+
+    return fn
+
+
 @contextlib.contextmanager
-def runner_patched(stop_events: List[threading.Event]) -> Iterator[None]:
+def runner_patched(stop_events: List[threading.Event], exits: Optional[List[Exit]] = None) -> Iterator[None]:
     """Horovod's runner with every patch whose gate holds; `stop_events` collects the runner's
-    shutdown events (set them to have it stop what still runs). Everything is put back on exit."""
+    shutdown events (set them to have it stop what still runs), `exits` every worker's exit (Exit).
+    Everything is put back on exit."""
     from horovod.runner import gloo_run
     from horovod.runner import launch as runner_launch
     from horovod.runner.common.util import config_parser
@@ -157,6 +196,8 @@ def runner_patched(stop_events: List[threading.Event]) -> Iterator[None]:
     if applies(RESULT_STORE):
         polling = functools.partialmethod(http_server.HTTPServer.serve_forever, poll_interval=SERVER_POLL_S)
         swaps.append((http_server.KVStoreHTTPServer, "serve_forever", polling))
+    if exits is not None and applies(EXIT_STATUSES):
+        swaps.append((gloo_run, "_exec_command_fn", recording(gloo_run._exec_command_fn, exits)))
     missing = object()
     saved = [(owner, name, vars(owner).get(name, missing)) for owner, name, _ in swaps]
     for owner, name, new in swaps:
