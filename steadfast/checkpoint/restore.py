@@ -3,7 +3,7 @@
 Rank 0 lists the committed checkpoints newest first by commit sequence (Chooser.candidates); the
 ranks try them in that order, together (CheckpointManager.restore): each reads what it needs, every
 byte checked against the manifest, parsed by the strict reader, and checked to fit the live objects
-(`misfit`: keys, shapes) before anything is applied. Every failure on the way is an unusable
+(`misfit`: keys, shapes; an optimizer's state against its live parameters: `optimizer_misfit`) before anything is applied. Every failure on the way is an unusable
 checkpoint, never an exception that escapes: it is named in the log and in events.jsonl
 (checkpoint_invalid), and once a usable one is found (or a fresh start is allowed), the unusable
 ones tried are moved aside, not deleted. Resource errors (out of memory, an I/O error) skip a
@@ -65,6 +65,51 @@ def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
     return None
 
 
+def optimizer_misfit(optimizer: Any, saved: Any) -> Optional[str]:
+    """Why `saved` (an Optimizer.state_dict) cannot be loaded into the live `optimizer` (None: it
+    fits): the same number of param groups and of parameters in each, and each saved parameter's
+    state tensors (exp_avg, momentum_buffer...) of the shape and dtype of the live parameter at the
+    same position of the same group. A fresh optimizer's empty state says none of this, so an
+    optimizer built over the same parameters in another order would pass and fail at its first step.
+    Only the positional form (integer parameter ids) is checked here; a keyed form passes."""
+    import torch
+
+    if not isinstance(saved, dict):
+        return f"the state: a dict was expected, the checkpoint holds a {type(saved).__name__}"
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        return "the state: param_groups (a list) and state (a dict) were expected"
+    live_groups = optimizer.param_groups
+    if len(groups) != len(live_groups):
+        return f"param_groups: {len(groups)} in the checkpoint, {len(live_groups)} here"
+    for g, (group, live_group) in enumerate(zip(groups, live_groups)):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, list):
+            return f"param_groups[{g}].params: a list was expected"
+        if len(ids) != len(live_group["params"]):
+            return f"param_groups[{g}]: {len(ids)} parameters in the checkpoint, {len(live_group['params'])} here"
+        for j, (pid, param) in enumerate(zip(ids, live_group["params"])):
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                return None
+            entry = state.get(pid)
+            if entry is None:
+                continue
+            if not isinstance(entry, dict):
+                return f"state.{pid}: a dict was expected, the checkpoint holds a {type(entry).__name__}"
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # a step count, not a per-element buffer
+                live = param.to_local() if hasattr(param, "to_local") and not hasattr(value, "to_local") else param
+                if tuple(value.shape) != tuple(live.shape) or (
+                    value.is_floating_point() and live.is_floating_point() and value.dtype != live.dtype
+                ):
+                    return (
+                        f"state.{pid}.{key}: {value.dtype} {list(value.shape)} in the checkpoint, the parameter at "
+                        f"param_groups[{g}].params[{j}] is {live.dtype} {list(live.shape)} here"
+                    )
+    return None
+
+
 def check_fits(loaded: Loaded, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> None:
     """ValueError naming what does not fit, before anything is applied: each object's state against
     its live state (`misfit`), and against the object's own `check_state` where it has one (the
@@ -73,11 +118,20 @@ def check_fits(loaded: Loaded, objects: Dict[str, Any], per_rank: Dict[str, Any]
     for name, obj in [*objects.items(), *(per_rank.items() if loaded.own is not None else [])]:
         state = loaded.objects.get(name) if name in objects else own.get(name)
         problem = misfit(obj.state_dict(), state, name) if name in objects else None
+        if not problem and name in objects and _is_optimizer(obj):
+            problem = optimizer_misfit(obj, state)
+            problem = f"{name}.{problem}" if problem else None
         if problem:
             raise ValueError(f"does not fit this run's {name}: {problem}")
         check = getattr(obj, "check_state", None)
         if check is not None:
             check(state)
+
+
+def _is_optimizer(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.optim.Optimizer)
 
 
 def verify(path: Path, checksums: bool = True) -> Optional[str]:
