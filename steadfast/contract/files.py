@@ -90,13 +90,33 @@ def read_json_object(path: PathLike, max_bytes: int = MAX_JSON_BYTES) -> Optiona
     return value if isinstance(value, dict) else None
 
 
+MAX_LINE_BYTES = 1 << 20  # one record of a JSON-lines file: a longer line is skipped, the rest kept
+
+
 def read_jsonl(path: PathLike, max_bytes: int = MAX_JSONL_BYTES) -> List[Dict[str, Any]]:
-    """The JSON objects of a JSON-lines file, skipping lines that are not one (a line cut by a crash)."""
-    data = read_regular(path, max_bytes)
-    if data is None:
+    """The JSON objects of a JSON-lines file, skipping lines that are not one (a line cut by a crash
+    or a full disk, one too long). A file past `max_bytes` is read from its last `max_bytes`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
         return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        start = max(0, st.st_size - max_bytes)
+        data = os.pread(fd, st.st_size - start, start)
+    except (OSError, MemoryError):
+        return []
+    finally:
+        os.close(fd)
+    lines = data.split(b"\n")
+    if start:
+        lines = lines[1:]  # the first one is a part
     out: List[Dict[str, Any]] = []
-    for line in data.splitlines():
+    for line in lines:
+        if not line or len(line) > MAX_LINE_BYTES:
+            continue
         try:
             value = json.loads(line)
         except (ValueError, RecursionError):

@@ -8,7 +8,7 @@ tells), the exception the worker recorded (`worker_failed`), whether the watchdo
 hung rank, and when it ended.
 
 The rule (`diagnose`): a rank is a *consequence* when the backend or the launcher stopped it after
-another rank failed, or when its error says that a peer went away (`PEER_LOST`); every other failed
+another rank failed, or when its error says that a peer went away (one of `PEER_LOST_TYPES`, by its type); every other failed
 rank is a *cause* candidate. The first candidate in time is the cause. Without candidates (every
 rank only saw its peers go): when some timed out waiting, the others were alive and silent, and
 the first of those is the cause; else the first failure in time is. A hang the watchdog found is
@@ -29,33 +29,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-# What a rank's exception says when it did not fail by itself but lost a peer: Gloo's and NCCL's
-# connection errors and timeouts, torch's store and watchdog errors, Horovod's shutdown, and the
-# launcher's own collective deadline. Matched case-insensitively anywhere in the error's text.
-PEER_LOST = re.compile(
-    "|".join(
-        (
-            r"connection (reset|closed|refused) by peer",
-            r"connection reset",
-            r"broken pipe",
-            r"socket timeout",
-            r"timed out",
-            r"timeout",
-            r"\bread error\b",
-            r"\bwrite error\b",
-            r"DistNetworkError",
-            r"DistBackendError",
-            r"NCCL communicator was aborted",
-            r"ncclRemoteError",
-            r"watchdog caught collective operation timeout",
-            r"Horovod has been shut down",
-            r"HorovodInternalError",
-            r"other rank.*(exited|failed|terminated)",
-            r"peer .*(closed|gone|lost)",
-        )
-    ),
-    re.IGNORECASE,
+# A rank lost a peer when the exception it recorded is one of the libraries' own types for that
+# (torch.distributed's, Gloo's as torch raises them, Horovod's, the OS's connection errors): judged by
+# the type name the worker recorded (`worker_failed`'s error starts with it), never by words in the
+# message, which is the user's (a worker's own TimeoutError("timed out reading s3://...") is its own
+# failure). A bare RuntimeError counts only when its text starts with Gloo's or c10d's source marker
+# or one of Gloo's own messages (torch raises Gloo's errors as RuntimeError).
+PEER_LOST_TYPES = frozenset(
+    {
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "HorovodInternalError",
+        "HorovodShutdownError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+    }
 )
+_LIBRARY_MARK = re.compile(
+    r"^RuntimeError: (\[[^\]]*(gloo|c10d)[^\]]*\]|Application timeout caused pair closure|Connection closed by peer)"
+)
+_TYPE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (terminal escapes included) written as \\xNN, newline and tab kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def error_type(error: str) -> Optional[str]:
+    """The exception's type name a worker's record starts with ('DistNetworkError: ...')."""
+    m = _TYPE.match(error)
+    return m.group(1).rsplit(".", 1)[-1] if m else None
+
+
+def is_peer_lost(error: str) -> bool:
+    return error_type(error) in PEER_LOST_TYPES or _LIBRARY_MARK.match(error) is not None
+
 
 # Signals whose Python stacks faulthandler writes before the process ends.
 FATAL_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"})
@@ -104,7 +117,7 @@ class RankEnd:
     @property
     def peer_lost(self) -> bool:
         """Its own record says it failed because a peer went away."""
-        return self.error is not None and PEER_LOST.search(self.error) is not None
+        return self.error is not None and is_peer_lost(self.error)
 
     @property
     def time(self) -> float:
@@ -169,12 +182,12 @@ class Diagnosis:
         if self.consequences:
             ranks = ", ".join(str(r.rank) for r in self.consequences)
             text += f"; rank(s) {ranks} failed as a consequence"
-        return text
+        return printable(text)
 
 
 def first_line(text: str, limit: int = 300) -> str:
     stripped = text.strip()
-    line = stripped.splitlines()[0] if stripped else text
+    line = printable(stripped.splitlines()[0] if stripped else text)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
