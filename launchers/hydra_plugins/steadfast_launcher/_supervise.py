@@ -195,7 +195,8 @@ class Supervisor:
         else:
             stuck = self.watchdog.stuck(live, now)
             if stuck:
-                message = self.watchdog.handle(stuck, now)
+                peers = [w for w in live if w.restart == stuck[0].restart]
+                message = self.watchdog.handle(stuck, now, peers)
                 self.first_hang = self.first_hang or message
 
     def _record_ended(self, inc: _Incarnation) -> None:

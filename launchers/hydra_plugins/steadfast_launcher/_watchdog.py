@@ -70,12 +70,15 @@ class Watchdog:
             and now - w.last_change >= (self.startup_threshold if w.phase in STARTUP_PHASES else self.threshold)
         ]
 
-    def handle(self, stuck: List[W], now: float) -> str:
+    def handle(self, stuck: List[W], now: float, peers: Sequence[W] = ()) -> str:
         """Ask the stuck workers for their stacks, name the suspect (recorded, and on each worker's
-        `hang`), kill them; returns the finding's message."""
+        `hang`), kill them; returns the finding's message. `peers` (the other live workers) are asked
+        for their stacks too: on a loaded machine a peer may already wait in its collective while its
+        heartbeat moved too recently to count as stuck; such a peer is reported waiting, not killed."""
         stuck.sort(key=lambda w: w.rank)
+        others = sorted((w for w in peers if w not in stuck and w.phase != DONE_PHASE), key=lambda w: w.rank)
         sizes: Dict[int, int] = {}
-        for w in stuck:
+        for w in [*stuck, *others]:
             path = stacks_file(self.run_dir, w.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             header = (
@@ -86,11 +89,14 @@ class Watchdog:
                 f.write(header)
             sizes[w.rank] = path.stat().st_size
             kill(w.pid, STACK_SIGNAL)
-        dumps = self._wait_for_stacks(stuck, sizes)
-        frames = {w.rank: main_thread_frames(dumps.get(w.rank, "")) for w in stuck}
+        dumps = self._wait_for_stacks([*stuck, *others], sizes)
+        frames = {w.rank: main_thread_frames(dumps.get(w.rank, "")) for w in [*stuck, *others]}
         suspects = [w for w in stuck if not waits_in_collective(frames[w.rank])] or stuck
         first = suspects[0]
-        waiting = [w for w in stuck if w not in suspects]
+        waiting = sorted(
+            [w for w in stuck if w not in suspects] + [w for w in others if waits_in_collective(frames[w.rank])],
+            key=lambda w: w.rank,
+        )
         seconds = now - first.last_change
         where = describe_frame(frames[first.rank][0] if frames[first.rank] else None)
         message = (
@@ -100,7 +106,9 @@ class Watchdog:
             message += f"; also stuck: rank(s) {', '.join(str(w.rank) for w in suspects[1:])}"
         if waiting:
             message += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} waiting for it in a collective"
-        stacks = [str(stacks_file(self.run_dir, w.rank)) for w in stuck]
+        elif others:
+            message += f"; rank(s) {', '.join(str(w.rank) for w in others)} not seen waiting in a collective yet"
+        stacks = [str(stacks_file(self.run_dir, w.rank)) for w in [*stuck, *others]]
         for w in stuck:
             w.hang = ""
         for w in suspects:
@@ -135,7 +143,10 @@ class Watchdog:
         deadline = time.monotonic() + STACKS_WAIT_S
         seen: Dict[int, int] = {}
         while time.monotonic() < deadline:
-            now_sizes = {w.rank: stacks_file(self.run_dir, w.rank).stat().st_size for w in stuck}
+            try:
+                now_sizes = {w.rank: stacks_file(self.run_dir, w.rank).stat().st_size for w in stuck}
+            except OSError:
+                break
             grown = all(now_sizes[r] > sizes[r] for r in now_sizes)
             if grown and now_sizes == seen:
                 break
@@ -143,7 +154,10 @@ class Watchdog:
             time.sleep(0.05)
         out = {}
         for w in stuck:
-            with open(stacks_file(self.run_dir, w.rank), "rb") as f:
-                f.seek(sizes[w.rank])
-                out[w.rank] = f.read().decode(errors="replace")
+            try:
+                with open(stacks_file(self.run_dir, w.rank), "rb") as f:
+                    f.seek(sizes[w.rank])
+                    out[w.rank] = f.read().decode(errors="replace")
+            except OSError:
+                out[w.rank] = ""  # unusable: no frames, the rank counts as not seen in a collective
         return out
