@@ -33,7 +33,7 @@ from typing import (
     TypeVar,
 )
 
-from .files import EVENTS_FILE, PathLike, read_jsonl
+from .files import EVENTS_FILE, PathLike, append_line, capped, read_jsonl
 from .fits import field_types, fits
 
 
@@ -434,53 +434,7 @@ def append(folder: PathLike, kind: Event, **fields: Any) -> None:
         "pid": os.getpid(),
         **fields,
     }
-    line = (json.dumps(_capped(record), default=str) + "\n").encode()
-    fd = os.open(Path(folder) / EVENTS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if _torn(fd):
-            line = b"\n" + line  # a record cut short before us (a full disk) stays a line of its own
-        written = 0
-        while written < len(line):  # a short write (a full filesystem) is finished or raises
-            n = os.write(fd, line[written:])
-            if n <= 0:
-                raise OSError(f"{EVENTS_FILE}: wrote {written} of {len(line)} bytes")
-            written += n
-    finally:
-        os.close(fd)
-
-
-MAX_TEXT = 8192  # a string field of a record (a message, a traceback): head and tail kept, the cut marked
-MAX_ITEMS = 256  # a list or mapping field
-
-
-def cap_text(text: str, limit: int = MAX_TEXT) -> str:
-    if len(text) <= limit:
-        return text
-    keep = (limit - 64) // 2
-    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
-
-
-def _capped(value: Any, depth: int = 0) -> Any:
-    """Every string capped, every list and mapping too, so that no record floods the file."""
-    if isinstance(value, str):
-        return cap_text(value)
-    if depth > 8:
-        return cap_text(str(value))
-    if isinstance(value, dict):
-        items = list(value.items())[:MAX_ITEMS]
-        return {cap_text(str(k), 256): _capped(v, depth + 1) for k, v in items}
-    if isinstance(value, (list, tuple)):
-        return [_capped(v, depth + 1) for v in list(value)[:MAX_ITEMS]]
-    return value
-
-
-def _torn(fd: int) -> bool:
-    """The file does not end in a newline (a record before was cut short)."""
-    try:
-        size = os.fstat(fd).st_size
-        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-    except OSError:
-        return False
+    append_line(Path(folder) / EVENTS_FILE, (json.dumps(capped(record), default=str) + "\n").encode())
 
 
 def write(folder: PathLike, record: Record) -> None:

@@ -124,3 +124,54 @@ def read_jsonl(path: PathLike, max_bytes: int = MAX_JSONL_BYTES) -> List[Dict[st
         if isinstance(value, dict):
             out.append(value)
     return out
+
+
+def append_line(path: Path, line: bytes) -> None:
+    """Append one record's line whole: a short write (a full filesystem) is finished or raises, and a
+    line cut short before (the file does not end in a newline) is ended first, so records never join."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if _torn(fd):
+            line = b"\n" + line
+        written = 0
+        while written < len(line):
+            n = os.write(fd, line[written:])
+            if n <= 0:
+                raise OSError(f"{path.name}: wrote {written} of {len(line)} bytes")
+            written += n
+    finally:
+        os.close(fd)
+
+
+MAX_TEXT = 8192  # a string field of a record (a message, a traceback): head and tail kept, the cut marked
+MAX_ITEMS = 256  # a list or mapping field
+
+
+def cap_text(text: str, limit: int = MAX_TEXT) -> str:
+    if len(text) <= limit:
+        return text
+    keep = (limit - 64) // 2
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
+
+
+def capped(value: Any, depth: int = 0) -> Any:
+    """Every string capped, every list and mapping too, so that no record floods the file."""
+    if isinstance(value, str):
+        return cap_text(value)
+    if depth > 8:
+        return cap_text(str(value))
+    if isinstance(value, dict):
+        items = list(value.items())[:MAX_ITEMS]
+        return {cap_text(str(k), 256): capped(v, depth + 1) for k, v in items}
+    if isinstance(value, (list, tuple)):
+        return [capped(v, depth + 1) for v in list(value)[:MAX_ITEMS]]
+    return value
+
+
+def _torn(fd: int) -> bool:
+    """The file does not end in a newline (a record before was cut short)."""
+    try:
+        size = os.fstat(fd).st_size
+        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+    except OSError:
+        return False
