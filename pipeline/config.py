@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from steadfast.config import CheckpointConf, FaultConf, LoggerConf, ParallelConf, Resume, RunConf, SnapshotConf, register_configs
 from steadfast.contract import backends, naming
 from steadfast.contract.backends import BackendConf
-from steadfast.contract.schemas import ClusterConf, RestartConf, bad, positive
+from steadfast.contract.schemas import ClusterConf, RestartConf, bad, bounded, positive
 from steadfast.preflight import resolved
 
 
@@ -249,7 +249,11 @@ def preflight(job_cfg: DictConfig) -> List[str]:
         c = typed(cfg)
     except Exception as exc:  # a type or key error that composition let through (e.g. in a user's node)
         return [str(exc).splitlines()[0]]
-    out: List[str] = []
+    out: List[str] = bounded("trainer", c.trainer)
+    for group in ("model", "data"):
+        out += bounded(group, getattr(c, group))
+    if out:  # a NaN, an infinity or a number too large for what the workers build from it
+        return out
     t = c.trainer
     out += positive("trainer.max_epochs", t.max_epochs)
     out += positive("trainer.lr", t.lr)

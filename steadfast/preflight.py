@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .checkpoint import manifest
 from .config import FaultKind, Resume, Settings, settings_from
 from .contract import backends
-from .contract.schemas import bad, positive
+from .contract.schemas import bad, bounded, positive
 from .faults import WRITER_KINDS
 
 
@@ -45,7 +45,9 @@ def check(job_cfg: DictConfig) -> List[str]:
         s = settings_from(cfg)
     except ValueError as exc:
         return [str(exc)]
-    out: List[str] = []
+    out: List[str] = bounded("", s)
+    if out:  # a NaN, an infinity or a number too large for what the workers build from it
+        return out
     ck = s.checkpoint
     out += positive("checkpoint.every_n_epochs", ck.every_n_epochs, allow_none=True)
     out += positive("checkpoint.every_n_steps", ck.every_n_steps, allow_none=True)

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple, Type
 
-from .schemas import MISSING, bad
+from .schemas import MISSING, bad, bounded
 
 
 @dataclass
@@ -26,7 +26,7 @@ class BackendConf:
     def problems(self, prefix: str = "backend") -> List[str]:
         if self.name not in _REGISTRY:
             return [bad(f"{prefix}.name", self.name, f"one of {', '.join(names())}")]
-        return []
+        return bounded(prefix, self)
 
     @property
     def procs_per_node(self) -> int:

@@ -12,7 +12,11 @@ no restarts.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
 from typing import Any, List, Optional
 
 MISSING = "???"  # a value the config must set: OmegaConf's own mark (omegaconf.MISSING is this string)
@@ -20,6 +24,47 @@ MISSING = "???"  # a value the config must set: OmegaConf's own mark (omegaconf.
 
 def bad(key: str, value: Any, allowed: str) -> str:
     return f"{key}={value!r} is not allowed: {allowed}"
+
+
+# The bounds every numeric key of every schema is held to (bounded(), shared by all the config checks):
+# a count must fit the int64 the workers put it in (tensors, step counters), a number of seconds
+# (or any float) must be finite and fit timedelta (threading/torch timeouts are built from it).
+INT_MAX = 2**63 - 1
+FLOAT_MAX = timedelta.max.total_seconds()
+
+
+def out_of_bounds(key: str, value: Any) -> Optional[str]:
+    """The problem when a number cannot be held by the code consuming it (None: fine, or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int):
+        if -INT_MAX - 1 <= value <= INT_MAX:
+            return None
+        return bad(key, value, f"an integer between {-INT_MAX - 1} and {INT_MAX} (int64)")
+    if math.isfinite(value) and abs(value) <= FLOAT_MAX:
+        return None
+    return bad(key, value, f"a finite number between {-FLOAT_MAX:g} and {FLOAT_MAX:g}")
+
+
+def bounded(prefix: str, node: Any) -> List[str]:
+    """Every numeric field of a schema dataclass (nested dataclasses and lists too) checked by out_of_bounds."""
+    out: List[str] = []
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            out += bounded(f"{prefix}.{f.name}" if prefix else f.name, getattr(node, f.name))
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            out += bounded(f"{prefix}[{i}]", item)
+    elif isinstance(node, str) and not isinstance(node, Enum):
+        try:  # a number given as text to an Any key (checkpoint.every_n_seconds)
+            problem = out_of_bounds(prefix, float(node))
+        except ValueError:
+            problem = None
+        out += [problem] if problem else []
+    else:
+        problem = out_of_bounds(prefix, node)
+        out += [problem] if problem else []
+    return out
 
 
 def positive(key: str, value: Any, allow_none: bool = False) -> List[str]:
@@ -53,7 +98,9 @@ class RestartConf:
     collective_timeout_s: float = 600.0
 
     def problems(self, prefix: str = "restart") -> List[str]:
-        out = []
+        out = bounded(prefix, self)
+        if out:
+            return out
         if self.max_restarts < 0:
             out.append(bad(f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0"))
         if not self.monitor_interval > 0:
@@ -89,6 +136,8 @@ class ClusterConf:
     def problems(self, prefix: str = "cluster") -> List[str]:
         if self.name == "none":
             return []
+        if bounded(prefix, self):
+            return bounded(prefix, self)
         if self.name != "slurm":
             return [bad(f"{prefix}.name", self.name, "one of none, slurm")]
         out = []

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 
 from steadfast.config import register_configs
 from steadfast.contract import naming
-from steadfast.contract.schemas import ClusterConf, RestartConf, bad
+from steadfast.contract.schemas import ClusterConf, RestartConf, bad, bounded
 
 from . import _backends  # noqa: F401  (registers every backend)
 
@@ -60,7 +60,7 @@ class SteadfastLauncherConf:
     skip_completed: bool = True
 
     def problems(self) -> List[str]:
-        out = []
+        out = bounded("hydra.launcher", self)
         if self.max_parallel_jobs < 1:
             out.append(bad("hydra.launcher.max_parallel_jobs", self.max_parallel_jobs, "an integer >= 1"))
         if self.max_procs is not None and self.max_procs < 1:
