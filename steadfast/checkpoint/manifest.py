@@ -19,6 +19,7 @@ ManifestError (a ValueError), never another exception.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -50,7 +51,6 @@ CHECKSUM = re.compile(re.escape(fileio.CHECKSUM) + r":[0-9a-f]{32}")
 MAX_TENSORS = 1 << 20
 MAX_DIMS = 64
 MAX_DIM = 1 << 62
-MAX_PAIRWISE = 512  # pieces of one tensor checked pairwise for overlap (a rank each: FSDP's usual world sizes)
 TENSOR_KEY = re.compile(r"[^\x00-\x1f]{1,1024}")
 META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
 MAX_COMMIT = 2**53  # one save a millisecond for 285,000 years; an exact integer in any JSON reader
@@ -143,7 +143,7 @@ def _dims(value: Any, count: Optional[int] = None) -> bool:
 def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = True) -> Optional[str]:
     """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
     dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
-    exactly (their sizes add up to it; without overlap, checked where they are at most MAX_PAIRWISE).
+    exactly (their sizes add up to it, and no two overlap: checked at any number of pieces, see _overlapping).
     Without `covering` (one rank's snapshot: its own pieces only) the pieces may cover part of it."""
     if not isinstance(table, dict) or len(table) > MAX_TENSORS:
         return f"must be a JSON object of at most {MAX_TENSORS} tensors"
@@ -171,9 +171,27 @@ def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = Tru
             total += math.prod(piece[2])
         if total != math.prod(whole) and (covering or total > math.prod(whole)):
             return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
-        if len(pieces) <= MAX_PAIRWISE and any(_overlap(a, b) for i, a in enumerate(pieces) for b in pieces[i + 1 :]):
+        if _overlapping(pieces):
             return f"{what}: two pieces overlap"
     return None
+
+
+def _overlapping(pieces: List[List[Any]]) -> bool:
+    """Whether two non-empty pieces overlap: a sweep along the first dimension, each piece compared
+    only with those still open there (O(n log n) for pieces split along one dimension, as every
+    saved layout is; no cap on the count). With their sizes adding up to the whole, no overlap means
+    every value is covered exactly once."""
+    boxes = sorted((p for p in pieces if math.prod(p[2])), key=lambda p: p[1][0] if p[1] else 0)
+    if boxes and not boxes[0][1]:
+        return len(boxes) > 1  # 0-d pieces: each is the one value
+    open_: List[Tuple[int, int]] = []  # (end along the first dimension, index in boxes)
+    for i, box in enumerate(boxes):
+        while open_ and open_[0][0] <= box[1][0]:
+            heapq.heappop(open_)
+        if any(_overlap(boxes[j], box) for _, j in open_):
+            return True
+        heapq.heappush(open_, (box[1][0] + box[2][0], i))
+    return False
 
 
 def _overlap(a: List[Any], b: List[Any]) -> bool:
