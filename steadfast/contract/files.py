@@ -10,7 +10,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -51,19 +51,36 @@ def fsync_dir(folder: PathLike) -> None:
         os.close(fd)
 
 
-def read_regular(path: PathLike, max_bytes: int) -> Optional[bytes]:
-    """The bytes of a regular file no larger than `max_bytes`; None for anything else (missing, a
-    symlink, a folder, a FIFO or device, too large, unreadable). Opened with O_NONBLOCK so a FIFO never blocks,
-    and checked with fstat on the open descriptor so a swap after the check cannot fool it."""
+def _open_regular(path: PathLike) -> Optional[Tuple[int, int]]:
+    """(descriptor, size) of a regular file, never through a symlink; None for anything else. Opened
+    with O_NONBLOCK so a FIFO never blocks, and checked with fstat on the open descriptor so a swap
+    after the check cannot fool it. The caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+    except OSError:
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def read_regular(path: PathLike, max_bytes: int) -> Optional[bytes]:
+    """The bytes of a regular file no larger than `max_bytes`; None for anything else (missing, a
+    symlink, a folder, a FIFO or device, too large, unreadable): see _open_regular."""
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if size > max_bytes:
             return None
-        chunks, left = [], st.st_size + 1  # one byte more: a file that grew past the cap is refused
+        chunks, left = [], size + 1  # one byte more: a file that grew past the cap is refused
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
@@ -96,16 +113,13 @@ MAX_LINE_BYTES = 1 << 20  # one record of a JSON-lines file: a longer line is sk
 def read_jsonl(path: PathLike, max_bytes: int = MAX_JSONL_BYTES) -> List[Dict[str, Any]]:
     """The JSON objects of a JSON-lines file, skipping lines that are not one (a line cut by a crash
     or a full disk, one too long). A file past `max_bytes` is read from its last `max_bytes`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    opened = _open_regular(path)
+    if opened is None:
         return []
+    fd, size = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        start = max(0, st.st_size - max_bytes)
-        data = os.pread(fd, st.st_size - start, start)
+        start = max(0, size - max_bytes)
+        data = os.pread(fd, size - start, start)
     except (OSError, MemoryError):
         return []
     finally:

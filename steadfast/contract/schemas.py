@@ -136,8 +136,9 @@ class ClusterConf:
     def problems(self, prefix: str = "cluster") -> List[str]:
         if self.name == "none":
             return []
-        if bounded(prefix, self):
-            return bounded(prefix, self)
+        out = bounded(prefix, self)
+        if out:
+            return out
         if self.name != "slurm":
             return [bad(f"{prefix}.name", self.name, "one of none, slurm")]
         out = []
