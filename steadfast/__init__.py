@@ -18,20 +18,19 @@ __all__ = ["Run", "PerRank", "Progress", "ResumableSampler", "Stateful", "StopRu
 
 _WHERE = {
     "Run": ".run",
-    "PerRank": ".state",
-    "Progress": ".state",
-    "Stateful": ".state",
-    "ResumableSampler": ".data",
+    "PerRank": ".checkpoint.state",
+    "Progress": ".checkpoint.state",
+    "Stateful": ".checkpoint.state",
+    "ResumableSampler": ".loop.data",
     "StopRun": ".contract.stop",
-    "model_sha256": ".records",
+    "model_sha256": ".checkpoint.state",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.state import PerRank, Progress, Stateful, model_sha256
     from .contract.stop import StopRun
-    from .data import ResumableSampler
-    from .records import model_sha256
+    from .loop.data import ResumableSampler
     from .run import Run
-    from .state import PerRank, Progress, Stateful
 
 
 def __getattr__(name: str) -> Any:

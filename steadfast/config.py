@@ -61,7 +61,7 @@ class CheckpointConf:
 
 @dataclass
 class SnapshotConf:
-    """Copies of the training state in shared memory between checkpoints (steadfast/snapshots.py):
+    """Copies of the training state in shared memory between checkpoints (steadfast/checkpoint/memory.py):
     after a worker's death the group restores from memory, losing at most the interval in force
     (every_n_steps, or what auto chose then: the attempt's snapshot_interval events)."""
 
@@ -83,7 +83,7 @@ class Precision(Enum):
 
 @dataclass
 class ParallelConf:
-    """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/parallel.py)."""
+    """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/distributed/parallel.py)."""
 
     kind: ParallelKind = ParallelKind.ddp
     # fsdp: the module classes (by class name) that become their own FSDP unit, each sharded and

@@ -29,13 +29,12 @@ from typing import Any, ContextManager, Dict, Iterable, Iterator, Optional, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import comm as comms
-from . import parallel
-from .agreement import StopAgreement
-from .boundary import StepBoundary
-from .cadence import Cadence, history
+from . import distributed as comms
 from .checkpoint.manifest import step_dir_name
-from .checkpointer import Checkpointer
+from .checkpoint.memory import announce_off, open_memory
+from .checkpoint.shared_folder import check_shared_run_dir
+from .checkpoint.state import Progress, model_sha256, seed_everything, unwrap
+from .checkpoint.tracked import Checkpointer
 from .config import settings_from
 from .contract import events
 from .contract.env import LaunchEnv
@@ -43,14 +42,17 @@ from .contract.events import Event
 from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
 from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
-from .data import ResumableSampler, RunData
-from .exchange import Exchange
+from .distributed import parallel
+from .distributed.exchange import Exchange
 from .faults import FaultInjector
-from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
-from .snapshot_cadence import MemoryCadence
-from .snapshots import announce_off, open_memory
-from .state import Progress, seed_everything, unwrap
-from .telemetry import Telemetry
+from .loop.agreement import StopAgreement
+from .loop.boundary import StepBoundary
+from .loop.cadence import Cadence, history
+from .loop.data import ResumableSampler, RunData
+from .loop.memory_cadence import MemoryCadence
+from .telemetry.logs import setup_logging
+from .telemetry.metrics import Telemetry
+from .telemetry.records import RunRecord
 
 log = logging.getLogger("steadfast")
 
@@ -379,7 +381,7 @@ class Run:
         return self.train_loss
 
     def mean(self, value: Any) -> float:
-        """The mean of a number over the ranks (collective, on the control plane: steadfast/comm.py)."""
+        """The mean of a number over the ranks (collective, on the control plane: steadfast/distributed/comm.py)."""
         t = self.comm.start_sum(torch.tensor([float(value), 1.0], dtype=torch.float64)).wait()
         return float(t[0] / t[1])
 

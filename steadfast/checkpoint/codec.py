@@ -23,7 +23,7 @@ SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what 
 
 
 class Collectives(Protocol):
-    """What the checkpoint code needs of the ranks' collectives (steadfast.comm.Comm provides it)."""
+    """What the checkpoint code needs of the ranks' collectives (steadfast.distributed.comm.Comm provides it)."""
 
     rank: int
     world_size: int

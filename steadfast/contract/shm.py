@@ -8,7 +8,7 @@ fstat (a folder, owned by this user, mode 0700) before it puts anything in it: t
 way, and open every file in it relative to that descriptor: slot files are created with
 O_EXCL|O_NOFOLLOW and opened with O_NOFOLLOW|O_NONBLOCK, then checked with fstat (a regular file,
 owned by this user, no permission for anyone else) before a byte is read or written. The workers
-key the snapshots' digests with the launch's key (steadfast/snapshots.py), so a snapshot of another
+key the snapshots' digests with the launch's key (steadfast/checkpoint/memory.py), so a snapshot of another
 launch, or one written without the key, never verifies.
 
 The key never leaves the folder: not in the environment (Horovod puts its workers' environment on

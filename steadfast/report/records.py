@@ -87,7 +87,7 @@ class MetricRow:
     restart: Optional[int] = None
     loss: Optional[float] = None
     val_loss: Optional[float] = None
-    local_ms_per_rank: Optional[Tuple[float, ...]] = None  # each rank's local work per step (steadfast/stragglers.py)
+    local_ms_per_rank: Optional[Tuple[float, ...]] = None  # each rank's local work per step (steadfast/telemetry/_stragglers.py)
 
 
 MAX_RANKS = 65536  # a per-rank list longer than any world size is damage, not data

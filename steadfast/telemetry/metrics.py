@@ -2,8 +2,8 @@
 display, TensorBoard; and the memory guard.
 
 The loss is summed on the device as the steps go (no host sync per step). Every
-`log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/stragglers.py) in its own slot. Windows travel
-to the other ranks in the control plane's periodic message (steadfast/exchange.py: one all-reduce of
+`log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/telemetry/_stragglers.py) in its own slot. Windows travel
+to the other ranks in the control plane's periodic message (steadfast/distributed/exchange.py: one all-reduce of
 CPU numbers on a process group of its own, about every half second by default; a Telemetry
 given no exchange sends one per window), so every rank sees the same numbers and takes the same
 decisions: the memory guard, the stragglers named. A
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .comm import Comm
-from .contract import events
-from .contract.events import Event
-from .exchange import Exchange
-from .progress import ProgressDisplay
+from ..contract import events
+from ..contract.events import Event
+from ..distributed.comm import Comm
+from ..distributed.exchange import Exchange
+from ._progress import ProgressDisplay
+from ._stragglers import StepTimer, StragglerRule
 from .records import RunRecord
-from .stragglers import StepTimer, StragglerRule
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

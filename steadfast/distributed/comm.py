@@ -24,8 +24,6 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .contract import env
-
 
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
@@ -203,14 +201,3 @@ def await_store(host: Optional[str], port: Optional[str], timeout_s: float) -> N
 
 
 _RETIRED: List[Any] = []  # process groups destroyed by shutdown(), referenced until the process ends
-
-
-def init(collective: str = env.NONE, timeout_s: float = 600.0) -> Comm:
-    """The Comm for the collective library the launcher started us with (LaunchEnv.collective)."""
-    if collective == env.TORCH:
-        return TorchDistComm(timeout_s)
-    if collective == env.HOROVOD:
-        from .comm_horovod import HorovodComm
-
-        return HorovodComm()
-    return Comm()

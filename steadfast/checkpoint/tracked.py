@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from .checkpoint import manifest
-from .checkpoint.codec import Collectives, Loaded
-from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
-from .checkpoint.restore import check_fits
-from .config import Resume, Settings
-from .contract.env import LaunchEnv
-from .faults import FaultInjector
-from .records import RunRecord
-from .snapshots import MemorySnapshots
+from ..config import Resume, Settings
+from ..contract.env import LaunchEnv
+from ..faults import FaultInjector
+from ..telemetry.records import RunRecord
+from . import manifest
+from .codec import Collectives, Loaded
+from .manager import CheckpointError, CheckpointManager, Restored
+from .memory import MemorySnapshots
+from .restore import check_fits
 from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)

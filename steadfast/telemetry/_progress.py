@@ -58,7 +58,7 @@ class ProgressDisplay:
         self.mode = mode if enabled else "none"
         self.every_s, self.total, self.max_epochs = every_s, total_steps, max_epochs
         self.loss: Optional[float] = None
-        self.slow = ""  # the ranks named stragglers (steadfast/stragglers.py), e.g. "rank 1 (+48%)"
+        self.slow = ""  # the ranks named stragglers (steadfast/telemetry/_stragglers.py), e.g. "rank 1 (+48%)"
         self._rate: Optional[float] = None
         self.visible = False
         self._samples: Deque[Tuple[float, int]] = deque()

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
-from .contract import events
-from .contract.events import Event
+from ..contract import events
+from ..contract.events import Event
 
 FLOOR_S = 5.0  # auto: never checkpoint more often than this
 FLOOR_SAVES = 20  # auto: nor spend more than 1/20 of the time saving

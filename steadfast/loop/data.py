@@ -13,8 +13,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
 
-from .contract.events import Event
-from .state import Progress
+from ..checkpoint.state import Progress
+from ..contract.events import Event
 
 log = logging.getLogger(__name__)
 

@@ -4,17 +4,20 @@ Anything with `state_dict()`/`load_state_dict()` is a `Stateful`: models, optimi
 schedulers, GradScalers, torchdata's StatefulDataLoader, a user's own objects. Objects are saved
 once, from rank 0 (they are the same on every rank after a step); `PerRank` marks an object whose
 state differs between ranks (a data loader's position, a rank's own RNG): every rank's state is
-gathered and each rank gets its own back.
+gathered and each rank gets its own back. `model_sha256` is the digest of a model's state, what
+a run ends with in summary.json (an exact resume ends with the same one as a run never stopped).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch import nn
 
 
 @runtime_checkable
@@ -196,3 +199,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def model_sha256(model: nn.Module) -> str:
+    """sha256 over every tensor of the state_dict, in key order, as contiguous CPU bytes. A sharded
+    tensor (FSDP2's DTensor) is gathered whole first, a tensor at a time: collective, and the same
+    digest as the unsharded model's."""
+    from .shards import is_dtensor
+
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
+        t = whole.detach().cpu().contiguous().reshape(-1)
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
