@@ -12,7 +12,7 @@ launcher imports at Hydra's start-up) never imports torch.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, List
 
 __all__ = ["Run", "PerRank", "Progress", "ResumableSampler", "Stateful", "StopRun", "model_sha256"]
 
@@ -41,5 +41,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'steadfast' has no attribute {name!r}")
 
 
-def __dir__() -> list:
+def __dir__() -> List[str]:
     return sorted([*globals(), *__all__])

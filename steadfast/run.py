@@ -230,7 +230,7 @@ class Run:
         outer = wrapped if any(True for _ in model.buffers()) else model
         self.telemetry.timer.watch(outer, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
-            next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
+            next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))  # type: ignore[no-untyped-call]
         if optimizer is None:
             return wrapped
         self.optimizer = optimizer

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -72,7 +72,8 @@ class Comm:
     def max_each(self, values: Sequence[float]) -> List[float]:
         """Element-wise maximum over the ranks, on every rank: the control agreement (stop
         requests, time-based saves). A few floats on the CPU, so it never waits for a GPU."""
-        return self.start_max_each(values).wait()
+        maxima: List[float] = self.start_max_each(values).wait()
+        return maxima
 
     def start_max_each(self, values: Sequence[float]) -> "Pending":
         """`max_each` without waiting: the result is read later with `.wait()`, so the collective
@@ -113,7 +114,7 @@ class TorchDistComm(Comm):
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.device = pick_device(self.local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+        kwargs: Dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
         if self.rank != 0:

@@ -8,7 +8,7 @@ batch at a time by index (no per-sample `__getitem__` and collate).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
@@ -129,7 +129,7 @@ class TensorBatches:
 
 
 def make_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     batch_size: int,
     sampler: ResumableSampler,
     num_workers: int = 0,
@@ -225,8 +225,8 @@ class RunData:
         self.world_size, self.rank, self.seed, self.progress = world_size, rank, seed, progress
         self.accumulate = accumulate
         self.position = Position()
-        self.samplers: list = []
-        self.generators: list = []
+        self.samplers: List[ResumableSampler] = []
+        self.generators: List[torch.Generator] = []
         self.samples_per_step = 0
 
     @property

@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from typing import Any, Deque, Optional, TextIO, Tuple
+from typing import Any, Deque, List, Optional, TextIO, Tuple
 
 log = logging.getLogger("steadfast.progress")
 
@@ -64,7 +64,7 @@ class ProgressDisplay:
         self._samples: Deque[Tuple[float, int]] = deque()
         self._last_draw = self._last_line = -1e9
         self._due = 0.0  # the next time a sample, a redraw or a line is due (update does nothing before)
-        self._filters: list = []
+        self._filters: List[Tuple[logging.Handler, logging.Filter]] = []
         if self.mode == "bar":
             for handler in logging.getLogger().handlers:
                 if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):

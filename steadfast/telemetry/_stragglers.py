@@ -86,7 +86,7 @@ class StepTimer:
                 self._pair = (
                     self._free.pop()
                     if self._free
-                    else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
                 )
             self._pair[0].record()
         else:

@@ -167,7 +167,7 @@ class Telemetry:
         if device is not None:
             host = torch.empty((), dtype=torch.float64, pin_memory=device.device.type == "cuda")
             host.copy_(device.double(), non_blocking=True)
-            landed = torch.cuda.Event() if device.device.type == "cuda" else None
+            landed = torch.cuda.Event() if device.device.type == "cuda" else None  # type: ignore[no-untyped-call]
             if landed is not None:
                 landed.record()
         closed_at = self._last if step is None else step
