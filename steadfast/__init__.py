@@ -7,6 +7,18 @@
 
 The names below are imported on first use, so `import steadfast` (and its `contract`, which the
 launcher imports at Hydra's start-up) never imports torch.
+
+  run              Run: the API a loop uses (docs/own-loop.md)
+  contract         what the launch side and the workers promise each other (no torch, nothing of ours)
+  checkpoint       durable state: the commit protocol, the format, the resume; what a run's loop tracks
+  loop             the step boundary and what is due at it (cadences, the stop agreement, resumable data)
+  distributed      the collectives and the control plane (init(), Comm, Exchange, DDP and FSDP2)
+  telemetry        what a person sees: metrics, stragglers, the progress display, logs
+  faults           rehearsed failures (`fault=...`)
+  config, conf     the library's config schemas (cheap: no torch) and its config groups (pkg://steadfast.conf)
+  preflight        the library's checks, run by the launcher before any worker starts
+  report           `python -m pipeline.report`: what happened in a run, from its records
+  verify_recovery  `python -m pipeline.verify_recovery`: a run with faults against one without
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Iterable, Iterator, Optional, cast
+from typing import Any, ContextManager, Dict, Iterable, Iterator, Mapping, Optional, Union, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -51,7 +51,7 @@ from .loop.cadence import Cadence, history
 from .loop.data import ResumableSampler, RunData
 from .loop.memory_cadence import MemoryCadence
 from .telemetry.logs import setup_logging
-from .telemetry.metrics import Telemetry
+from .telemetry.metrics import Loss, Telemetry
 from .telemetry.records import RunRecord
 
 log = logging.getLogger("steadfast")
@@ -69,7 +69,7 @@ class Run:
 
     def __init__(
         self,
-        cfg: Any = None,
+        cfg: Union[DictConfig, Mapping[str, Any], None] = None,
         *,
         seed: int = 0,
         log_every_n_steps: int = 10,
@@ -87,7 +87,7 @@ class Run:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r}: a number of batches per optimizer step >= 1")
         self.accumulate_grad_batches = accumulate_grad_batches
         self.launch = LaunchEnv.current()
-        resolved = (
+        resolved: Dict[str, Any] = (
             cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
             if isinstance(cfg, DictConfig)
             else dict(cfg or {})
@@ -323,7 +323,7 @@ class Run:
         set_requires_gradient_sync(False)); on the one that does, they are reduced as usual."""
         return _AS_IS if self.sync_gradients else parallel.no_sync(model)
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Loss = None) -> None:
         """After the optimizer step: count it, and do what is due at this step boundary."""
         p = self.progress
         p.global_step += 1

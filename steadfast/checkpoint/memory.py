@@ -43,7 +43,8 @@ import xxhash
 from ..contract.events import Event
 from ..contract.shm import SHM_DIR, Segments
 from . import tensorfile
-from .codec import OWN, SHARED, Codec, for_state, state_of
+from .codec import OWN, SHARED, Codec, state_of
+from .formats import for_state
 from .replicated import ReplicatedCodec
 
 log = logging.getLogger(__name__)

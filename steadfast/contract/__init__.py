@@ -15,6 +15,8 @@ nothing of ours and no torch:
   backends   the backend registry: each backend's schema, world-size keys and rank variables
   schemas    the restart and cluster schemas, and how a config check words a problem
   keys       which config keys change what is trained (run names, the resume guard)
+  naming     folder names from the command line (Hydra's overrides, OmegaConf's resolvers)
+  shm        the shared-memory folder of a launch's snapshots: private, made and removed by the launcher
   files      file names in the run folder, the atomic write, bounded validated reads
   pids       whether a process is still there
   fits       whether a value fits a type hint (what the event records are checked with)

@@ -12,12 +12,12 @@ bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..checkpoint.tracked import Checkpointer
 from ..contract.heartbeat import Heartbeat
 from ..faults import FaultInjector
-from ..telemetry.metrics import Telemetry
+from ..telemetry.metrics import Loss, Telemetry
 from .agreement import StopAgreement
 from .cadence import Cadence
 from .memory_cadence import MemoryCadence
@@ -48,7 +48,7 @@ class StepBoundary:
         self.checkpointer, self.memory, self.heartbeat, self.time_due = checkpointer, memory, heartbeat, time_due
         self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
 
-    def quiet(self, step: int, epoch: int, loss: Any) -> bool:
+    def quiet(self, step: int, epoch: int, loss: Loss) -> bool:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
@@ -57,7 +57,7 @@ class StepBoundary:
             self.heartbeat.beat(step, "train")
         return True
 
-    def due(self, step: int, epoch: int, loss: Any) -> Due:
+    def due(self, step: int, epoch: int, loss: Loss) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
         The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
         self.telemetry.add_loss(loss)

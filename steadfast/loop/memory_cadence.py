@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from ..checkpoint.memory import MemorySnapshots, announce_off, fits
 from ..contract.events import Event
@@ -51,7 +51,7 @@ class MemoryCadence:
     def __init__(
         self,
         memory: MemorySnapshots,
-        every: Any,
+        every: Union[int, str],
         exchange: Exchange,
         record: Callable[..., None],
         tracked: Tuple[Dict[str, Any], Dict[str, Any]],

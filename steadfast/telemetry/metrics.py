@@ -21,7 +21,8 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -64,6 +65,8 @@ class _Window:
 
 SHARED = 2  # numbers of a window summed over the ranks
 
+Loss = Union[torch.Tensor, float, None]  # what a step reports: a tensor on any device, a number, or nothing
+
 
 class Telemetry:
     def __init__(
@@ -75,7 +78,7 @@ class Telemetry:
         log_every_n_steps: int,
         started: float,
         restarts: int,
-        tensorboard_dir: Any = None,
+        tensorboard_dir: Optional[Path] = None,
         max_rss_mb: Optional[float] = None,
         straggler_margin: Optional[float] = None,
         straggler_windows: int = 1,
@@ -107,7 +110,7 @@ class Telemetry:
     def plan(self, total_steps: int, max_epochs: int) -> None:
         self.display.total, self.display.max_epochs = total_steps, max_epochs
 
-    def add_loss(self, loss: Any) -> None:
+    def add_loss(self, loss: Loss) -> None:
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
@@ -127,7 +130,7 @@ class Telemetry:
         closes, or a rank's peak memory read at this step's exchange is to be acted on."""
         return step + 1 if self._over is not None else step - step % self.every + self.every
 
-    def quiet_step(self, step: int, epoch: int, loss: Any) -> None:
+    def quiet_step(self, step: int, epoch: int, loss: Loss) -> None:
         """A step before `next_due`: its loss, its local time (the step's boundary too), the display."""
         if loss is not None:
             self.add_loss(loss)
