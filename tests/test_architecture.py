@@ -6,7 +6,8 @@ steadfast/'s top level (run, config, preflight, faults, verify_recovery, and the
 - no import circle between modules, over steadfast/, pipeline/ and the launcher together
   (function-level imports and `TYPE_CHECKING` imports included);
 - no import circle between packages either: the arrows docs/architecture.md draws go one way;
-- a private module (`_x`) is imported only inside its own package (tests may reach in);
+- a private module (`_x`), or a module's private name, is imported only inside its own package
+  (tests and benchmarks may reach in);
 - each package's `__init__` names its public modules: every module and subpackage of steadfast/
   and pipeline/ whose name has no leading underscore heads a line of its `__init__`'s docstring
   (`name   what it holds`, or `a, b   what they hold`); `__all__` is for the names a package
@@ -21,7 +22,9 @@ steadfast/'s top level (run, config, preflight, faults, verify_recovery, and the
 - the compat rule: third-party private names are touched (and third-party code patched) only in
   the launcher's `_compat` package.
 
-Each rule's finder is a function over a tree of files, tested on a small broken tree of its own.
+tests/source_tree.py reads the source (module names, imports, the graphs). The finders of the graph,
+private, `__init__`, `Any` and compat rules are functions over a tree of files, each tested on a small
+broken tree of its own.
 """
 
 from __future__ import annotations
