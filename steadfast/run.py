@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Iterable, Iterator, Mapping, Optional, Union, cast
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, Mapping, Optional, Union, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +50,7 @@ from .loop.boundary import StepBoundary
 from .loop.cadence import Cadence, history
 from .loop.data import ResumableSampler, RunData
 from .loop.memory_cadence import MemoryCadence
+from .loop.shape import LoopShape
 from .telemetry.logs import setup_logging
 from .telemetry.metrics import Loss, Telemetry
 from .telemetry.records import RunRecord
@@ -174,6 +175,16 @@ class Run:
         self.train_loss: Optional[float] = None  # the mean loss of the last completed epoch
         self.latest: Dict[str, Any] = {}  # the last value of every metric given to run.log
         self.data = RunData(self.world_size, self.rank, seed, self.progress, accumulate_grad_batches)
+        self.shape = LoopShape(  # epochs or steps; a loop begun after a resume on another world size records it
+            self.progress,
+            self.data,
+            self.telemetry,
+            self.boundary,
+            self.cadence,
+            lambda: self.data.world_size_changed(
+                self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes
+            ),
+        )
         self._first_step = True
         self._finished = False
         self._result: Dict[str, Any] = {}
@@ -259,6 +270,7 @@ class Run:
             seed_everything(self.seed + 1 + self.rank + 1_000_003 * step)
 
         restored = self.checkpointer.restore(new_rank if self.elastic else None)
+        self.data.sources.resumed = True
         if self.model is not None and self.optimizer is not None:
             self.comm.broadcast_state(self.model, self.optimizer)
         if restored is None:
@@ -281,11 +293,10 @@ class Run:
             source=self.checkpointer.source,
         )
         log.info(
-            "Resumed from %s%s (epoch %d, batch %d)",
+            "Resumed from %s%s (%s)",
             "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else "",
             restored.path,
-            self.progress.epoch + 1,  # numbered as the progress line and the stop message number it
-            self.progress.batch_in_epoch,
+            self.shape.where(),
         )
         self._beat("train", force=True)
         return restored.step
@@ -295,15 +306,28 @@ class Run:
         acts on a stop request that came during validation or a save. After a resume from a
         checkpoint taken at an epoch's last step, that epoch comes once more with no batches left:
         code after the batch loop must cope (run.epoch_loss() is then None)."""
-        self.telemetry.plan(max_epochs * -(-self.batches_per_epoch // self.accumulate_grad_batches), max_epochs)
-        if self.resumed_from is not None and self.saved_world_size not in (None, self.world_size):
-            self.data.world_size_changed(self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes)
-        while self.progress.epoch < max_epochs:
-            self.data.begin_epoch()
-            self.boundary.reset()
-            self.telemetry.timer.mark()
-            yield self.progress.epoch
-            self._end_epoch(max_epochs)
+        return self.shape.epochs(max_epochs, self._end_epoch)
+
+    def steps(self, max_steps: int) -> Iterator[int]:
+        """A loop of optimizer steps without epochs: the steps left, from where the run stands, each
+        given as the number of steps done before it (0, 1, ...: nanoGPT's iter_num). Call run.step()
+        once in each. Progress, messages, the report and summary.json count in steps."""
+        return self.shape.steps(max_steps)
+
+    def random_batches(self, fn: Callable[..., Any], *args: Any, per_step: Optional[int] = None, **kwargs: Any) -> Any:
+        """This rank's stream of random batches for a step loop: `next(batches)` is
+        `fn(*args, generator=g, **kwargs)`, g a torch.Generator seeded from (seed, this source, rank,
+        the batch's number). A checkpoint records the batches the steps took (`per_step` a step:
+        accumulate_grad_batches unless given), not those drawn, so a batch fetched ahead of the step
+        is drawn again, the same, after a resume. Draw from it after run.resume."""
+        return self.data.sources.random(fn, args, kwargs, per_step)
+
+    def stream(self, iterable: Iterable[Any], per_step: Optional[int] = None) -> Any:
+        """The batches of `iterable` (a DataLoader over an IterableDataset, any re-iterable) for a step
+        loop, pass after pass, as one stream (`next(batches)`); positioned as run.random_batches is.
+        A resume reads and drops the batches before its position: exact when a pass's order depends
+        only on its number (a DataLoader's generator is seeded per pass, set_epoch(pass) is called)."""
+        return self.data.sources.iterable(iterable, per_step)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """For a loader that is not the run's: its epoch set (DistributedSampler.set_epoch) and, after a
@@ -320,8 +344,12 @@ class Run:
     def accumulate(self, model: torch.nn.Module) -> ContextManager[None]:
         """Around a micro-batch's forward and backward: on the batches that do not complete an
         optimizer step, gradients only accumulate on each rank (DDP's no_sync, FSDP's
-        set_requires_gradient_sync(False)); on the one that does, they are reduced as usual."""
-        return _AS_IS if self.sync_gradients else parallel.no_sync(model)
+        set_requires_gradient_sync(False)); on the one that does, they are reduced as usual. With
+        the run's loader the batches are those it handed out; without one (run.steps), each entry
+        is a batch, and the accumulate_grad_batches-th since the last run.step completes the step."""
+        data = self.data
+        completes = data.entering_micro_batch() if data.counts_micro_batches else data.sync_gradients
+        return _AS_IS if completes else parallel.no_sync(model)
 
     def step(self, loss: Loss = None) -> None:
         """After the optimizer step: count it, and do what is due at this step boundary."""
@@ -366,8 +394,7 @@ class Run:
         """A row of metrics.jsonl (rank 0 writes what it is given: reduce first, e.g. with run.mean)."""
         self.latest.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         self.telemetry.metrics(
-            step=self.progress.global_step,
-            epoch=self.progress.epoch,
+            **self.shape.row(),
             **metrics,
             wall=round(time.time() - self.started, 3),
             restart=self.restarts,
@@ -394,11 +421,7 @@ class Run:
         run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
         if self._finished:
             return {**self._result, **result}
-        self.agreement.drain(self.progress.global_step)
-        if self.checkpointer.last_saved_step != self.progress.global_step:
-            self.save()
-        self.checkpointer.close()
-        self.telemetry.close()
+        self._commit_last()
         out = self.result(status="completed", **result)
         if self.model is not None:  # the final weights, for any safetensors reader (a sharded model gathered a tensor at a time)
             from .checkpoint.export import export_model
@@ -420,7 +443,7 @@ class Run:
         rank); None if neither (docs/own-loop.md#what-final_loss-in-summaryjson-is)."""
         p = self.progress
         out: Dict[str, Any] = {
-            "epochs_completed": p.epoch,
+            **self.shape.position(),
             "global_step": p.global_step,
             "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
             **self.latest,
@@ -463,22 +486,28 @@ class Run:
                 self._preempt(signum)
 
     def _preempt(self, signum: int) -> None:
-        p = self.progress
+        where = self.shape.where()
         self._stop(
             PREEMPTED,
             signum,
             EXIT_PREEMPTED,
-            f"{signal_name(signum)}: stopped at step {p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch}), "
-            "checkpoint committed. Run the same command again to continue.",
+            f"{signal_name(signum)}: stopped at step {self.progress.global_step}"
+            + ("" if where.startswith("step") else f" ({where})")
+            + ", checkpoint committed. Run the same command again to continue.",
         )
 
-    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
-        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
+    def _commit_last(self) -> None:
+        """Every rank: the step it stands at committed (an asynchronous save's too, before anyone
+        reports it), the last metrics windows sent."""
         self.agreement.drain(self.progress.global_step)
         if self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
-        self.checkpointer.close()  # an asynchronous save must be committed before we report it
+        self.checkpointer.close()
         self.telemetry.close()
+
+    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
+        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
+        self._commit_last()
         p = self.progress
         fields.update(
             step=p.global_step,

@@ -44,6 +44,7 @@ class Summary:
 
     status: Optional[str] = None
     epochs_completed: Optional[int] = None
+    max_steps: Optional[int] = None  # a loop of steps (run.steps): its bound; it has no epochs
     global_step: Optional[int] = None
     final_loss: Optional[float] = None
     val_loss: Optional[float] = None
@@ -55,6 +56,7 @@ class Summary:
 _SUMMARY_FIELDS: Dict[str, Callable[[Any], Any]] = {
     "status": text,
     "epochs_completed": integer,
+    "max_steps": integer,
     "global_step": integer,
     "final_loss": number,
     "val_loss": number,

@@ -104,11 +104,15 @@ class Telemetry:
         self._tb_dir = tensorboard_dir
         self._tb: Optional[SummaryWriter] = None
         self.lr: Optional[float] = None
+        self.by_epochs = True  # rows say their epoch (a loop of steps, plan(n, 0), has none)
         self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
         self.stragglers = StragglerRule(straggler_margin, straggler_windows)
 
     def plan(self, total_steps: int, max_epochs: int) -> None:
+        """The loop's bounds: total steps (0: unknown) and epochs (0: a loop of steps, run.steps, whose
+        progress line and metrics rows have no epoch)."""
         self.display.total, self.display.max_epochs = total_steps, max_epochs
+        self.by_epochs = max_epochs > 0
 
     def add_loss(self, loss: Loss) -> None:
         if loss is None:
@@ -241,7 +245,9 @@ class Telemetry:
             return
         local = [r[1] for r in ranks]
         self._stragglers(local, window.step)
-        row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step, "epoch": window.epoch}
+        row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step}
+        if self.by_epochs:
+            row["epoch"] = window.epoch
         if mean is not None:
             row["loss"] = round(mean, 6)
         if window.lr is not None:
