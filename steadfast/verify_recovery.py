@@ -151,7 +151,7 @@ def compare_runs(reference: Path, faulted: Path) -> bool:
     before = [s for s in compared if s < diverged.step]
     print(
         f"  first checkpoint that differs: step {diverged.step}"
-        + (f" (steps {', '.join(map(str, before))} are the same)" if before else "")
+        + (f" (the same at step(s) {', '.join(map(str, before))})" if before else "")
     )
     for d in diverged.diverged:
         more = f", {', '.join(repr(k) for k in d.keys[1:3])}" + (f" and {d.count - 3} more" if d.count > 3 else "")

@@ -10,6 +10,7 @@ finishes; what each step trained on must be what an uninterrupted Run trained on
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -181,14 +182,7 @@ def _fit(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
 
 def _resumes_exactly(launched: Callable[[], None], loop: Loop, accumulate: int = 1) -> List[Any]:
     whole, done = _train(launched, loop, fail=False, accumulate=accumulate)
-    folder = Path(LaunchEnv.current().run_dir)
-    for junk in folder.iterdir():  # the same folder, empty again, for the interrupted run
-        if junk.is_dir():
-            import shutil
-
-            shutil.rmtree(junk)
-        else:
-            junk.unlink()
+    _empty_run_folder()  # the same folder, empty again, for the interrupted run
     first, _ = _train(launched, loop, fail=True, accumulate=accumulate)
     assert len(first) == FAIL_AFTER
     rest, resumed = _train(launched, loop, fail=False, accumulate=accumulate)
@@ -196,6 +190,11 @@ def _resumes_exactly(launched: Callable[[], None], loop: Loop, accumulate: int =
     assert [torch.equal(a, b) for a, b in zip(first[:4] + rest, whole)] == [True] * STEPS
     assert resumed["model_sha256"] == done["model_sha256"]
     return whole
+
+
+def _empty_run_folder() -> None:
+    for junk in Path(LaunchEnv.current().run_dir).iterdir():
+        shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
 
 
 def _tokens(n: int) -> torch.Tensor:
@@ -314,3 +313,42 @@ def test_a_loop_of_steps_records_steps_and_refuses_an_iteration_without_a_step(
     rows = files.read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows and all("epoch" not in r for r in rows if "loss" in r)
     assert summary.read(tmp_path / "run") == {}  # the launcher writes summary.json; the result is in events
+
+
+def _accumulation_snippets() -> List[str]:
+    """The python blocks of docs/sharded.md's "Gradient accumulation" section."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sharded.md").read_text()
+    section = text.split("## Gradient accumulation", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```python\n(.*?)^```$", section, re.M | re.S)
+
+
+def test_the_accumulation_snippets_in_the_docs_run(launched: Callable[[], None]) -> None:
+    """docs/sharded.md's two loops, run as written (their `...` is the setup a loop has): every name
+    bound, 4 batches a step with run.loader and with run.steps."""
+    import textwrap
+
+    import steadfast as sf
+
+    with_loader, with_steps = _accumulation_snippets()
+    setup = (
+        "model = run.setup(nn.Linear(4, 1))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "loss_fn = F.mse_loss\n"
+        "loader = run.loader(TensorDataset(torch.ones(32, 4), torch.zeros(32, 1)), batch_size=2)\n"
+        "batches = run.random_batches(lambda generator: (torch.rand(2, 4, generator=generator), torch.zeros(2, 1)))\n"
+        "run.resume(model=model, optimizer=optimizer)\n"
+    )
+    first = with_loader.replace("    ...\n", textwrap.indent(setup, "    "))
+    from omegaconf import OmegaConf
+
+    names: Dict[str, Any] = {"sf": sf, "cfg": OmegaConf.create({**CFG, "max_steps": 3}), "nn": nn, "torch": torch, "F": F}
+    names["TensorDataset"] = torch.utils.data.TensorDataset
+    exec(compile(first, "docs/sharded.md", "exec"), names)  # noqa: S102  (the documents' own code)
+    assert names["run"].global_step == 32 // 2 // 4  # 16 batches on this rank, 4 a step
+    launched()
+    _empty_run_folder()
+    second = "with sf.Run(cfg, accumulate_grad_batches=4) as run:\n" + textwrap.indent(setup, "    ") + with_steps
+    exec(compile(second, "docs/sharded.md", "exec"), names)  # noqa: S102
+    assert names["run"].global_step == 3 and names["run"].data.sources.all[0].taken == 12
