@@ -325,8 +325,8 @@ class Run:
     def stream(self, iterable: Iterable[Any], per_step: Optional[int] = None) -> Any:
         """The batches of `iterable` (a DataLoader over an IterableDataset, any re-iterable) for a step
         loop, pass after pass, as one stream (`next(batches)`); positioned as run.random_batches is.
-        A resume reads and drops the batches before its position: exact when a pass's order depends
-        only on its number (a DataLoader's generator is seeded per pass, set_epoch(pass) is called)."""
+        A resume skips to its position (whole passes by len(), then read and drop): exact when a pass's
+        order depends only on its number (a DataLoader's generators are seeded per pass, set_epoch(pass) is called)."""
         return self.data.sources.iterable(iterable, per_step)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:

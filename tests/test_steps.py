@@ -102,6 +102,33 @@ def test_a_step_that_draws_more_than_it_declares_is_refused_at_once() -> None:
         early.iterable(iter([1, 2]), None)
 
 
+def test_an_iterable_stream_skips_whole_passes_by_len_and_refuses_a_len_that_lies() -> None:
+    def stream(position: int, iterable: Any) -> Any:
+        progress, sources = _sources()
+        progress.streams = [position]
+        return sources.iterable(iterable, None)
+
+    shuffled = DataLoader(torch.arange(10), batch_size=3, shuffle=True)  # 4 batches a pass, each pass its own order
+    whole = stream(0, shuffled)
+    seen = [next(whole).tolist() for _ in range(14)]
+    assert sorted(sum(seen[4:8], [])) == list(range(10)) and seen[4:8] != seen[:4]  # pass 1: all of it, another order
+    assert [next(stream(9, shuffled)).tolist() for _ in range(1)] == [seen[9]]  # skips passes 0 and 1 by len()
+    resumed = stream(9, shuffled)
+    assert [next(resumed).tolist() for _ in range(5)] == seen[9:14]
+
+    class Lying(IterableDataset):
+        def __len__(self) -> int:
+            return 20
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(7))
+
+    lying = stream(0, DataLoader(Lying(), batch_size=2))
+    with pytest.raises(StreamError, match=r"pass 0 of the iterable gave 4 batch\(es\), len\(\) says 10"):
+        for _ in range(5):
+            next(lying)
+
+
 def test_progress_without_sources_saves_what_it_always_saved_and_refuses_bad_positions() -> None:
     assert "streams" not in Progress().state_dict()
     with pytest.raises(ValueError, match="progress 'streams'"):

@@ -16,9 +16,10 @@ the loop) is the one the interrupted run had fetched ahead.
   g a CPU torch.Generator seeded from (the run's seed, the source, r, i): the stream depends on
   nothing but those numbers, so no random state needs saving and the global RNG is left alone.
 - `IterableStream` (run.stream): batches of an iterable (a DataLoader over an IterableDataset, any
-  re-iterable) pass after pass; a DataLoader's generator is seeded from (seed, source, pass) at each
-  pass, so a pass's order depends on its number only. A resume reads and drops the batches before
-  its position.
+  re-iterable) pass after pass; a DataLoader's generator and its sampler's (shuffle=True) are seeded
+  from (seed, source, pass) at each pass, so a pass's order depends on its number only. A resume
+  skips the passes before its position (by len(), checked at every pass's end) and reads and drops
+  the batches of its pass before it.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class IterableStream(Source):
         self.passes = 0  # the pass under way (0 first)
         self._batches: Optional[Iterator[Any]] = None
         self._at = 0  # the number of the batch the open pass hands out next
+        self.length = 0  # batches in a pass, as len() says (0: it does not)
 
     def _open(self, number: int) -> None:
         """Seed and open pass `number` (its set_epoch called where the iterable has one)."""
@@ -144,32 +146,43 @@ class IterableStream(Source):
             set_epoch = getattr(part, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(number)
-        if isinstance(self.iterable, torch.utils.data.DataLoader):
-            generator = self.iterable.generator or torch.Generator()
-            generator.manual_seed(stream_seed(self.seed, self.index, number))
-            self.iterable.generator = generator
+        if isinstance(self.iterable, torch.utils.data.DataLoader):  # its own generator and its sampler's (shuffle=True)
+            for part in (self.iterable, self.iterable.sampler):
+                if hasattr(part, "generator"):
+                    generator = part.generator or torch.Generator()
+                    generator.manual_seed(stream_seed(self.seed, self.index, number))
+                    part.generator = generator
         rng = torch.get_rng_state()  # a DataLoader without a generator would draw its seed from the global RNG:
         self._batches = iter(self.iterable)
         torch.set_rng_state(rng)  # a resumed run must see the same random numbers as the uninterrupted one
 
     def _next_of_pass(self) -> Any:
+        """The open pass's next batch; at its end, the next pass's first. A pass must have as many
+        batches as len() says when it says (a resume skips whole passes by it)."""
         assert self._batches is not None
         try:
             return next(self._batches)
         except StopIteration:
-            if self._at == 0:
-                raise StreamError(f"{self.kind}: pass {self.passes} of the iterable gave no batch") from None
+            if self._at == 0 or (self.length and self._at != self.length):
+                said = f", len() says {self.length}" if self.length else ""
+                raise StreamError(
+                    f"{self.kind}: pass {self.passes} of the iterable gave {self._at} batch(es){said}; a resume could not "
+                    "find its place (give an iterable whose passes are not empty and whose len(), if any, is right)"
+                ) from None
         self._open(self.passes + 1)
         self._at = 0
-        return next(self._batches)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise StreamError(f"{self.kind}: pass {self.passes} of the iterable gave no batch") from None
 
     def draw(self, number: int) -> Any:
-        if self._batches is None:  # these workers' first batch: skip to `number`, whole passes at once where lengths are known
-            length = _length(self.iterable)
-            first_pass = number // length if length else 0
+        if self._batches is None:  # these workers' first batch: skip to `number`, whole passes at once by len()
+            self.length = _length(self.iterable)
+            first_pass = number // self.length if self.length else 0
             self._open(first_pass)
             self._at = 0
-            for _ in range(number - first_pass * length if length else number):
+            for _ in range(number - first_pass * self.length):
                 self._next_of_pass()
                 self._at += 1
         batch = self._next_of_pass()
