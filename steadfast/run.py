@@ -9,6 +9,9 @@
                 ...                                           # your step
                 run.step(loss)                                # cadence, preemption, heartbeat, metrics
 
+A loop of steps without epochs (a language model's) is `for step in run.steps(max_steps)`, its
+batches from `run.random_batches(get_batch)` or `run.stream(loader)` (loop/streams.py).
+
 On every step `run.step` beats the heartbeat the launcher's hang watchdog reads, adds the loss to
 the metrics, saves when the `checkpoint` group's cadence says so, and takes part in the ranks'
 agreement on stop requests: after SIGTERM/SIGINT every rank stops at the same step, that step is

@@ -48,6 +48,9 @@ def test_the_report_counts_a_loop_of_steps_in_steps() -> None:
     assert not bad and _position(s) == "steps 500/500, train loss (last logged window) 1.2500"
     s, _ = summary_from({"epochs_completed": 3, "global_step": 96, "final_loss": 0.5})
     assert _position(s) == "epochs 3, steps 96, train loss (last epoch) 0.5000"
+    s, _ = summary_from({"global_step": 96, "final_loss": 0.5})  # a loop that gave no bound
+    assert _position(s) == "steps 96, train loss (last logged window) 0.5000"
+    assert _position(summary_from({})[0]) == "epochs -, steps -, train loss (last epoch) -"  # a failure before any record
 
 
 # ---- the sources' accounting, alone ---------------------------------------------------------------------

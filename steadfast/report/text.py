@@ -54,8 +54,9 @@ def _restores(attempts: Sequence[Attempt]) -> str:
 def _position(s: Summary) -> str:
     """Where the run ended and its training loss, in its loop's terms: steps of run.steps (the loss of
     the last logged window), or epochs (the last epoch's mean loss)."""
-    if s.max_steps is not None and s.epochs_completed is None:
-        return f"steps {_dash(s.global_step)}/{s.max_steps}, train loss (last logged window) {_fmt(s.final_loss)}"
+    if s.epochs_completed is None and (s.max_steps is not None or s.global_step is not None):
+        bound = f"/{s.max_steps}" if s.max_steps is not None else ""
+        return f"steps {_dash(s.global_step)}{bound}, train loss (last logged window) {_fmt(s.final_loss)}"
     return f"epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, train loss (last epoch) {_fmt(s.final_loss)}"
 
 
