@@ -86,7 +86,7 @@ class Source:
                 f"{self.kind}: at step {step} the loop had drawn {ahead:+d} batch(es) beyond the {self.per_step} a step "
                 f"takes (per_step){before}: a step must draw as many as it trains on. Give per_step= the batches each "
                 "optimizer step trains on (or accumulate_grad_batches= to sf.Run), and draw anything else (an "
-                "evaluation's batches) from a source of its own"
+                "evaluation's batches) from the global RNG or a torch.Generator seeded from the step"
             )
         self.ahead = ahead
 
