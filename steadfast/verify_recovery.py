@@ -66,7 +66,7 @@ def kill_plan(total_steps: int, world_size: int) -> List[Kill]:
     return [("kill", 1 % world_size, at[0]), ("kill", 0, at[1]), ("term", -1, at[2])]
 
 
-def _signal_when_reached(proc: subprocess.Popen, folder: Path, kill: Kill, attempt: int, timeout: float) -> Optional[int]:
+def _signal_when_reached(proc: "subprocess.Popen[str]", folder: Path, kill: Kill, attempt: int, timeout: float) -> Optional[int]:
     """Wait for the worker's heartbeat (in `attempt` of this launch) to pass the step, then signal;
     the step its heartbeat showed, or None when the launch ended first."""
     kind, rank, step = kill
