@@ -8,11 +8,16 @@ so the loggers are pointed at the current job's files at every launch.
 Whatever reaches the console or train.log shows only printable characters (`printable_only`): a
 worker's exception message, quoted in a traceback torch elastic logs or in a diagnosis, can hold
 terminal escapes that would erase or rewrite the lines a person reads; they are written as \\xNN.
+A backend that copies its workers' output to the console itself (Horovod's runner) does it through
+`printable_streams`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+from typing import Any, Iterator, TextIO
 
 from steadfast.contract.failures import printable
 
@@ -61,3 +66,28 @@ def printable_only() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _Printable) for f in handler.filters):
             handler.addFilter(_Printable())
+
+
+class _PrintableStream:
+    """A text stream that writes what it is given with its control characters as \\xNN."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(printable(text))
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def printable_streams() -> Iterator[None]:
+    """While inside, what is written to sys.stdout and sys.stderr (a backend copying its workers' output)
+    shows only printable characters; the log handlers keep their own streams."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PrintableStream(out), _PrintableStream(err)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err

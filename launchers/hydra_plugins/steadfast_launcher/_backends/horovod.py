@@ -30,6 +30,7 @@ from steadfast.contract.schemas import bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_handlers, signal_name, stop_requested
 
 from .._compat.horovod_runner import Exit, runner_patched
+from .._logfiles import printable_streams
 from .._types import Completed, Failed, Outcome, WorkerExit
 from ._registry import register
 from .base import Attempt, Backend, restore_environment, saved_environment
@@ -165,7 +166,7 @@ class HorovodBackend(Backend):
         exits: List[Exit] = []  # every worker's, as the runner reaps them
         os.environ.update(worker_env)
         try:
-            with runner_patched(self._stop_events, exits):
+            with runner_patched(self._stop_events, exits), printable_streams():  # it copies the workers' output raw
                 results = horovod.run(
                     attempt.entry,
                     args=(attempt.payload,),  # a small reference: each worker reads the payload file itself
