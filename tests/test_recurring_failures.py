@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from helpers import ROOT, env, events, run_dir, summary
+from helpers import QUICK, ROOT, env, events, run_dir, run_train, summary
 
 pytestmark = pytest.mark.slow
 APP = ROOT / "tests" / "apps" / "raising_loop"
@@ -110,3 +110,15 @@ def test_every_rank_failing_alike_stops_at_once_and_a_completed_runs_summary_is_
 
 def event_steps(folder: Path, kind: str) -> List[int]:
     return [e["step"] for e in of_kind(folder, kind)]
+
+
+@pytest.mark.extended
+def test_a_config_error_a_worker_finds_is_not_restarted(tmp_path: Path) -> None:
+    proc = run_train(tmp_path, *QUICK, "parallel=fsdp", "parallel.units=[Nope]", "run.name=r")
+    assert proc.returncode == 1
+    folder = run_dir(tmp_path, "r")
+    failed = of_kind(folder, "attempt_failed")
+    assert len(failed) == 1, failed
+    assert failed[0]["not_restarted"].startswith("a config error found by a worker (rank "), failed[0]
+    assert "parallel.units=['Nope']: the model has no ['Nope']" in proc.stderr
+    assert summary(folder)["restarts"] == 0

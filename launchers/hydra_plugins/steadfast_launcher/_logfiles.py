@@ -86,7 +86,7 @@ def printable_streams() -> Iterator[None]:
     """While inside, what is written to sys.stdout and sys.stderr (a backend copying its workers' output)
     shows only printable characters; the log handlers keep their own streams."""
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _PrintableStream(out), _PrintableStream(err)  # type: ignore[assignment]
+    sys.stdout, sys.stderr = _PrintableStream(out), _PrintableStream(err)
     try:
         yield
     finally:
