@@ -320,6 +320,7 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
                         group_restarts=backend.restarts_itself,
                         on_recurring=backend.stop_restarting,
                         launched=LaunchEnv.from_environ(env).launch_time or None,
+                        whole_job=backend.multi_node_identity(run_dir) is None,
                     )
                 )
             )

@@ -117,6 +117,7 @@ class Supervisor:
         group_restarts: bool = False,
         on_recurring: Optional[Callable[[], bool]] = None,
         launched: Optional[float] = None,
+        whole_job: bool = True,
     ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
         self.group_restarts = group_restarts  # the backend restarts the group itself (torch elastic)
@@ -126,6 +127,9 @@ class Supervisor:
         # a failure that would come back on every attempt: (its incarnation, why it is not restarted, its line)
         self.recurring: Optional[Tuple[int, str, str]] = None
         self.on_recurring, self._told_recurring, self._stopping_group = on_recurring, False, False
+        # one launcher of a multi-node job sees its own ranks only: the others' launchers might decide
+        # otherwise and wait for it, so it never judges a failure recurring
+        self.whole_job = whole_job
         self.diagnoses: List[Diagnosis] = []
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
@@ -293,7 +297,7 @@ class Supervisor:
         before = events.newest(
             events.records(self.run_dir, since=self.launched, kinds=(Event.ATTEMPT_FAILED,)), events.AttemptFailed
         )
-        why = recurrence(ends, before.raised if before is not None else None)
+        why = recurrence(ends, before.raised if before is not None else None) if self.whole_job else None
         if why is not None:
             self.recurring = (inc.restart, why, found.line())
         cause = found.cause
