@@ -127,6 +127,9 @@ class Supervisor:
         # a failure that would come back on every attempt: (its incarnation, why it is not restarted, its line)
         self.recurring: Optional[Tuple[int, str, str]] = None
         self.on_recurring, self._told_recurring, self._stopping_group = on_recurring, False, False
+        # the backend's thread is handing over exit statuses: a recurrence found then is stopped by that
+        # thread as it returns (its signal must not land inside the backend's own call)
+        self._in_exits = self._found_in_exits = False
         # one launcher of a multi-node job sees its own ranks only: the others' launchers might decide
         # otherwise and wait for it, so it never judges a failure recurring
         self.whole_job = whole_job
@@ -165,7 +168,7 @@ class Supervisor:
             try:
                 with self._lock:
                     self._tick()
-                if self._take_stop() and self.on_recurring is not None:
+                if self._take_stop(in_exits=False) and self.on_recurring is not None:
                     # diagnosed without the backend's exit statuses: have it stop the group from here
                     self._stopping_group = self.on_recurring()
             except Exception:  # supervision must never die silently
@@ -226,12 +229,15 @@ class Supervisor:
         )
 
     # ---- failures ---------------------------------------------------------------------------------
-    def _take_stop(self) -> bool:
-        """True once: a failure that would recur, with restarts left to a backend that restarts the
-        group itself, which must stop it instead."""
+    def _take_stop(self, in_exits: bool) -> bool:
+        """True once, to the thread that is to stop the group: a failure that would recur, with
+        restarts left to a backend that restarts the group itself (`in_exits`: the backend's thread, as
+        it hands over exit statuses; else the supervisor's)."""
         with self._lock:
             found = self.recurring
             if found is None or self._told_recurring or not self.group_restarts or found[0] >= self.conf.max_restarts:
+                return False
+            if self._found_in_exits != in_exits:
                 return False
             self._told_recurring = self._stopping_group = True
             return True
@@ -241,31 +247,39 @@ class Supervisor:
         pid is matched by pid; one known by rank only, to that rank in the newest incarnation. True:
         the failure would recur, and the backend must stop the group rather than restart it."""
         with self._lock:
-            self._tick()
-            newest = max(self.incarnations, default=0)
-            touched = set()
-            for ended in exits:
-                w = self.workers.get(ended.pid) if ended.pid is not None else None
-                if w is None and ended.pid is None and ended.rank is not None:
-                    w = next(
-                        (
-                            self.workers[p]
-                            for p in self.incarnations.get(newest, _Incarnation(newest)).pids
-                            if self.workers[p].rank == ended.rank
-                        ),
-                        None,
-                    )
-                if w is None and ended.pid is not None:  # ended before its first heartbeat: known by its local rank
-                    rank = ended.local_rank if ended.local_rank is not None else -1
-                    w = self.workers[ended.pid] = _Worker(rank=rank, pid=ended.pid, restart=newest, last_change=0.0, alive=False)
-                    w.gone_at = time.time()
-                    self.incarnations.setdefault(newest, _Incarnation(newest)).pids.append(ended.pid)
-                if w is not None:
-                    w.exit = ended
-                    touched.add(w.restart)
-            for restart in sorted(touched):
-                self._diagnose(self.incarnations[restart])
-        return self._take_stop()
+            self._in_exits = True
+            try:
+                self._diagnose_exits(exits)
+            finally:
+                self._in_exits = False
+        return self._take_stop(in_exits=True)
+
+    def _diagnose_exits(self, exits: List[WorkerExit]) -> None:
+        """Match each exit to its worker and diagnose the incarnations they ended (under the lock)."""
+        self._tick()
+        newest = max(self.incarnations, default=0)
+        touched = set()
+        for ended in exits:
+            w = self.workers.get(ended.pid) if ended.pid is not None else None
+            if w is None and ended.pid is None and ended.rank is not None:
+                w = next(
+                    (
+                        self.workers[p]
+                        for p in self.incarnations.get(newest, _Incarnation(newest)).pids
+                        if self.workers[p].rank == ended.rank
+                    ),
+                    None,
+                )
+            if w is None and ended.pid is not None:  # ended before its first heartbeat: known by its local rank
+                rank = ended.local_rank if ended.local_rank is not None else -1
+                w = self.workers[ended.pid] = _Worker(rank=rank, pid=ended.pid, restart=newest, last_change=0.0, alive=False)
+                w.gone_at = time.time()
+                self.incarnations.setdefault(newest, _Incarnation(newest)).pids.append(ended.pid)
+            if w is not None:
+                w.exit = ended
+                touched.add(w.restart)
+        for restart in sorted(touched):
+            self._diagnose(self.incarnations[restart])
 
     def settle(self) -> None:
         """Diagnose now every incarnation whose workers are all gone (not waiting for exit statuses)."""
@@ -299,7 +313,7 @@ class Supervisor:
         )
         why = recurrence(ends, before.raised if before is not None else None) if self.whole_job else None
         if why is not None:
-            self.recurring = (inc.restart, why, found.line())
+            self.recurring, self._found_in_exits = (inc.restart, why, found.line()), self._in_exits
         cause = found.cause
         events.write(
             self.run_dir,
