@@ -9,7 +9,8 @@ import math
 import random
 import typing
 from datetime import timedelta
-from typing import Any, Iterator, List, Tuple
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
@@ -73,3 +74,101 @@ def test_finding_8_and_10_values_name_their_key() -> None:
         ("fault", sconf.FaultConf(delay_s=math.nan), "delay_s"),
     ):
         assert bounded(group, conf)[0].startswith(f"{group}.{key}=")
+
+
+# ---- every key of every schema, values of any type, through the checks the launch side runs ----------
+def _launcher_schema() -> type:
+    from hydra_plugins.steadfast_launcher.config import SteadfastLauncherConf
+
+    return SteadfastLauncherConf
+
+
+def _checked() -> List[Tuple[type, str, Callable[[Any], List[str]]]]:
+    """(schema, the key prefix its problems name, the check the launch side runs on it before any worker starts)."""
+    from hydra_plugins.steadfast_launcher import _backends  # noqa: F401  (registers every backend)
+    from steadfast.contract import backends
+
+    own: List[Tuple[type, str, Callable[[Any], List[str]]]] = [
+        (schemas.RestartConf, "restart", lambda c: c.problems()),
+        (schemas.ClusterConf, "cluster", lambda c: c.problems()),
+        (_launcher_schema(), "hydra.launcher", lambda c: c.problems()),
+        *[(s.schema, "backend", lambda c: c.problems()) for s in backends.specs()],
+    ]
+    library = [sconf.CheckpointConf, sconf.FaultConf, sconf.LoggerConf, sconf.SnapshotConf, sconf.ParallelConf, sconf.RunConf]
+    group = {sconf.ParallelConf: "parallel", sconf.RunConf: "run", sconf.CheckpointConf: "checkpoint", sconf.FaultConf: "fault"}
+    group.update({sconf.LoggerConf: "logger", sconf.SnapshotConf: "snapshot"})
+    for schema in library:  # the library's pre-flight (preflight.check) bounds them first, then checks its rules
+        own.append((schema, group[schema], lambda c, g=group[schema]: bounded(g, c)))
+    return own
+
+
+SECONDS = ("_s", "timeout")  # an integer of seconds is built into a timedelta
+BASE = {sconf.RunConf: {"name": "r"}, schemas.ClusterConf: {"name": "slurm"}}  # cluster=none checks nothing: unused
+
+
+def _draws(rng: random.Random) -> List[Any]:
+    return [
+        *DRAWS,
+        rng.uniform(-1e20, 1e20),
+        rng.randint(-(2**70), 2**70),
+        "abc",
+        "",
+        "1e400",
+        True,
+        None,
+        [1, "x"],
+        {"k": 1},
+    ]
+
+
+def test_every_key_of_every_schema_is_refused_naming_it_or_holds() -> None:
+    """Random values of any type for every key of the backend, parallel, run, launcher, restart,
+    cluster and library schemas, put through OmegaConf's typed merge (how Hydra builds them) and then
+    the schema's own checks: either refused with a message that names the key, or a value the code
+    consuming it can hold (an int64, a timedelta for seconds)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    rng = random.Random(34)
+    seen = refused = 0
+    for schema, prefix, check in _checked():
+        for f in dataclasses.fields(schema):
+            if f.name.startswith("_"):
+                continue
+            key = f"{prefix}.{f.name}"
+            for value in _draws(rng):
+                seen += 1
+                try:
+                    node = OmegaConf.merge(OmegaConf.structured(schema), BASE.get(schema, {}), {f.name: value})
+                    conf = OmegaConf.to_object(node)
+                except (OmegaConfBaseException, ValueError):  # a wrong type: Hydra's "Error merging override <key>=..."
+                    refused += 1
+                    continue
+                problems = check(conf)
+                if problems:
+                    refused += 1
+                    assert problems[0].startswith((f"{key}=", f"{key} ")) or f"{key}=" in problems[0], (key, value, problems)
+                    continue
+                held = getattr(conf, f.name)
+                if isinstance(held, bool) or not isinstance(held, (int, float)):
+                    continue
+                if isinstance(held, float) or f.name.endswith(SECONDS):
+                    timedelta(seconds=held)
+                if isinstance(held, int):
+                    torch.tensor([held], dtype=torch.int64)
+    assert seen > 500 and refused > 100, (seen, refused)
+
+
+def test_a_bad_number_on_the_command_line_fails_in_one_line_before_any_worker_starts(tmp_path: Path) -> None:
+    """Nine quintillion seconds fit an int64 but no timeout: torch elastic's rendezvous raised
+    OverflowError once the launch was under way (its folder, events and logs made), naming no key.
+    Now the pre-flight refuses it, naming the key, and nothing is started."""
+    from helpers import run_dir, run_train
+
+    proc = run_train(tmp_path, "backend.rdzv_last_call_s=9223372036854775807", "run.name=r", timeout=120)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("Invalid config: backend.rdzv_last_call_s=9223372036854775807 is not allowed: seconds"), lines
+    folder = run_dir(tmp_path, "r")
+    started = [p for p in ("logs/rank0.log", "logs/rank1.log", "heartbeats", "events.jsonl") if (folder / p).exists()]
+    assert not started, f"a worker started: {started}"

@@ -129,7 +129,13 @@ def test_torch_elastic_hands_every_workers_exit_to_the_observer(monkeypatch: pyt
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     seen: List[List[WorkerExit]] = []
-    with elastic_exits.observe(seen.append):
+    stops: List[int] = []
+
+    def observer(exits: List[WorkerExit]) -> bool:
+        seen.append(exits)
+        return True  # the failure would recur: the agent is to be stopped (here: the stop is recorded)
+
+    with elastic_exits.observe(observer, lambda: stops.append(len(seen))):
         context = start_processes(
             name="diagnosis",
             entrypoint=_kill_one,
@@ -142,6 +148,7 @@ def test_torch_elastic_hands_every_workers_exit_to_the_observer(monkeypatch: pyt
         result = context.wait(timeout=60, period=0.05)
     assert result is not None and result.is_failed()
     assert len(seen) == 1, seen
+    assert stops == [1], "an observer that answers True has the agent stopped, after it saw the exits"
     exits = {e.pid: e for e in seen[0]}
     assert exits[pids[1]].exit_code == -signal.SIGKILL and not exits[pids[1]].stopped_by_backend
     assert exits[pids[0]].stopped_by_backend and exits[pids[0]].local_rank == 0

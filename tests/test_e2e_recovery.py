@@ -72,13 +72,18 @@ def test_disk_full_during_save_is_loud_and_keeps_the_previous_checkpoint(tmp_pat
     # torchrun only: a save's outcome is agreed through Comm, and every save of the Horovod tests
     # goes through that agreement on Horovod's side
     proc = run_train(
-        tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0", "restart.max_restarts=1"
+        tmp_path, *QUICK, *STEPS, "run.name=r", "fault=save_error", "fault.at_step=20", "fault.times=0", "restart.max_restarts=3"
     )
     folder = run_dir(tmp_path, "r")
     assert proc.returncode != 0
     assert "No space left on device" in proc.stderr and "step_000000018" in proc.stderr  # names the intact one
+    # it would fail the same way on every attempt: stopped at the first failure, not restarted
+    failed = [e for e in events(folder) if e["event"] == "attempt_failed"]
+    assert len(failed) == 1 and failed[0]["rank"] == 0, failed
+    assert failed[0]["not_restarted"].startswith("the disk is full (a checkpoint save found no space left) (rank 0 at step")
+    assert "\nThe disk is full" in proc.stderr
     assert committed_steps(folder)[-1] == 18
-    assert summary(folder)["status"] == "failed"
+    assert summary(folder)["status"] == "failed" and summary(folder)["restarts"] == 0
     assert not [p for p in (folder / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     # once the disk has room again, the same command finishes the run exactly
     run_train(tmp_path, *QUICK, *STEPS, "run.name=r", check=True)

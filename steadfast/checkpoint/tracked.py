@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 
 from ..config import Resume, Settings
 from ..contract.env import LaunchEnv
+from ..contract.failures import recurs_when_disk_full
 from ..telemetry.records import RunRecord
 from . import manifest
 from .codec import Collectives, Loaded
@@ -187,18 +188,20 @@ class Checkpointer:
     def save(self, progress: Progress) -> float:
         """Collective: commit the tracked state at the current step; returns the seconds training waited."""
         started = time.perf_counter()
-        self.manager.save(
-            progress.global_step,
-            self.objects,
-            self.per_rank,
-            {
-                "epoch": progress.epoch,
-                "batch_in_epoch": progress.batch_in_epoch,
-                "global_step": progress.global_step,
-                "sample_in_epoch": progress.sample_in_epoch,
-            },
-        )
+        with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
+            self.manager.save(
+                progress.global_step,
+                self.objects,
+                self.per_rank,
+                {
+                    "epoch": progress.epoch,
+                    "batch_in_epoch": progress.batch_in_epoch,
+                    "global_step": progress.global_step,
+                    "sample_in_epoch": progress.sample_in_epoch,
+                },
+            )
         return time.perf_counter() - started
 
     def close(self) -> None:
-        self.manager.close()
+        with recurs_when_disk_full("a checkpoint save"):  # an asynchronous save's writing ends here
+            self.manager.close()

@@ -20,6 +20,7 @@ nothing of ours and no torch:
   files      file names in the run folder, the atomic write, bounded validated reads
   pids       whether a process is still there
   fits       whether a value fits a type hint (what the event records are checked with)
+  failures   a worker's text made safe to show; the failures a restart cannot cure (ConfigInvalid)
 
 A worker reports back through its return value (rank 0's becomes the job's), an exception (the
 job failed; it is restarted within `restart.max_restarts`), `StopRun` after it saved (every rank,

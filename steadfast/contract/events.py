@@ -146,6 +146,8 @@ class AttemptFailed(Record):
     where: Optional[str] = None
     cause: Optional[str] = None  # the one line the console, train.log, the report and summary.json show
     consequences: Optional[List[Dict[str, Any]]] = None  # {rank, host, pid, how, step, signal|exit_code, error}
+    raised: Optional[List[Dict[str, Any]]] = None  # each rank's own error: {rank, step, error} (the next attempt's is compared)
+    not_restarted: Optional[str] = None  # why the job stops here: the failure would come back on every attempt
 
 
 @_kind(Event.HANG_DETECTED)
@@ -358,8 +360,10 @@ class Straggler(Record):
 @dataclass(frozen=True)
 class WorkerFailed(Record):
     rank: Optional[int] = None
-    error: Optional[str] = None
-    where: Optional[str] = None
+    error: Optional[str] = None  # 'TypeError: ...': the exception's type, then its message
+    where: Optional[str] = None  # file:line in function, where it was raised
+    step: Optional[int] = None  # the step it had reached (its heartbeat's)
+    recurs: Optional[str] = None  # the code that raised it knew it comes back on every attempt: why (contract.failures)
 
 
 @dataclass(frozen=True)

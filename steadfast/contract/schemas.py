@@ -28,7 +28,8 @@ def bad(key: str, value: Any, allowed: str) -> str:
 
 # The bounds every numeric key of every schema is held to (bounded(), shared by all the config checks):
 # a count must fit the int64 the workers put it in (tensors, step counters), a number of seconds
-# (or any float) must be finite and fit timedelta (threading/torch timeouts are built from it).
+# (any float, and an integer whose key ends in `_s`) must be finite and fit timedelta (threading and
+# torch timeouts are built from it).
 INT_MAX = 2**63 - 1
 FLOAT_MAX = timedelta.max.total_seconds()
 
@@ -37,6 +38,10 @@ def out_of_bounds(key: str, value: Any) -> Optional[str]:
     """The problem when a number cannot be held by the code consuming it (None: fine, or not a number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
+    if isinstance(value, int) and key.endswith("_s"):
+        if abs(value) <= FLOAT_MAX:
+            return None
+        return bad(key, value, f"seconds between {-FLOAT_MAX:g} and {FLOAT_MAX:g}")
     if isinstance(value, int):
         if -INT_MAX - 1 <= value <= INT_MAX:
             return None

@@ -63,11 +63,14 @@ def write(
     The task's own record of this launch's outcome (`training_completed`, or the stop event named
     like the status) gives the fields: its `result` object, and for a stop where it stopped.
     A launcher that did not host global rank 0 (a multi-node job) leaves a completed run's summary
-    to rank 0's launcher, and never turns a run rank 0 completed into a failure. `extra` fields
-    fill in what the task did not record.
+    to rank 0's launcher, and never turns a run rank 0 completed into a failure. A failed launch
+    never replaces a completed run's summary (its `model_sha256`, its result): the failure is in
+    the events, and the file is left as it is. `extra` fields fill in what the task did not record.
     """
     run_dir = Path(run_dir)
     status = Status(status)
+    if status is Status.FAILED and read(run_dir).get("status") == Status.COMPLETED.value:
+        return read(run_dir)
     recorded = events.records(run_dir, since=since, kinds=(Event.TRAINING_COMPLETED, *events.STOP_EVENTS))
     if not hosts_rank0 and (status is Status.COMPLETED or events.newest(recorded, events.TrainingCompleted) is not None):
         return read(run_dir)

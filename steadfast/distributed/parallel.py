@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ParallelConf
+from ..contract.failures import ConfigInvalid
 from .comm import Comm
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def units(model: nn.Module, names: List[str]) -> List[nn.Module]:
         missing = wanted - {type(m).__name__ for m in found}
         if missing:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(
+            raise ConfigInvalid(
                 f"parallel.units={sorted(wanted)}: the model has no {sorted(missing)}; its module classes are {present}"
             )
         return found

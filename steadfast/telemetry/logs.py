@@ -6,12 +6,22 @@ import logging
 import sys
 from pathlib import Path
 
+from ..contract.failures import printable
+
+
+class _PrintableFormatter(logging.Formatter):
+    """A worker's log lines show only printable characters (control characters as \\xNN): nothing it
+    logs (an exception's message, a file name) can rewrite the terminal or the log a person reads."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
 
 def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
     """Every rank logs to logs/rank<r>.log; only rank 0 also logs to the console."""
     (run_dir / "logs").mkdir(exist_ok=True)
     root = logging.getLogger()
-    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S")
+    fmt = _PrintableFormatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S")
     file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     file_handler.setFormatter(fmt)
     root.addHandler(file_handler)

@@ -17,6 +17,10 @@ always the cause: the ranks it killed were stuck, not failed.
 It also reads the Python stacks a worker wrote (faulthandler: on the watchdog's request, or as a
 fatal signal came): which frame its main thread was in, and whether that is a wait for its peers.
 
+A failure that would come back on every attempt is not restarted (`recurrence`): one whose code said
+so (a full disk in a save, a config error a worker found), one every rank raised alike at the same
+step, and the same errors at the same step on the same ranks as the attempt before.
+
 A leaf: no torch, no Hydra.
 """
 
@@ -27,7 +31,9 @@ import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from steadfast.contract.failures import printable
 
 # A rank lost a peer when the exception it recorded is one of the libraries' own types for that
 # (torch.distributed's, Gloo's as torch raises them, Horovod's, the OS's connection errors): judged by
@@ -52,12 +58,6 @@ _LIBRARY_MARK = re.compile(
     r"^RuntimeError: (\[[^\]]*(gloo|c10d)[^\]]*\]|Application timeout caused pair closure|Connection closed by peer)"
 )
 _TYPE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """`text` with control characters (terminal escapes included) written as \\xNN, newline and tab kept."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def error_type(error: str) -> Optional[str]:
@@ -106,6 +106,7 @@ class RankEnd:
     hang: Optional[str] = None  # the watchdog's finding, for the suspect
     unresponsive: bool = False  # alive when its peers timed out waiting for it (set by `diagnose`)
     finished: bool = False  # its task reached its end (its last heartbeat said so)
+    recurs: Optional[str] = None  # its error comes back on every attempt, as the code that raised it knew: why
 
     @property
     def signal_name(self) -> Optional[str]:
@@ -182,7 +183,7 @@ class Diagnosis:
             waiting = [r for r in self.consequences if r.hung and not r.suspect]
             if waiting:
                 text += f"; rank(s) {', '.join(str(r.rank) for r in waiting)} waiting for it in a collective"
-            return text + "; killed by the watchdog"
+            return printable(text + "; killed by the watchdog")
         at = f" at step {c.step}" if c.step >= 0 else ""
         where = f" (at {c.where})" if c.where and not c.peer_lost else ""
         text = f"rank {c.rank} (pid {c.pid} on {c.host}) {c.how()}{at}{where}"
@@ -215,6 +216,47 @@ def diagnose(ends: Sequence[RankEnd]) -> Optional[Diagnosis]:
     pool = candidates or failed
     cause = min(pool, key=lambda e: (e.time, e.rank))
     return Diagnosis(cause, [e for e in sorted(failed, key=lambda e: e.rank) if e is not cause])
+
+
+# ---- failures a restart cannot cure ---------------------------------------------------------------
+def raised(ends: Sequence[RankEnd]) -> List[Dict[str, Any]]:
+    """Each rank's own error (not a lost peer): {rank, step, error}, by rank. An attempt_failed records
+    it, and the next attempt's failure is compared with it."""
+    return [
+        {"rank": e.rank, "step": e.step, "error": first_line(e.error, 500)}
+        for e in sorted(ends, key=lambda e: e.rank)
+        if e.error is not None and not e.peer_lost and not e.hung
+    ]
+
+
+def _at(errors: Sequence[Mapping[str, Any]]) -> str:
+    steps = sorted({int(e["step"]) for e in errors})
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+
+
+def recurrence(ends: Sequence[RankEnd], before: Optional[Sequence[Mapping[str, Any]]]) -> Optional[str]:
+    """Why the failure of an incarnation's `ends` would come back on every attempt (the line said when
+    the job is not restarted), or None. `before`: what the failed attempt before it raised (`raised`).
+
+    Only errors the workers recorded count: a signal, a hang or a lost peer may be cured by a restart.
+    An error recurs when the code that raised it said so (a full disk in a save, a config error a worker
+    found), when every rank raised the same one at the same step (two ranks or more), or when the same
+    ranks raised the same errors at the same steps as in the attempt before.
+    """
+    own = raised(ends)
+    if not own or any(e.hung and e.suspect for e in ends):
+        return None
+    known = [e for e in ends if e.recurs and e.error is not None and not e.peer_lost]
+    if known:
+        first = min(known, key=lambda e: (e.time, e.rank))
+        at = f" at step {first.step}" if first.step >= 0 else ""
+        return printable(f"{first.recurs} (rank {first.rank}{at}): it fails the same way on every attempt; not restarted")
+    ranks = ", ".join(str(e["rank"]) for e in own)
+    if len(ends) >= 2 and len(own) == len(ends) and len({(e["step"], e["error"]) for e in own}) == 1:
+        return f"every rank ({ranks}) raised the same error at {_at(own)}: a code or config error; not restarted"
+    if before is not None and [dict(b) for b in before] == own:
+        return f"the same error at {_at(own)} on rank(s) {ranks} in two attempts in a row: a code or config error; not restarted"
+    return None
 
 
 # ---- the Python stacks a worker wrote (faulthandler) ---------------------------------------------

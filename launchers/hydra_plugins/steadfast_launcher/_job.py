@@ -31,6 +31,7 @@ from steadfast.contract import events, shm, summary
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv
 from steadfast.contract.events import Event
 from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.failures import printable
 from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
 from steadfast.contract.heartbeat import stop_marker
 from steadfast.contract.stop import Stopped, StopReason, request_stop, restore_handlers, signal_name, stop_requested
@@ -39,7 +40,7 @@ from steadfast.contract.summary import Status
 from . import _backends, _payload
 from ._backends import Attempt, Backend
 from ._locks import RunLock
-from ._logfiles import DETAILS
+from ._logfiles import DETAILS, printable_only
 from ._signals import LaunchSignals
 from ._supervise import Supervisor
 from ._types import Completed, Failed, Interrupted, Job, JobFailed, Outcome, Refused, job_return
@@ -157,6 +158,9 @@ def _attempts(
             if isinstance(outcome, Failed):
                 last = outcome
                 first_failure = first_failure or first_recorded_failure(run_dir, started) or outcome.cause
+                if outcome.recurs is not None:  # it would fail the same way again: no further attempt
+                    restarts = outcome.restarts if backend.restarts_itself else attempt
+                    return _end_failed(job, run_dir, outcome, first_failure, started, restarts, multi_node)
                 continue
             if isinstance(outcome, Stopped) and outcome.reason is StopReason.PREEMPTED:
                 noted = stop_requested() or outcome.signal or signal.SIGTERM
@@ -190,6 +194,9 @@ def _end_failed(
         message += f"First failure: {first_failure}. Last failure: {last.cause}"
     else:
         message += f"Cause: {last.cause}"
+    if last.recurs is not None:
+        message += f"\n{last.recurs[0].upper()}{last.recurs[1:]}"
+    message = printable(message)  # a backend's own account of the cause quotes a worker's message
     record = events.JobFailed(restarts=restarts, error=message)
     _record_end(run_dir, record, Status.FAILED, started, started, restarts, error=message, hosts_rank0=multi_node is None)
     return Failed(f"{message}\nRun folder: {run_dir} (logs under logs/, events in {EVENTS_FILE})", restarts)
@@ -246,10 +253,16 @@ def _record_end(
     said = summary.write(
         run_dir, status, since=since, restarts=restarts, wall_seconds=wall, error=error, hosts_rank0=hosts_rank0, **extra
     )
+    if status is Status.FAILED and said.get("status") == Status.COMPLETED.value:
+        log.warning(
+            "%s still says completed (an earlier launch's record, kept): this launch's failure is recorded in %s",
+            run_dir / SUMMARY_FILE,
+            run_dir / EVENTS_FILE,
+        )
     # the end of the launcher's story in train.log (the console has it from Hydra or the lines before)
     details.info(
         "Ended: %s after %.1f s, %s restart(s)%s; %s",
-        said.get("status", status.value),
+        status.value,
         wall,
         said.get("restarts", restarts),
         f", {len(said['failures'])} failure(s)" if said.get("failures") else "",
@@ -279,6 +292,7 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
     """
     env, run_dir = attempt.env, attempt.run_dir
     env.setdefault(ENV_LAUNCH_ID, f"{os.getpid()}-{time.time()}")
+    printable_only()  # what the workers wrote reaches the console and train.log escaped
     if attempt.number == 0:
         log.info(
             "Logs: %s (launcher), %s (one per rank)%s",
@@ -304,6 +318,9 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
                         on_overdue=handler.interrupt_main,
                         forwarded=handler.forwarded,
                         group_restarts=backend.restarts_itself,
+                        on_recurring=backend.stop_restarting,
+                        launched=LaunchEnv.from_environ(env).launch_time or None,
+                        whole_job=backend.multi_node_identity(run_dir) is None,
                     )
                 )
             )
@@ -319,6 +336,9 @@ def run_attempt(backend: Backend, attempt: Attempt) -> Outcome:
                 return Stopped(StopReason.PREEMPTED, signal=stop_requested())
             if isinstance(outcome, Failed) and supervisor is not None:
                 supervisor.settle()  # its diagnosis of the last incarnation, if it still waited for one
+                if supervisor.recurring is not None:  # stopped: it would fail the same way on every attempt
+                    restart, why, line = supervisor.recurring
+                    return Failed(line, restart, recurs=why)
                 if supervisor.diagnoses:  # the first failure of the last incarnation, not the backend's pick
                     return Failed(supervisor.diagnoses[-1].line(), outcome.restarts)
             return outcome

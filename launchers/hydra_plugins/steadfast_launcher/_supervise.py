@@ -24,6 +24,10 @@ launch on this host, a few times a second:
   is one `attempt_failed` event and one line on the console and in train.log; the launcher's final
   message and summary.json lead with it. A backend that hands over no exit statuses (Horovod) gets
   its diagnosis from the rest, a moment after its workers are gone.
+- Failures that recur. A failure that would come back on every attempt (`_diagnosis.recurrence`:
+  compared with the launch's previous `attempt_failed`, whichever attempt or incarnation wrote it) is
+  not restarted: the supervisor says why, and a backend that restarts the group itself is told to
+  stop it (`on_recurring`, from the supervisor's thread); the relaunch loop reads `recurring`.
 """
 
 from __future__ import annotations
@@ -44,13 +48,7 @@ from steadfast.contract.pids import alive, kill
 from steadfast.contract.schemas import RestartConf
 from steadfast.contract.stop import signal_name, stop_requested, stop_requested_at
 
-from ._diagnosis import (
-    FATAL_SIGNALS,
-    Diagnosis,
-    RankEnd,
-    crash_site,
-    diagnose,
-)
+from ._diagnosis import FATAL_SIGNALS, Diagnosis, RankEnd, crash_site, diagnose, raised, recurrence
 from ._logfiles import DETAILS, files_only
 from ._types import WorkerExit
 from ._watchdog import Watchdog, stacks_file
@@ -117,11 +115,24 @@ class Supervisor:
         on_overdue: Optional[Callable[[], None]] = None,
         forwarded: Optional[Set[int]] = None,
         group_restarts: bool = False,
+        on_recurring: Optional[Callable[[], bool]] = None,
+        launched: Optional[float] = None,
+        whole_job: bool = True,
     ) -> None:
         self.run_dir, self.conf, self.launch_id = run_dir, restart, launch_id
         self.group_restarts = group_restarts  # the backend restarts the group itself (torch elastic)
         self.exits_wait_s = EXITS_WAIT_S if group_restarts else RUNNER_EXITS_WAIT_S
         self.started = time.time()
+        self.launched = launched if launched is not None else self.started  # the job's launch (all its attempts)
+        # a failure that would come back on every attempt: (its incarnation, why it is not restarted, its line)
+        self.recurring: Optional[Tuple[int, str, str]] = None
+        self.on_recurring, self._told_recurring, self._stopping_group = on_recurring, False, False
+        # the backend's thread is handing over exit statuses: a recurrence found then is stopped by that
+        # thread as it returns (its signal must not land inside the backend's own call)
+        self._in_exits = self._found_in_exits = False
+        # one launcher of a multi-node job sees its own ranks only: the others' launchers might decide
+        # otherwise and wait for it, so it never judges a failure recurring
+        self.whole_job = whole_job
         self.diagnoses: List[Diagnosis] = []
         self.forwarded = forwarded if forwarded is not None else set()  # pids that got the stop signal (once each)
         self.on_grace_expired, self.on_overdue = on_grace_expired, on_overdue
@@ -157,6 +168,9 @@ class Supervisor:
             try:
                 with self._lock:
                     self._tick()
+                if self._take_stop(in_exits=False) and self.on_recurring is not None:
+                    # diagnosed without the backend's exit statuses: have it stop the group from here
+                    self._stopping_group = self.on_recurring()
             except Exception:  # supervision must never die silently
                 log.exception("launcher supervisor: unexpected error (supervision continues)")
 
@@ -215,34 +229,57 @@ class Supervisor:
         )
 
     # ---- failures ---------------------------------------------------------------------------------
-    def worker_exits(self, exits: List[WorkerExit]) -> None:
-        """The backend found a failure: how its workers ended (the backend's thread). An exit known by
-        pid is matched by pid; one known by rank only, to that rank in the newest incarnation."""
+    def _take_stop(self, in_exits: bool) -> bool:
+        """True once, to the thread that is to stop the group: a failure that would recur, with
+        restarts left to a backend that restarts the group itself (`in_exits`: the backend's thread, as
+        it hands over exit statuses; else the supervisor's)."""
         with self._lock:
-            self._tick()
-            newest = max(self.incarnations, default=0)
-            touched = set()
-            for ended in exits:
-                w = self.workers.get(ended.pid) if ended.pid is not None else None
-                if w is None and ended.pid is None and ended.rank is not None:
-                    w = next(
-                        (
-                            self.workers[p]
-                            for p in self.incarnations.get(newest, _Incarnation(newest)).pids
-                            if self.workers[p].rank == ended.rank
-                        ),
-                        None,
-                    )
-                if w is None and ended.pid is not None:  # ended before its first heartbeat: known by its local rank
-                    rank = ended.local_rank if ended.local_rank is not None else -1
-                    w = self.workers[ended.pid] = _Worker(rank=rank, pid=ended.pid, restart=newest, last_change=0.0, alive=False)
-                    w.gone_at = time.time()
-                    self.incarnations.setdefault(newest, _Incarnation(newest)).pids.append(ended.pid)
-                if w is not None:
-                    w.exit = ended
-                    touched.add(w.restart)
-            for restart in sorted(touched):
-                self._diagnose(self.incarnations[restart])
+            found = self.recurring
+            if found is None or self._told_recurring or not self.group_restarts or found[0] >= self.conf.max_restarts:
+                return False
+            if self._found_in_exits != in_exits:
+                return False
+            self._told_recurring = self._stopping_group = True
+            return True
+
+    def worker_exits(self, exits: List[WorkerExit]) -> bool:
+        """The backend found a failure: how its workers ended (the backend's thread). An exit known by
+        pid is matched by pid; one known by rank only, to that rank in the newest incarnation. True:
+        the failure would recur, and the backend must stop the group rather than restart it."""
+        with self._lock:
+            self._in_exits = True
+            try:
+                self._diagnose_exits(exits)
+            finally:
+                self._in_exits = False
+        return self._take_stop(in_exits=True)
+
+    def _diagnose_exits(self, exits: List[WorkerExit]) -> None:
+        """Match each exit to its worker and diagnose the incarnations they ended (under the lock)."""
+        self._tick()
+        newest = max(self.incarnations, default=0)
+        touched = set()
+        for ended in exits:
+            w = self.workers.get(ended.pid) if ended.pid is not None else None
+            if w is None and ended.pid is None and ended.rank is not None:
+                w = next(
+                    (
+                        self.workers[p]
+                        for p in self.incarnations.get(newest, _Incarnation(newest)).pids
+                        if self.workers[p].rank == ended.rank
+                    ),
+                    None,
+                )
+            if w is None and ended.pid is not None:  # ended before its first heartbeat: known by its local rank
+                rank = ended.local_rank if ended.local_rank is not None else -1
+                w = self.workers[ended.pid] = _Worker(rank=rank, pid=ended.pid, restart=newest, last_change=0.0, alive=False)
+                w.gone_at = time.time()
+                self.incarnations.setdefault(newest, _Incarnation(newest)).pids.append(ended.pid)
+            if w is not None:
+                w.exit = ended
+                touched.add(w.restart)
+        for restart in sorted(touched):
+            self._diagnose(self.incarnations[restart])
 
     def settle(self) -> None:
         """Diagnose now every incarnation whose workers are all gone (not waiting for exit statuses)."""
@@ -258,6 +295,8 @@ class Supervisor:
         inc.diagnosed = True
         if stop_requested() is not None:
             return  # stopped on request: whatever ended how, it is not a failure
+        if self._stopping_group and self.recurring is not None and inc.restart > self.recurring[0]:
+            return  # started before the backend could be stopped, and stopped by it: not a failure of its own
         workers = [self.workers[p] for p in inc.pids]
         errors = {
             r.pid: r
@@ -269,6 +308,12 @@ class Supervisor:
         if found is None:
             return
         self.diagnoses.append(found)
+        before = events.newest(
+            events.records(self.run_dir, since=self.launched, kinds=(Event.ATTEMPT_FAILED,)), events.AttemptFailed
+        )
+        why = recurrence(ends, before.raised if before is not None else None) if self.whole_job else None
+        if why is not None:
+            self.recurring, self._found_in_exits = (inc.restart, why, found.line()), self._in_exits
         cause = found.cause
         events.write(
             self.run_dir,
@@ -284,9 +329,13 @@ class Supervisor:
                 where=cause.where,
                 cause=found.line(),
                 consequences=[c.record() for c in found.consequences],
+                raised=raised(ends) or None,
+                not_restarted=why,
             ),
         )
-        if self.group_restarts:
+        if why is not None:
+            log.warning("%s; %s", found.line(), why)
+        elif self.group_restarts:
             left = self.conf.max_restarts - inc.restart
             then = (
                 f"restarting the group (restart {inc.restart + 1} of {self.conf.max_restarts})"
@@ -304,7 +353,7 @@ class Supervisor:
             rank=w.rank,
             pid=w.pid,
             host=HOST,
-            step=w.step,
+            step=failed.step if failed is not None and failed.step is not None else w.step,
             ended_at=w.gone_at,
             exit_code=w.exit.exit_code if w.exit is not None else None,
             error=failed.error if failed is not None else None,
@@ -315,6 +364,7 @@ class Supervisor:
             suspect=bool(w.hang),
             hang=w.hang or None,
             finished=w.phase == DONE_PHASE,
+            recurs=failed.recurs if failed is not None else None,
         )
         if end.signal_name in FATAL_SIGNALS and end.where is None:
             end.where = crash_site(stacks_file(self.run_dir, w.rank))

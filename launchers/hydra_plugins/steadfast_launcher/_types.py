@@ -63,6 +63,7 @@ class Completed:
 class Failed:
     cause: str  # the first failed worker and why (a job's end: the whole message for the person)
     restarts: int = 0  # restarts the backend made itself before it gave up
+    recurs: Optional[str] = None  # it would fail the same way on every attempt: why it is not restarted
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,9 @@ class WorkerExit:
     rank: Optional[int] = None
 
 
-ExitObserver = Callable[[List[WorkerExit]], None]  # the launcher's supervisor (Supervisor.worker_exits)
+# The launcher's supervisor (Supervisor.worker_exits). It answers True when the failure would come back
+# on every attempt and the backend, which restarts the group itself, must stop it instead.
+ExitObserver = Callable[[List[WorkerExit]], bool]
 
 # Stopped (steadfast.contract.stop): the workers saved and stopped on purpose (their StopRun), or
 # the backend was stopped by a stop request (reason PREEMPTED).

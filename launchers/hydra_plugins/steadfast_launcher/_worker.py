@@ -21,6 +21,7 @@ from hydra.core.utils import setup_globals
 from steadfast.contract import events
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, restart_count, run_dir
 from steadfast.contract.exits import EXIT_ORPHANED
+from steadfast.contract.failures import recurs
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
 from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
 
@@ -117,11 +118,19 @@ def _record_rendezvous() -> None:
 
 
 def _record_failure(exc: BaseException) -> None:
+    """What the launcher diagnoses a failure from: the error, where it was raised, the step this rank had
+    reached, and whether the code that raised it knew it comes back on every attempt."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    beat = heartbeat()
     try:
         record = events.WorkerFailed(
-            rank=current_rank(), restart=restart_count(), error=f"{type(exc).__name__}: {exc}", where=where
+            rank=current_rank(),
+            restart=restart_count(),
+            error=f"{type(exc).__name__}: {exc}",
+            where=where,
+            step=beat.step if beat is not None and beat.step >= 0 else None,
+            recurs=recurs(exc),
         )
         events.write(run_dir(), record)
     except Exception:  # recording must never hide the original error

@@ -101,6 +101,11 @@ class Backend(ABC):
         (True), or leave it to the supervisor, which kills them (False)."""
         return False
 
+    def stop_restarting(self) -> bool:
+        """A failure that would come back on every attempt: a backend that restarts the group itself
+        stops it now, and its `launch` returns Failed (True). Called from the supervisor's thread."""
+        return False
+
 
 def saved_environment(keys: Iterable[str]) -> Dict[str, Optional[str]]:
     """The launcher's values of the variables a launch is about to set (None: unset)."""

@@ -26,10 +26,11 @@ from typing import List, Optional
 
 from steadfast.contract.backends import BackendConf, BackendSpec, RankEnv
 from steadfast.contract.env import HOROVOD
-from steadfast.contract.schemas import bad
+from steadfast.contract.schemas import FLOAT_MAX, bad
 from steadfast.contract.stop import STOP_SIGNALS, Stopped, StopReason, restore_handlers, signal_name, stop_requested
 
 from .._compat.horovod_runner import Exit, runner_patched
+from .._logfiles import printable_streams
 from .._types import Completed, Failed, Outcome, WorkerExit
 from ._registry import register
 from .base import Attempt, Backend, restore_environment, saved_environment
@@ -71,8 +72,8 @@ class HorovodBackendConf(BackendConf):
             out.append(
                 bad(f"{prefix}.controller", "mpi", "only 'gloo' is built here (the MPI controller needs an MPI build of Horovod)")
             )
-        if self.start_timeout < 1:
-            out.append(bad(f"{prefix}.start_timeout", self.start_timeout, "seconds >= 1"))
+        if not 1 <= self.start_timeout <= FLOAT_MAX:
+            out.append(bad(f"{prefix}.start_timeout", self.start_timeout, f"seconds, 1 to {FLOAT_MAX:g}"))
         if self.hosts and self.host_discovery_script:
             out.append(f"{prefix}.hosts and {prefix}.host_discovery_script are mutually exclusive: set one")
         if self.hosts and not re.fullmatch(r"[^,:\s]+(:\d+)?(,[^,:\s]+(:\d+)?)*", self.hosts):
@@ -165,7 +166,7 @@ class HorovodBackend(Backend):
         exits: List[Exit] = []  # every worker's, as the runner reaps them
         os.environ.update(worker_env)
         try:
-            with runner_patched(self._stop_events, exits):
+            with runner_patched(self._stop_events, exits), printable_streams():  # it copies the workers' output raw
                 results = horovod.run(
                     attempt.entry,
                     args=(attempt.payload,),  # a small reference: each worker reads the payload file itself

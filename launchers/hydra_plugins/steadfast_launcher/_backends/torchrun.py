@@ -118,6 +118,7 @@ class TorchrunBackend(Backend):
     )
     restarts_itself = True  # the elastic agent restarts the worker group, up to restart.max_restarts
     conf: TorchrunBackendConf
+    _not_restarting = False  # the launcher stopped the agent: its failure would come back on every attempt
 
     @classmethod
     def warm_up(cls, node: Mapping[str, Any]) -> None:
@@ -146,7 +147,21 @@ class TorchrunBackend(Backend):
         signal.pthread_kill(threading.main_thread().ident, _AGENT_STOP)  # type: ignore[arg-type]
         return True
 
+    def stop_restarting(self) -> bool:
+        """The agent stops its workers (the same SIGUSR2 as after the grace), and `launch` takes its
+        stop for this failure's end, not for a stop request. From the supervisor's thread."""
+        self._not_restarting = True
+        return self.stop_on_grace_expired()
+
+    def _stop_agent_here(self) -> None:
+        """The same, from the agent's own thread as it found the failure (elastic_exits): its handler
+        raises there, so it never starts the next incarnation."""
+        self._not_restarting = True
+        if callable(signal.getsignal(_AGENT_STOP)):
+            signal.pthread_kill(threading.main_thread().ident, _AGENT_STOP)  # type: ignore[arg-type]
+
     def launch(self, attempt: Attempt) -> Outcome:
+        self._not_restarting = False
         forkserver = self.conf.start_method == "forkserver"
         if forkserver:  # first: the server imports torch while this process does (2 cores: in parallel)
             _forkserver.start()
@@ -176,11 +191,13 @@ class TorchrunBackend(Backend):
         payload = attempt.payload
         args = (payload, _forkserver.environment_file(Path(payload.path).parent)) if forkserver else (payload,)
         try:
-            with elastic_exits.observe(attempt.on_exits):
+            with elastic_exits.observe(attempt.on_exits, self._stop_agent_here):
                 results = elastic_launch(config, attempt.entry)(*args)
         except ChildFailedError as err:
             return Failed(root_cause(err), restarts=attempt.restart.max_restarts)
         except SignalException as err:  # the agent was asked to stop (and has stopped its workers): not a failure
+            if self._not_restarting:  # ... unless the launcher stopped it because its failure would recur
+                return Failed("torch elastic agent stopped by the launcher: its failure would recur")
             request_stop(int(err.sigval))  # a stop request to this process, as the signal was
             message = f"torch elastic agent stopped by {signal_name(int(err.sigval))}"
             return Stopped(StopReason.PREEMPTED, message=message, signal=int(err.sigval))

@@ -3,7 +3,9 @@ failure: the first one its `join` happens to find, after which it stops the othe
 depends on polling order, so a survivor whose collective failed a moment after its peer was killed is
 often reported instead of the peer. A wrapper of `_poll` reads every worker's exit status as the
 agent finds the failure (before torch stops the rest) and after, and hands them to the launcher's
-observers (`observe`), in the agent's own thread.
+observers (`observe`), in the agent's own thread. An observer that answers True (the failure would
+come back on every attempt) has the agent stopped there, before it restarts the group: its `stop`
+is called last, outside any handler, so the signal it sends the agent ends the agent's run at once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import importlib
 import logging
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .._types import ExitObserver, WorkerExit
 from . import Patch, applies
@@ -39,7 +41,7 @@ EXIT_STATUSES = Patch(
     "a failure is diagnosed from the workers' own records and when the launcher saw them end, without their exit statuses",
 )
 
-_observers: List[ExitObserver] = []
+_observers: List[Tuple[ExitObserver, Callable[[], None]]] = []
 _lock = threading.Lock()
 _installed = False
 
@@ -75,11 +77,15 @@ def _install() -> None:
             ]
             with _lock:
                 observers = list(_observers)
-            for observer in observers:
+            stops = []
+            for observer, stop in observers:
                 try:
-                    observer(exits)
+                    if observer(exits):
+                        stops.append(stop)
                 except Exception:  # the launcher's diagnosis must never break the agent's own handling
                     log.exception("steadfast: recording the workers' exit statuses failed")
+            for stop in stops:
+                stop()  # last: the agent's own handler may end its run here
         return result
 
     context._poll = _poll
@@ -87,16 +93,18 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def observe(observer: Optional[ExitObserver]) -> Iterator[None]:
-    """While inside, each failure torch elastic's agent finds hands `observer` every worker's exit."""
+def observe(observer: Optional[ExitObserver], stop: Callable[[], None]) -> Iterator[None]:
+    """While inside, each failure torch elastic's agent finds hands `observer` every worker's exit;
+    when it answers True, `stop` is called (in the agent's thread) before the agent goes on."""
     if observer is None or not applies(EXIT_STATUSES):
         yield
         return
+    entry = (observer, stop)
     with _lock:
         _install()
-        _observers.append(observer)
+        _observers.append(entry)
     try:
         yield
     finally:
         with _lock:
-            _observers.remove(observer)
+            _observers.remove(entry)
