@@ -9,9 +9,10 @@ would try it first:
   rank 0's rows of the same shape were read in place of rank 1's): its digest no longer matches;
 - step 35: the same flip in a manifest without a digest, as an earlier version wrote it: each rank
   file's own table of pieces disagrees with the manifest's;
-- step 30: a tensor's pieces listed as its first piece twice plus 600 empty ones, the digest made to
-  match (finding 2: above 512 pieces the overlap check was skipped, and rows no piece holds were
-  loaded as uninitialised memory);
+- step 30: a tensor's two pieces listed at rows 7-21 and 8-22, plus 600 empty pieces, the digest made
+  to match (finding 2: above 512 pieces the overlap check was skipped; each rank's count of the
+  values it got added up, and rows 0-6 and 23-29, which no piece holds, were loaded as uninitialised
+  memory);
 - step 25: written by the same loop with its optimizer built over the blocks' parameters in reverse
   order (finding 4): every shape fits, only the parameters' names show that each block's Adam
   moments would land on another block;
@@ -71,10 +72,10 @@ def edit(path: Path, sealed: bool, change: Any) -> None:
         path.write_text(json.dumps({k: v for k, v in data.items() if k != mf.DIGEST}, indent=1))  # an earlier version's
 
 
-def duplicated(data: Dict[str, Any]) -> None:
-    first, second = data["tensors"][SPLIT]["pieces"]
-    empty = [second[0], second[1], [0, second[2][1]]]
-    data["tensors"][SPLIT]["pieces"] = [first, first] + [empty] * 600
+def overlapping(data: Dict[str, Any]) -> None:
+    (first, _, shape), (second, offset, _) = data["tensors"][SPLIT]["pieces"]
+    empty = [second, offset, [0, shape[1]]]
+    data["tensors"][SPLIT]["pieces"] = [[first, [7, 0], shape], [second, [8, 0], shape]] + [empty] * 600
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_crafted_checkpoints_are_named_set_aside_and_the_run_ends_exact(runs: Di
     flip_bit(ckpt(folder, 40) / mf.MANIFEST, piece_file, 8, 0x01)
     flip_bit(ckpt(folder, 35) / mf.MANIFEST, piece_file, 8, 0x01)
     edit(ckpt(folder, 35) / mf.MANIFEST, sealed=False, change=lambda m: None)
-    edit(ckpt(folder, 30) / mf.MANIFEST, sealed=True, change=duplicated)
+    edit(ckpt(folder, 30) / mf.MANIFEST, sealed=True, change=overlapping)
     shutil.rmtree(ckpt(folder, 25))
     shutil.copytree(ckpt(runs["reversed"], 25), ckpt(folder, 25))
     flip_bit(ckpt(folder, 5) / mf.MANIFEST, [b'"commit"', b"1"], 0, 0x08)

@@ -209,8 +209,8 @@ class Reader:
             rows = shape[0] if shape else 1
             return self._rows_of(key, code, exact[0], 0, rows).reshape(shape)
         parts = [(p, overlap(box, (p.offset, p.shape)) if p.shape else box) for p in pieces]
-        used = [[p.file, list(part[0]), list(part[1])] for p, part in parts if part is not None and volume(part[1])]
-        if mf.overlapping(used) or sum(volume(u[2]) for u in used) != volume(shape):
+        used: List[List[Any]] = [[p.file, list(part[0]), list(part[1])] for p, part in parts if part and volume(part[1])]
+        if mf.overlapping(used) or sum(volume(part[2]) for part in used) != volume(shape):
             raise TensorFileError(
                 f"tensor {key[:120]!r}: its pieces do not cover the {volume(shape)} values needed exactly once", "contents"
             )
@@ -352,7 +352,8 @@ class ShardedCodec(Codec):
         try:
             mine = file_name(rank) if rank < saved else None
             reader = Reader(source, manifest["tensors"])
-            for i, name in enumerate(sorted(files)):  # every file verified whole, and its table of pieces checked, by one rank each
+            # every file verified whole, and its table of pieces checked, by one rank each
+            for i, name in enumerate(sorted(files)):
                 if i % world_size != rank:
                     continue
                 if name == mine:  # its own file: read once, verified, and the pieces taken from memory
