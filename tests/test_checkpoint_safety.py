@@ -18,23 +18,13 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from helpers import Box
 from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
 from steadfast.comm import Comm
 from steadfast.contract.events import Event
-
-
-class Box:
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
 
 
 class Recorder:

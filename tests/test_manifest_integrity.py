@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 
+from helpers import Box
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import piecetable as pt
 from steadfast.checkpoint import sharded
@@ -23,17 +24,6 @@ from steadfast.checkpoint.optimizers import optimizer_misfit, param_names
 from steadfast.checkpoint.sources import BufferSource
 from steadfast.checkpoint.tensorformat import TensorFileError
 from steadfast.comm import Comm
-
-
-class Box:
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
 
 
 def manager(folder: Path, keep_last: int = 3, events: Any = None) -> CheckpointManager:
