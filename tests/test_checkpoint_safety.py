@@ -18,23 +18,13 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from helpers import Box
 from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
 from steadfast.contract.events import Event
 from steadfast.distributed.comm import Comm
-
-
-class Box:
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
 
 
 class Recorder:
@@ -201,9 +191,11 @@ def test_a_shared_folder_with_higher_steps_does_not_lose_the_new_checkpoint(tmp_
     other.close()
     mine = manager(tmp_path, keep_last=1)
     mine.save(100, model_state(100), {}, {})
+    mine.save(200, model_state(200), {}, {})
     mine.close()
-    assert [s for s, _ in mf.committed(tmp_path)] == [100]
-    assert manager(tmp_path).restore({"model": Box()}, {}, False).step == 100
+    # retention ranks by step: the newest by step (5000) and the newest commit (200, what a resume picks) stay
+    assert [s for s, _ in mf.committed(tmp_path)] == [200, 5000]
+    assert manager(tmp_path).restore({"model": Box()}, {}, False).step == 200
 
 
 def test_retention_keeps_milestones_and_the_checkpoint_just_committed(tmp_path: Path) -> None:
@@ -230,7 +222,7 @@ def test_a_re_save_of_a_committed_step_moves_the_old_one_aside(tmp_path: Path) -
 def _edit_manifest(edit):  # type: ignore[no-untyped-def]
     def damage(ckpt: Path) -> None:
         data = json.loads((ckpt / mf.MANIFEST).read_text())
-        (ckpt / mf.MANIFEST).write_text(json.dumps(edit(data)))
+        (ckpt / mf.MANIFEST).write_bytes(mf.seal(edit(data)))  # its digest made to match: the check under test must catch it
 
     return damage
 
@@ -252,7 +244,7 @@ def _replace_model(payload: bytes):  # type: ignore[no-untyped-def]
         import xxhash
 
         data["files"][STATE] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
-        (ckpt / mf.MANIFEST).write_text(json.dumps(data))
+        (ckpt / mf.MANIFEST).write_bytes(mf.seal(data))
 
     return damage
 

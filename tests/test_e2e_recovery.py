@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
 
 pytestmark = pytest.mark.slow
@@ -150,7 +151,7 @@ def test_tampered_checkpoint_runs_no_code_and_is_refused(tmp_path: Path, baselin
     import xxhash
 
     manifest["files"]["state.bin"] = {"bytes": len(payload), "checksum": f"xxh3_128:{xxhash.xxh3_128(payload).hexdigest()}"}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "manifest.json").write_bytes(mf.seal(manifest))  # and the manifest's digest
     run_train(tmp_path, *QUICK, *backend, "run.name=copy", check=True)
     assert not marker.exists()
     assert "not a steadfast tensor file" in event_of(folder, "checkpoint_invalid")["error"]
@@ -183,7 +184,7 @@ def test_a_verified_checkpoint_missing_a_key_is_unusable_and_the_previous_one_is
     size, digest = tensorfile.save(tree, ckpt / "state.bin")
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"]["state.bin"] = {"bytes": size, "checksum": digest}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "manifest.json").write_bytes(mf.seal(manifest))
     proc = run_train(tmp_path, *QUICK, "run.name=copy", "restart=none", check=True)
     invalid = event_of(folder, "checkpoint_invalid")
     assert invalid["path"] == str(ckpt) and "net.1.bias" in invalid["error"], invalid

@@ -17,9 +17,9 @@ from torch import nn
 
 from hydra_plugins.steadfast_launcher._diagnosis import RankEnd, raised, recurrence
 from hydra_plugins.steadfast_launcher._logfiles import _Printable, _PrintableStream
-from steadfast.distributed import parallel
 from steadfast.contract import events, failures, summary
 from steadfast.contract.summary import Status
+from steadfast.distributed import parallel
 
 BUG = "ValueError: a bug"
 CLOSED = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"

@@ -80,6 +80,8 @@ def _sharded(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Lis
 
     try:
         reader = Reader(source, manifest["tensors"])
+        for file in manifest["files"]:  # every file's own table of pieces agrees with the manifest's
+            reader.header(file)
         objects = reader.tree(file_name(0)).get(OBJECTS)
         if not isinstance(objects, dict) or name not in objects:
             raise ConsolidateError(f"{checkpoint} holds no object {name!r} (it holds {sorted(objects or {})})")
@@ -128,6 +130,8 @@ def load_whole(checkpoint: Path, names: Sequence[str]) -> Dict[str, Any]:
     source = FolderSource(dir_fd, checkpoint, {n: spec["bytes"] for n, spec in manifest["files"].items()})
     try:
         reader = Reader(source, manifest["tensors"])
+        for file in manifest["files"]:
+            reader.header(file)
         objects = reader.tree(file_name(0)).get(OBJECTS) or {}
         missing = [n for n in names if n not in objects]
         if missing:

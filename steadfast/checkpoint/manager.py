@@ -4,14 +4,15 @@ What the files hold is the codec's business (codec.py: the replicated format, ra
 sharded one, every rank writes its own file). The protocol is the same for both:
   1. write the files into `.tmp-step_N-<id>/` (every byte, size checked; with the sharded format
      every rank writes, fsyncs and reads back its own file in parallel, then reports it to rank 0);
-  2. rank 0 writes `manifest.json` last (step, commit sequence, epoch, position, world size, training
-     config, size and checksum of every file, the codec's own fields), then fsyncs it, the files
-     not yet durable and the folder, side by side (fileio.Unsynced);
+  2. rank 0 writes `manifest.json` last (its own digest first, then step, commit sequence, epoch,
+     position, world size, training config, size and checksum of every file, each optimizer's
+     parameters by name, the codec's own fields), then fsyncs it, the files not yet durable and the
+     folder, side by side (fileio.Unsynced);
   3. checks the launcher is still there (an orphaned worker never commits), renames the folder to
      `step_N` (atomic); a committed `step_N` already there is moved aside first, never deleted;
   4. fsyncs the parent (the rename durable), reads the new checkpoint back and verifies it, and only
-     then applies retention, which ranks by commit sequence and never removes the checkpoint just
-     committed.
+     then applies retention, which ranks by step and never removes the checkpoint just committed,
+     the newest by step, nor the one a resume would pick (manifest.expendable).
 Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
 raises its failure. A power loss before it leaves the new checkpoint committed or invisible (the
 rename is atomic; its files were durable before it) and every older one in place. Resume
@@ -41,6 +42,7 @@ from . import manifest as mf
 from . import restore as rs
 from .codec import Codec, Collectives, Unsaveable, state_of
 from .formats import for_state
+from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
@@ -104,6 +106,8 @@ class CheckpointManager:
         if clash:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
         states = {name: state_of(obj) for name, obj in objects.items()}
+        if self.comm.rank == 0:  # who writes the manifest
+            meta = {**meta, **optimizer_fields(objects)}
         codec = for_state(states)
         self._objects_of_save = list(objects.values())
         if codec.every_rank_writes:
@@ -293,10 +297,10 @@ class CheckpointManager:
             "config": self.training_config,
             "full_config": self.full_config,
         }
-        text = rs.to_json(manifest)
-        mf.validate(rs.from_json(text), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
+        sealed = mf.seal(manifest)
+        mf.validate(mf.parse(sealed, tmp / mf.MANIFEST), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
         unsynced = unsynced or fileio.Unsynced()
-        fileio.write_file(tmp / mf.MANIFEST, [text.encode()], later=unsynced)
+        fileio.write_file(tmp / mf.MANIFEST, [sealed], later=unsynced)
         unsynced.sync(tmp)
         if self.hooks is not None:
             self.hooks.before_commit(step)  # the orphan fence, right before the rename that commits
@@ -343,13 +347,7 @@ class CheckpointManager:
         return final
 
     def _apply_retention(self, just_committed: Path) -> None:
-        listed = [(c.path, c.manifest) for c in mf.scan(self.folder) if c.manifest is not None]
-        for i, (path, manifest) in enumerate(listed):
-            if i < self.keep_last or path == just_committed:
-                continue  # the newest keep_last (>= 1) by commit sequence, and this save's, are kept
-            n, epoch = self.keep_every_n_epochs, manifest.get("epoch", 0)
-            if n and epoch and epoch % n == 0 and not manifest.get("batch_in_epoch"):
-                continue  # a milestone: the end of every n-th epoch
+        for path in mf.expendable(mf.scan(self.folder), self.keep_last, self.keep_every_n_epochs, [just_committed]):
             self._discard(path)
         self._remove_leftovers(only_trash=True)
 

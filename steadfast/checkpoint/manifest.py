@@ -11,10 +11,16 @@ older checkpoints at step 5000 still has the newest one. A commit is at most MAX
 than any run makes), so a manifest crafted with a larger one is unusable rather than chosen, and the
 next commit always validates: at MAX_COMMIT itself (reachable only by a crafted manifest) the
 sequence stays there and equal commits are ordered by step. Unusable checkpoints are moved aside to
-`.unusable-step_<N>-<reason>-<id>`, which nothing lists.
+`.unusable-step_<N>-<reason>-<id>`, which nothing lists. Retention ranks by step, the folder's name
+(`expendable`): a commit that a flipped bit raised cannot make it remove the newest work.
 
-Every manifest read back is validated (types, bounds, names, the folder's step); any failure is a
-ManifestError (a ValueError), never another exception.
+A manifest checks itself (`seal`, `parse`): its first line holds `digest`, the xxh3-128 of every byte
+after that line, checked before anything in it is parsed or used. A manifest without one was written
+by an earlier version and is still read (its fields validated like any other; `Listed.sealed` says
+which), unless something in it looks like a digest: a bit flipped in the name "digest" or in the
+first line is damage, not an old manifest. Every manifest read back is then validated (types,
+bounds, names, the folder's step); any failure is a ManifestError (a ValueError), never another
+exception.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import xxhash
 
 from ..contract.keys import checked_on_resume
 from . import fileio
@@ -55,7 +63,13 @@ TENSOR_KEY = re.compile(r"[^\x00-\x1f]{1,1024}")
 META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
 MAX_COMMIT = 2**53  # one save a millisecond for 285,000 years; an exact integer in any JSON reader
 MAX_STEP = 10**18 - 1  # what a folder name holds (18 digits); the loop's own counts stop far below (state.MAX_COUNT)
-RESERVED = frozenset({"format", "step", "commit", "world_size", "created", "files", "config", "full_config"})
+DIGEST = "digest"  # the manifest's own checksum, on its first line (seal)
+PARAMS = "params"  # optimizer name -> its param groups' parameters, by name (optimizers.manifest_fields)
+MAX_PARAMS = 1 << 20  # parameter names in all, over every optimizer and group
+RESERVED = frozenset(
+    {"format", "step", "commit", "world_size", "created", "files", "config", "full_config", DIGEST, PARAMS, "tensors"}
+)
+_SEALED = re.compile(rb'\{\n "' + DIGEST.encode() + rb'": "(' + CHECKSUM.pattern.encode() + rb')",\n')
 
 
 class ManifestError(ValueError):
@@ -75,9 +89,44 @@ class Listed:
     def commit(self) -> int:
         return self.manifest["commit"] if self.manifest is not None else 0
 
+    @property
+    def sealed(self) -> bool:
+        """Whether the manifest carries its own digest (one written by an earlier version does not)."""
+        return self.manifest is not None and DIGEST in self.manifest
+
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
+
+
+def _digest(body: bytes) -> str:
+    return f"{fileio.CHECKSUM}:{xxhash.xxh3_128(body).hexdigest()}"
+
+
+def seal(manifest: Dict[str, Any]) -> bytes:
+    """The bytes of manifest.json for these fields (a `digest` among them is replaced): JSON whose
+    first line holds the digest of every byte after it."""
+    text = json.dumps({k: v for k, v in manifest.items() if k != DIGEST}, indent=1, default=str) + "\n"
+    if not text.startswith("{\n"):
+        raise ValueError("a manifest holds at least one field")
+    body = text[2:].encode()
+    return f'{{\n "{DIGEST}": "{_digest(body)}",\n'.encode() + body
+
+
+def parse(raw: bytes, where: Path) -> Any:
+    """The JSON value of manifest.json's bytes, its digest checked first (see the module's docstring);
+    not yet validated. Raises ManifestError, nothing else."""
+    sealed = _SEALED.match(raw)
+    if sealed is not None and _digest(raw[sealed.end() :]) != sealed.group(1).decode():
+        raise ManifestError(f"{where}: its digest does not match its contents (the manifest is damaged)")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ManifestError(f"{where}: unreadable manifest ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if sealed is None and isinstance(value, dict):
+        if DIGEST in value or any(isinstance(v, str) and CHECKSUM.fullmatch(v) for v in value.values()):
+            raise ManifestError(f"{where}: its digest is not on its first line, or its name is damaged (the manifest is damaged)")
+    return value
 
 
 def _int(value: Any, low: int, high: int) -> bool:
@@ -124,11 +173,27 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
             raise bad(f"{name}: 'bytes' must be an integer from 0 to {MAX_FILE_BYTES}")
         if not isinstance(spec.get("checksum"), str) or not CHECKSUM.fullmatch(spec["checksum"]):
             raise bad(f"{name}: 'checksum' must be {fileio.CHECKSUM}:<32 hex digits> (it is required)")
+    if DIGEST in data and not (isinstance(data[DIGEST], str) and CHECKSUM.fullmatch(data[DIGEST])):
+        raise bad(f"'{DIGEST}' must be {fileio.CHECKSUM}:<32 hex digits>")
+    if PARAMS in data and not _param_names_ok(data[PARAMS]):
+        raise bad(f"'{PARAMS}' must map optimizer names to lists of param groups, each a list of parameter names or nulls")
     if data["format"] == SHARDED_FORMAT:
         problem = tensor_table_problem(data.get("tensors"), files)
         if problem:
             raise bad(f"'tensors': {problem}")
     return data
+
+
+def _param_names_ok(params: Any) -> bool:
+    if not isinstance(params, dict):
+        return False
+    groups = [g for v in params.values() if isinstance(v, list) for g in v]
+    return (
+        all(isinstance(v, list) for v in params.values())
+        and all(isinstance(g, list) for g in groups)
+        and sum(len(g) for g in groups) <= MAX_PARAMS
+        and all(n is None or (isinstance(n, str) and TENSOR_KEY.fullmatch(n)) for g in groups for n in g)
+    )
 
 
 def _dims(value: Any, count: Optional[int] = None) -> bool:
@@ -143,7 +208,7 @@ def _dims(value: Any, count: Optional[int] = None) -> bool:
 def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = True) -> Optional[str]:
     """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
     dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
-    exactly (their sizes add up to it, and no two overlap: checked at any number of pieces, see _overlapping).
+    exactly (their sizes add up to it, and no two overlap: checked at any number of pieces, see overlapping).
     Without `covering` (one rank's snapshot: its own pieces only) the pieces may cover part of it."""
     if not isinstance(table, dict) or len(table) > MAX_TENSORS:
         return f"must be a JSON object of at most {MAX_TENSORS} tensors"
@@ -171,12 +236,12 @@ def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = Tru
             total += math.prod(piece[2])
         if total != math.prod(whole) and (covering or total > math.prod(whole)):
             return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
-        if _overlapping(pieces):
+        if overlapping(pieces):
             return f"{what}: two pieces overlap"
     return None
 
 
-def _overlapping(pieces: List[List[Any]]) -> bool:
+def overlapping(pieces: List[List[Any]]) -> bool:
     """Whether two non-empty pieces overlap: a sweep along the first dimension, each piece compared
     only with those still open there (O(n log n) for pieces split along one dimension, as every
     saved layout is; no cap on the count). With their sizes adding up to the whole, no overlap means
@@ -214,10 +279,9 @@ def read(ckpt: Path) -> Dict[str, Any]:
             data = fileio.read_small(MANIFEST, dir_fd, where, MAX_MANIFEST_BYTES)
         finally:
             os.close(dir_fd)
-        value = json.loads(data)
-    except (OSError, ValueError, RecursionError, MemoryError) as exc:  # FileCheckError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, MemoryError) as exc:  # FileCheckError is a ValueError
         raise ManifestError(f"{where}: unreadable manifest ({type(exc).__name__}: {str(exc)[:200]})") from None
-    return validate(value, where, _step_of(ckpt))
+    return validate(parse(data, where), where, _step_of(ckpt))
 
 
 def _has_manifest(path: Path) -> bool:
@@ -260,6 +324,24 @@ def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
         if c.manifest is not None:
             return c.manifest
     return None
+
+
+def expendable(listed: List[Listed], keep_last: int, keep_every_n_epochs: Optional[int], keep: Iterable[Path]) -> List[Path]:
+    """The committed checkpoints of `listed` (scan's order) that retention removes: of those whose
+    manifest is valid, every one but the newest `keep_last` (at least 1) by step, the one a resume
+    picks first (the newest by commit), the end of every `keep_every_n_epochs`-th epoch, and `keep`.
+    By step, the folder's name: a commit raised by a flipped bit (in a manifest without a digest)
+    cannot make the newest work go."""
+    usable = [c for c in listed if c.manifest is not None]
+    kept = {c.path for c in sorted(usable, key=lambda c: (c.step, c.commit), reverse=True)[: max(1, keep_last)]}
+    kept.update([*keep, *(c.path for c in usable[:1])])
+    out = []
+    for c in usable:
+        assert c.manifest is not None
+        epoch, n = c.manifest.get("epoch", 0), keep_every_n_epochs
+        if c.path not in kept and not (n and epoch and epoch % n == 0 and not c.manifest.get("batch_in_epoch")):
+            out.append(c.path)
+    return out
 
 
 def next_commit(folder: Path) -> int:

@@ -3,16 +3,16 @@
 Rank 0 lists the committed checkpoints newest first by commit sequence (Chooser.candidates); the
 ranks try them in that order, together (CheckpointManager.restore): each reads what it needs, every
 byte checked against the manifest, parsed by the strict reader, and checked to fit the live objects
-(`misfit`: keys, shapes; an optimizer's state against its live parameters: `optimizer_misfit`) before anything is applied. Every failure on the way is an unusable
-checkpoint, never an exception that escapes: it is named in the log and in events.jsonl
-(checkpoint_invalid), and once a usable one is found (or a fresh start is allowed), the unusable
-ones tried are moved aside, not deleted. Resource errors (out of memory, an I/O error) skip a
-checkpoint without moving it.
+(`misfit`: keys, shapes; an optimizer's state against its live parameters: optimizers.py) before
+anything is applied. Every failure on the way is an unusable checkpoint, never an exception that
+escapes: it is named in the log and in events.jsonl (checkpoint_invalid), and once a usable one is
+found (or a fresh start is allowed), the unusable ones tried are moved aside, not deleted. Resource
+errors (out of memory, an I/O error) skip a checkpoint without moving it. The log warns when the
+checkpoint chosen has a manifest without a digest (an earlier version's) or is not the newest by step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -23,20 +23,13 @@ from . import fileio
 from . import manifest as mf
 from .codec import Collectives, Loaded
 from .formats import for_manifest
+from .optimizers import optimizer_misfit, param_names
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or restored; the message names the file and the cause."""
-
-
-def to_json(obj: Any) -> str:
-    return json.dumps(obj, indent=1, default=str) + "\n"
-
-
-def from_json(text: str) -> Any:
-    return json.loads(text)
 
 
 def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
@@ -66,61 +59,20 @@ def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
     return None
 
 
-def optimizer_misfit(optimizer: Any, saved: Any) -> Optional[str]:
-    """Why `saved` (an Optimizer.state_dict) cannot be loaded into the live `optimizer` (None: it
-    fits): the same number of param groups and of parameters in each, and each saved parameter's
-    state tensors (exp_avg, momentum_buffer...) of the shape and dtype of the live parameter at the
-    same position of the same group. A fresh optimizer's empty state says none of this, so an
-    optimizer built over the same parameters in another order would pass and fail at its first step.
-    Only the positional form (integer parameter ids) is checked here; a keyed form passes."""
-    import torch
-
-    if not isinstance(saved, dict):
-        return f"the state: a dict was expected, the checkpoint holds a {type(saved).__name__}"
-    groups, state = saved.get("param_groups"), saved.get("state")
-    if not isinstance(groups, list) or not isinstance(state, dict):
-        return "the state: param_groups (a list) and state (a dict) were expected"
-    live_groups = optimizer.param_groups
-    if len(groups) != len(live_groups):
-        return f"param_groups: {len(groups)} in the checkpoint, {len(live_groups)} here"
-    for g, (group, live_group) in enumerate(zip(groups, live_groups)):
-        ids = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(ids, list):
-            return f"param_groups[{g}].params: a list was expected"
-        if len(ids) != len(live_group["params"]):
-            return f"param_groups[{g}]: {len(ids)} parameters in the checkpoint, {len(live_group['params'])} here"
-        for j, (pid, param) in enumerate(zip(ids, live_group["params"])):
-            if not isinstance(pid, int) or isinstance(pid, bool):
-                return None
-            entry = state.get(pid)
-            if entry is None:
-                continue
-            if not isinstance(entry, dict):
-                return f"state.{pid}: a dict was expected, the checkpoint holds a {type(entry).__name__}"
-            for key, value in entry.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue  # a step count, not a per-element buffer
-                live = param.to_local() if hasattr(param, "to_local") and not hasattr(value, "to_local") else param
-                if tuple(value.shape) != tuple(live.shape) or (
-                    value.is_floating_point() and live.is_floating_point() and value.dtype != live.dtype
-                ):
-                    return (
-                        f"state.{pid}.{key}: {value.dtype} {list(value.shape)} in the checkpoint, the parameter at "
-                        f"param_groups[{g}].params[{j}] is {live.dtype} {list(live.shape)} here"
-                    )
-    return None
-
-
-def check_fits(loaded: Loaded, objects: Dict[str, Any], per_rank: Dict[str, Any]) -> None:
+def check_fits(
+    loaded: Loaded, objects: Dict[str, Any], per_rank: Dict[str, Any], params: Optional[Dict[str, Any]] = None
+) -> None:
     """ValueError naming what does not fit, before anything is applied: each object's state against
-    its live state (`misfit`), and against the object's own `check_state` where it has one (the
-    loop's progress, the RNG states: they refuse a state without setting any of it)."""
+    its live state (`misfit`), an optimizer's against its live parameters (`optimizer_misfit`; by
+    name too where the manifest's `params` names them), and against the object's own `check_state`
+    where it has one (the loop's progress, the RNG states: they refuse a state without setting any of it)."""
     own = loaded.own or {}
+    live_names = param_names(objects) if params else {}
     for name, obj in [*objects.items(), *(per_rank.items() if loaded.own is not None else [])]:
         state = loaded.objects.get(name) if name in objects else own.get(name)
         problem = misfit(obj.state_dict(), state, name) if name in objects else None
         if not problem and name in objects and _is_optimizer(obj):
-            problem = optimizer_misfit(obj, state)
+            problem = optimizer_misfit(obj, state, (params or {}).get(name), live_names.get(name))
             problem = f"{name}.{problem}" if problem else None
         if problem:
             raise ValueError(f"does not fit this run's {name}: {problem}")
@@ -173,6 +125,7 @@ class Chooser:
         self.on_event, self.set_aside = on_event, set_aside
         self.problems: List[str] = []
         self.movable: List[Tuple[int, Path, str, str]] = []  # (step, path, reason, error): bad for good, not just now
+        self.newest: Optional[mf.Listed] = None  # the newest by step whose manifest is valid
 
     def unusable(self, step: int, path: Path, error: str, reason: Optional[str]) -> None:
         """Name an unusable checkpoint (`reason`: why it is bad for good, so it may be moved aside; None: not now)."""
@@ -191,6 +144,8 @@ class Chooser:
             if c.manifest is None:
                 self.unusable(c.step, c.path, c.error or "unreadable manifest", "manifest")
                 continue
+            if self.newest is None or c.step > self.newest.step:
+                self.newest = c
             diff = mf.changes(c.manifest["config"], self.training_config)
             refusal = None
             if diff and not allow_config_change:
@@ -206,6 +161,19 @@ class Chooser:
         """The resume starts from `path`: the unusable checkpoints seen are moved aside; config changes are recorded."""
         self.set_aside_unusable()
         step = manifest["step"]
+        if mf.DIGEST not in manifest:
+            log.warning(
+                "Checkpoint %s has a manifest without a digest (written by an earlier version): its fields are "
+                "validated and its files checked, but a damaged field the checks cannot see would go unnoticed",
+                path,
+            )
+        if self.newest is not None and self.newest.step > step:
+            log.warning(
+                "Resuming from %s, the newest by commit sequence, though %s holds a later step (expected after a "
+                "fresh start beside older checkpoints, or in a shared checkpoint.dir)",
+                path,
+                self.newest.path.name,
+            )
         diff = mf.changes(manifest["config"], self.training_config)
         if diff:
             self.on_event(
@@ -284,7 +252,7 @@ class Resume:
             loaded = for_manifest(manifest).load(
                 path, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
             )
-            check_fits(loaded, objects, per_rank)
+            check_fits(loaded, objects, per_rank, manifest.get(mf.PARAMS))
             return loaded, None, False
         except (ValueError, TypeError, RuntimeError, OverflowError, RecursionError) as exc:  # bad for good
             return None, f"rank {self.comm.rank}: {path}: {exc}", True

@@ -13,24 +13,26 @@ another rank's pieces to save; each writes its file in parallel with the others.
 
 Loading fills the tensors that the live objects hold on this rank: a live DTensor gets exactly its
 own piece (from whichever saved pieces overlap it, on any number of ranks: each rank reads only the
-rows it needs of each file), anything else the whole tensor. A snapshot in memory is the same file
+rows it needs of each file), anything else the whole tensor. A file's own table of its pieces is
+compared with the manifest's before anything is read from it (piecetable.py), and a tensor is only
+returned when its pieces cover every value of it exactly once. A snapshot in memory is the same file
 with the replicated part included on every rank (`replicated=True`): each rank restores from its
 own file alone.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from . import fileio, tensorfile
 from . import manifest as mf
+from . import piecetable as pt
 from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable
 from .shards import Box, fill, is_dtensor, like, overlap, piece_of, target_box, volume
 from .sources import BufferSource, FolderSource, Source
@@ -40,7 +42,6 @@ from .tensorwrite import Layout, _place, _Planner
 FORMAT = mf.SHARDED_FORMAT
 OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,95}")  # no '.': a tensor's key is "<object>.<path>"
 OBJECTS, RANK_STATE = "objects", "own"  # a rank file's tree: the objects' skeletons (rank 0), its own state
-PIECES_KEY = "steadfast.pieces"  # a rank file's metadata: every key it knows and the pieces it holds
 OWN_PREFIX = "@rank"  # names of this rank's own tensors (object names start with a letter or digit)
 
 
@@ -130,21 +131,8 @@ def plan(objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicate
         planner.own = True
         tree[RANK_STATE] = planner.encode(own, OWN_PREFIX, 1)
     layout = Layout({"__d": [[k, v] for k, v in tree.items()]}, planner.entries, _place(planner.entries))
-    layout.metadata = {PIECES_KEY: json.dumps({"keys": planner.keys, "pieces": planner.pieces}, separators=(",", ":"))}
+    layout.metadata = pt.metadata(planner.keys, planner.pieces)
     return RankFile(layout, planner.pieces, planner.keys)
-
-
-def tensor_table(reports: Sequence[Tuple[str, Dict[str, List[Any]], Dict[str, List[Any]]]]) -> Dict[str, Any]:
-    """The manifest's tensor table from every rank's (file, pieces, keys)."""
-    table: Dict[str, Dict[str, Any]] = {}
-    for _, _, keys in reports:
-        for key, (code, whole) in keys.items():
-            table.setdefault(key, {"dtype": code, "shape": whole, "pieces": []})
-    for file, pieces, _ in reports:
-        for key, (code, whole, offset, shape) in pieces.items():
-            entry = table.setdefault(key, {"dtype": code, "shape": whole, "pieces": []})
-            entry["pieces"].append([file, offset, shape])
-    return table
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -156,11 +144,14 @@ class _Piece:
 
 
 class Reader:
-    """Reads a sharded checkpoint's tensors from a Source, by the tensor table."""
+    """Reads a sharded checkpoint's tensors from a Source, by the tensor table; with `check_files`,
+    each file's own table of pieces is compared with it when the file's header is first read."""
 
-    def __init__(self, source: Source, table: Dict[str, Any]) -> None:
+    def __init__(self, source: Source, table: Dict[str, Any], check_files: bool = True) -> None:
         self.source = source
         self.table = table
+        self.check_files = check_files
+        self._by_file: Optional[pt.ByFile] = None
         self._headers: Dict[str, tensorfile.Header] = {}
         self._rows: Dict[str, Dict[str, tensorfile.Row]] = {}  # file -> its tensor table by name
 
@@ -170,6 +161,11 @@ class Reader:
             size = self.source.size(name)
             hlen = tensorfile.header_length(self.source.read(name, 0, min(8, size)), size, name)
             header = tensorfile.parse_header(bytes(self.source.read(name, 8, hlen)), size - 8 - hlen, name)
+            if self.check_files:
+                self._by_file = self._by_file if self._by_file is not None else pt.by_file(self.table)
+                problem = pt.mismatch(name, header.meta, self.table, self._by_file)
+                if problem:
+                    raise TensorFileError(f"{problem}: the manifest does not describe its files", "contents")
             self._headers[name] = header
         return header
 
@@ -212,10 +208,16 @@ class Reader:
         if exact and volume(shape):
             rows = shape[0] if shape else 1
             return self._rows_of(key, code, exact[0], 0, rows).reshape(shape)
+        parts = [(p, overlap(box, (p.offset, p.shape)) if p.shape else box) for p in pieces]
+        used: List[List[Any]] = [[p.file, list(part[0]), list(part[1])] for p, part in parts if part and volume(part[1])]
+        if mf.overlapping(used) or sum(volume(part[2]) for part in used) != volume(shape):
+            raise TensorFileError(
+                f"tensor {key[:120]!r}: its pieces do not cover the {volume(shape)} values needed exactly once", "contents"
+            )
         out = torch.empty(shape, dtype=DTYPES[code])
         covered = 0
-        for piece in pieces:
-            covered += self._fill_from(key, code, piece, out, box)
+        for piece, part in parts:
+            covered += self._fill_from(key, code, piece, out, box) if part is not None else 0
         if covered != volume(shape):
             raise TensorFileError(
                 f"tensor {key[:120]!r}: the pieces cover {covered} of the {volume(shape)} values needed", "contents"
@@ -339,7 +341,7 @@ class ShardedCodec(Codec):
         return Planned({name: rank_file.layout}, {"pieces": {name: rank_file.pieces}, "keys": rank_file.keys if first else {}})
 
     def manifest_fields(self, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return {"tensors": tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
+        return {"tensors": pt.tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
 
     def load(
         self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
@@ -349,14 +351,17 @@ class ShardedCodec(Codec):
         source = FolderSource(dir_fd, path, {n: spec["bytes"] for n, spec in files.items()})
         try:
             mine = file_name(rank) if rank < saved else None
-            for i, name in enumerate(sorted(files)):  # every file verified whole, by one rank each
+            reader = Reader(source, manifest["tensors"])
+            # every file verified whole, and its table of pieces checked, by one rank each
+            for i, name in enumerate(sorted(files)):
                 if i % world_size != rank:
                     continue
                 if name == mine:  # its own file: read once, verified, and the pieces taken from memory
                     source.hold(name, fileio.read_verified(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd))
                 else:
                     fileio.verify_file(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd)
-            states, own_state = load(Reader(source, manifest["tensors"]), mine, objects)
+                reader.header(name)
+            states, own_state = load(reader, mine, objects)
         finally:
             source.close()
             os.close(dir_fd)
@@ -372,15 +377,11 @@ class ShardedCodec(Codec):
 
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         source = BufferSource({OWN: blobs[OWN]})
-        reader = Reader(source, {})
-        header = reader.header(OWN)
+        reader = Reader(source, {}, check_files=False)  # the table is the file's own
         try:
-            known = json.loads((header.meta or {}).get(PIECES_KEY, "{}"))
-            table = {k: {"dtype": c, "shape": w, "pieces": []} for k, (c, w) in known["keys"].items()}
-            for k, (_, _, offset, shape) in known["pieces"].items():
-                table[k]["pieces"].append([OWN, offset, shape])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise TensorFileError(f"the snapshot's table of pieces is unreadable ({exc})", "format") from None
+            table = pt.of_snapshot(reader.header(OWN).meta, OWN)
+        except ValueError as exc:
+            raise TensorFileError(str(exc), "format") from None
         problem = mf.tensor_table_problem(table, {OWN: {}}, covering=False)
         if problem:
             raise TensorFileError(f"the snapshot's table of pieces: {problem}", "contents")

@@ -6,6 +6,8 @@ each rank trained written down, so a test can check that each sample of each epo
     accumulate: batches per optimizer step
     declared: true: the library is told (Run(accumulate_grad_batches=...), run.accumulate, run.sync_gradients);
               false: the loop counts batches itself and calls run.step after each optimizer.step
+    optimizer_order: forward: AdamW over model.parameters(); blocks_reversed: over the same parameters,
+              the blocks' in reverse order (what a code change can do: same shapes, other places)
 """
 
 import json
@@ -60,7 +62,11 @@ def main(cfg):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        params = list(model.parameters())
+        if cfg.optimizer_order == "blocks_reversed":
+            blocks = [p for block in reversed(model.blocks) for p in block.parameters()]
+            params = [*model.inp.parameters(), *blocks, *model.out.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
         loader = run.loader(dataset(cfg.samples), batch_size=cfg.batch_size)
         run.resume(model=model, optimizer=optimizer)
         os.makedirs("samples", exist_ok=True)

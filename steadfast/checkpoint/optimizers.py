@@ -1,0 +1,118 @@
+"""Whether an optimizer's saved state fits the live optimizer, checked before anything is applied.
+
+An optimizer's state_dict names its parameters by position (`param_groups[g]["params"]`: ids into
+`state`), so a state saved by an optimizer built over the same parameters in another order (a code
+change) loads without complaint: its first step() raises where the shapes differ, and where they do
+not (two blocks of the same shape) it silently applies one parameter's moments to another. The
+check (`optimizer_misfit`) compares the saved state with the live optimizer, never with a fresh
+optimizer's empty state: the groups and their parameter counts; each saved state tensor against
+the live parameter at the same place (shape, dtype, sharded or not and how: the placements); and
+the parameters' names, which every save records in the manifest (`manifest_fields`: the tracked
+modules' parameter names, `<object>.<name>`, per group): a parameter found at another place in the
+checkpoint is a misfit. A checkpoint written before the names were recorded is checked without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import manifest as mf
+from .shards import is_dtensor
+
+Names = List[List[Optional[str]]]  # per param group, each parameter's name (None: not a tracked module's)
+
+
+def param_names(objects: Dict[str, Any]) -> Dict[str, Names]:
+    """Each optimizer among `objects` (name -> object) -> its param groups' parameters by name, where
+    the parameter belongs to a module among `objects`; optimizers none of whose parameters does are left out."""
+    named: Dict[int, str] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for key, param in obj.named_parameters(remove_duplicate=False):
+                named.setdefault(id(param), f"{name}.{key}")
+    out: Dict[str, Names] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            groups = [[named.get(id(p)) for p in group["params"]] for group in obj.param_groups]
+            if any(n is not None for g in groups for n in g):
+                out[name] = groups
+    return out
+
+
+def manifest_fields(objects: Dict[str, Any]) -> Dict[str, Any]:
+    """What a save records in the manifest of its optimizers (nothing without one)."""
+    names = param_names(objects)
+    return {mf.PARAMS: names} if names else {}
+
+
+def order_misfit(saved: Names, live: Names) -> Optional[str]:
+    """Why the parameters' places differ (None: every parameter named in both is at the same place)."""
+    places = {n: (g, j) for g, group in enumerate(saved) for j, n in enumerate(group) if n is not None}
+    for g, group in enumerate(live):
+        for j, name in enumerate(group):
+            where = places.get(name) if name is not None else None
+            if where is not None and where != (g, j):
+                return (
+                    f"param_groups[{g}].params[{j}] is {name} here, at param_groups[{where[0]}].params[{where[1]}] "
+                    "in the checkpoint (an optimizer built over its parameters in another order)"
+                )
+    return None
+
+
+def _sharding(t: Any) -> str:
+    return f"sharded {list(t.placements)} over a mesh of {list(t.device_mesh.shape)}" if is_dtensor(t) else "not sharded"
+
+
+def _tensor_misfit(value: torch.Tensor, param: Any, where: str) -> Optional[str]:
+    if tuple(value.shape) != tuple(param.shape) or (
+        value.is_floating_point() and param.is_floating_point() and value.dtype != param.dtype
+    ):
+        return f"{value.dtype} {list(value.shape)} in the checkpoint, the parameter at {where} is {param.dtype} {list(param.shape)} here"
+    if _sharding(value) != _sharding(param):
+        return f"{_sharding(value)} in the checkpoint, the parameter at {where} is {_sharding(param)} here"
+    return None
+
+
+def optimizer_misfit(
+    optimizer: Any, saved: Any, saved_names: Optional[Names] = None, live_names: Optional[Names] = None
+) -> Optional[str]:
+    """Why `saved` (an Optimizer.state_dict) cannot be loaded into the live `optimizer` (None: it
+    fits); `saved_names`, `live_names`: its parameters' names in the checkpoint and here (param_names;
+    None: not recorded). See the module's docstring. Only the positional form (integer parameter
+    ids) is checked place by place; a keyed form passes."""
+    if not isinstance(saved, dict):
+        return f"the state: a dict was expected, the checkpoint holds a {type(saved).__name__}"
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        return "the state: param_groups (a list) and state (a dict) were expected"
+    live_groups = optimizer.param_groups
+    if len(groups) != len(live_groups):
+        return f"param_groups: {len(groups)} in the checkpoint, {len(live_groups)} here"
+    for g, (group, live_group) in enumerate(zip(groups, live_groups)):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, list):
+            return f"param_groups[{g}].params: a list was expected"
+        if len(ids) != len(live_group["params"]):
+            return f"param_groups[{g}]: {len(ids)} parameters in the checkpoint, {len(live_group['params'])} here"
+    if saved_names is not None and live_names is not None:
+        problem = order_misfit(saved_names, live_names)
+        if problem:
+            return problem
+    for g, (group, live_group) in enumerate(zip(groups, live_groups)):
+        for j, (pid, param) in enumerate(zip(group["params"], live_group["params"])):
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                return None
+            entry = state.get(pid)
+            if entry is None:
+                continue
+            if not isinstance(entry, dict):
+                return f"state.{pid}: a dict was expected, the checkpoint holds a {type(entry).__name__}"
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # a step count, not a per-element buffer
+                problem = _tensor_misfit(value, param, f"param_groups[{g}].params[{j}]")
+                if problem:
+                    return f"state.{pid}.{key}: {problem}"
+    return None
