@@ -28,7 +28,9 @@ def _check_hang(folder: Path, baseline: dict) -> dict:
     fired, found = event_of(folder, "fault_fired"), event_of(folder, "hang_detected")
     assert fired["step"] == 20 and found is not None
     assert found["rank"] == 1 and found["step"] == 20 and found["suspects"] == [1] and found["waiting"] == [0]
-    assert found["time"] - fired["time"] <= 4.0 + 0.5, "detected within restart.hang_timeout_s (plus one look)"
+    # found once still for restart.hang_timeout_s less one look (0.1 s), never before; a look that a loaded
+    # machine runs late adds its delay (the stacks' wait comes after), a watchdog waiting out a second timeout 8 s
+    assert 4.0 - 0.1 <= found["seconds_without_progress"] < 2 * 4.0, found
     assert "steadfast/faults.py" in found["where"] and "_fire" in found["where"]
     stacks = (folder / "logs" / "stacks" / "rank1.txt").read_text()
     assert "watchdog: rank 1" in stacks and "in _fire" in stacks and "in train" in stacks

@@ -4,7 +4,9 @@ Before its first step a worker reads the job's payload, meets its peers and rest
 checkpoint: 0.1-0.3 s when it is forked from the preloaded forkserver (the
 default start method), seconds when spawned. Each round SIGKILLs one worker of the current
 incarnation at a random point of that (right after it was created, once it registered, or while
-it sets up its run: meeting its peers, building the model, restoring), then waits for torch
+it sets up its run: meeting its peers, building the model, restoring). Its peer is held with SIGSTOP
+until the kill, so the victim, which cannot meet it, is still in its start-up however late a loaded
+machine runs the test's polls (setting up then means meeting its peers). Then the test waits for torch
 elastic's agent to start the next incarnation (its rendezvous in events.jsonl carries the restart
 count). Every kill costs one restart of restart.max_restarts, and the job ends with the weights
 of the uninterrupted run.
@@ -74,6 +76,13 @@ def poll(predicate: Any, timeout: float, what: str, proc: Any) -> Any:
     return wait_for(predicate, timeout, what, proc, every=0.005)
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # gone already (the agent stops the group once a worker died)
+
+
 def _one_of(phase: Optional[str], wanted: tuple) -> Optional[str]:
     return phase if phase in wanted else None
 
@@ -96,24 +105,33 @@ def test_workers_killed_during_start_up_are_restarted_and_the_run_ends_exactly(t
             seen.update(workers)
             victim = rng.choice(workers)
             when = rng.choice(["created", "registered", "setting up"])
-            # The phase is the one seen just before the kill (read again, it may already be "train":
-            # a restarted worker forked from the server can be through its start-up in ~0.1 s).
-            if when == "created":
-                time.sleep(rng.uniform(0.0, 0.01))  # reading the payload, importing what the server did not
-                phase = phase_of(folder, victim)
-            elif when == "registered":
-                phase = poll(
-                    lambda victim=victim: phase_of(folder, victim), 60, f"worker {victim} to register (seed {seed})", proc
+            # The victim's peer is held (SIGSTOP) until the kill: the victim cannot meet it, so it stays
+            # in its start-up however late a loaded machine runs this test's polls (a restarted worker
+            # forked from the server is through its start-up in ~0.1 s). The phase is the one seen
+            # just before the kill.
+            (peer,) = [p for p in workers if p != victim]
+            _signal(peer, signal.SIGSTOP)
+            try:
+                if when == "created":
+                    time.sleep(rng.uniform(0.0, 0.01))  # reading the payload, importing what the server did not
+                    phase = phase_of(folder, victim)
+                elif when == "registered":
+                    phase = poll(
+                        lambda victim=victim: phase_of(folder, victim), 60, f"worker {victim} to register (seed {seed})", proc
+                    )
+                else:
+                    phase = poll(
+                        lambda victim=victim: _one_of(phase_of(folder, victim), ("init", "restore")),
+                        60,
+                        f"worker {victim} to set up its run (seed {seed})",
+                        proc,
+                    )
+                assert phase is None or phase in STARTUP_PHASES, (
+                    f"worker {victim} already past its start-up ({phase}); seed {seed}"
                 )
-            else:
-                phase = poll(
-                    lambda victim=victim: _one_of(phase_of(folder, victim), ("init", "restore")),
-                    60,
-                    f"worker {victim} to set up its run (seed {seed})",
-                    proc,
-                )
-            assert phase is None or phase in STARTUP_PHASES, f"worker {victim} already past its start-up ({phase}); seed {seed}"
-            os.kill(victim, signal.SIGKILL)
+                os.kill(victim, signal.SIGKILL)
+            finally:
+                _signal(peer, signal.SIGCONT)
             killed = time.monotonic()
             kills.append((restart, victim, when, phase))
             # the agent stops the group and starts the next one within seconds (its own fallback for a

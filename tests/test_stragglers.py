@@ -38,7 +38,8 @@ def test_a_slowed_rank_is_named_within_a_few_windows_and_rank_0_never(tmp_path: 
     assert e["local_ms"] >= 20 and e["ratio"] > 1.25 and e["host"] == socket.gethostname(), e
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     local = [r["local_ms_per_rank"] for r in rows if "local_ms_per_rank" in r]
-    assert local and all(slow >= 20 > fast for fast, slow in local), local
+    # rank 1 carries the 20 ms it slept in every window; rank 0's own time is whatever the machine gave it
+    assert local and all(slow >= 20 for _, slow in local), local
     for where, out in (("console", proc.stderr), ("rank0.log", (folder / "logs" / "rank0.log").read_text())):
         assert "| slow: rank 1 (+" in out and "straggler: rank 1:" in out, where
         assert "slow: rank 0" not in out and "straggler: rank 0" not in out, where

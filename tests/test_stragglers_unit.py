@@ -314,7 +314,9 @@ def test_the_slow_rank_writes_its_own_event_and_rank_0_shows_it(tmp_path: Path, 
         assert "| slow: rank 1 (+" in t.display.text(20, 0)
         rows = _metrics(folder)
         assert [r["step"] for r in rows] == [5, 10, 15, 20] and all(len(r["local_ms_per_rank"]) == 2 for r in rows)
-        assert all(r["local_ms_per_rank"][1] == 20.0 and r["local_ms_per_rank"][0] < 20.0 for r in rows)
+        # each rank's own slot: the peer's 20 ms as it sent them, rank 0's its own measurement (on the real
+        # clock, however long a loaded machine made it)
+        assert all(r["local_ms_per_rank"][1] == 20.0 and r["local_ms_per_rank"][0] > 0 for r in rows)
 
 
 # ---- the report --------------------------------------------------------------------------------------

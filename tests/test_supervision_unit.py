@@ -48,10 +48,10 @@ def test_stop_signals_only_set_a_flag_and_handlers_are_restored() -> None:
 
 def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -> None:
     hb = heartbeat.Heartbeat(tmp_path / files.HEARTBEAT_DIR, 3)
-    started = time.perf_counter()
+    started = time.thread_time()  # what a beat costs this thread, not how often a loaded machine ran it
     for step in range(2000):
         hb.beat(step, "train")
-    per_beat = (time.perf_counter() - started) / 2000
+    per_beat = (time.thread_time() - started) / 2000
     hb.beat(1999, "save")
     raw = (tmp_path / files.HEARTBEAT_DIR / "rank3").read_bytes()
     assert len(raw) == 320 and raw.endswith(b"\n")
@@ -116,7 +116,8 @@ def test_watchdog_finds_a_stuck_worker_writes_its_stack_and_kills_it(tmp_path: P
             worker.kill()
     found = [e for e in events(tmp_path) if e["event"] == "hang_detected"]
     assert len(found) == 1 and found[0]["rank"] == 0 and found[0]["step"] == 20
-    assert 1.0 <= found[0]["seconds_without_progress"] <= 1.5
+    # still for the timeout less one look (0.1 s), never less; a look a loaded machine runs late adds its delay
+    assert 1.5 - 0.1 <= found[0]["seconds_without_progress"] < 2 * 1.5, found
     assert "<string>" in found[0]["where"]
     stacks = (tmp_path / files.STACKS_DIR / "rank0.txt").read_text()
     assert "watchdog: rank 0" in stacks and 'File "<string>"' in stacks

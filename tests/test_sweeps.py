@@ -140,10 +140,10 @@ def test_fail_fast_stops_at_the_first_failure_and_a_rerun_retries_it(tmp_path: P
 
 @pytest.mark.extended
 def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, baseline: dict) -> None:
-    """Job #0 completes; job #1 pauses 3 s at step 30 (after its first checkpoints), where the
-    launcher gets SIGTERM. The same command again skips job #0 and resumes job #1; both end with
+    """Job #0 completes; job #1 holds at step 30 (after its first checkpoints) until it is asked to
+    stop, and there the launcher gets SIGTERM. The same command again skips job #0 and resumes job #1; both end with
     the weights of an uninterrupted run of the same training config (the baseline)."""
-    args = ["-m", *QUICK, "fault=none,hang_rank", "fault.rank=1", "fault.at_step=30", "fault.hang_s=3"]
+    args = ["-m", *QUICK, "fault=none,hang_rank", "fault.rank=1", "fault.at_step=30", "fault.hang_until_stop=true"]
     proc = start_train(tmp_path, *args)
     try:
         sweeps = tmp_path / "outputs" / "sweeps"
@@ -180,8 +180,8 @@ def test_sigterm_to_the_launcher_then_rerun_resumes_the_sweep(tmp_path: Path, ba
 
 @pytest.mark.extended
 def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> None:
-    """Two jobs at once, each paused at step 40: SIGTERM to the launcher reaches both (each runs in
-    its own launcher process), both are recorded interrupted, exit code 75."""
+    """Two jobs at once, each held at step 40 until it is asked to stop: SIGTERM to the launcher reaches
+    both (each runs in its own launcher process), both are recorded interrupted, exit code 75."""
     args = [
         "-m",
         *QUICK,
@@ -190,7 +190,7 @@ def test_sigterm_to_a_parallel_sweep_stops_every_running_job(tmp_path: Path) -> 
         "fault=hang_rank",
         "fault.rank=0",
         "fault.at_step=40",
-        "fault.hang_s=3",
+        "fault.hang_until_stop=true",
         "hydra.launcher.max_parallel_jobs=2",
     ]
     proc = start_train(tmp_path, *args)

@@ -4,10 +4,13 @@ step s's numbers and time; an epoch's end, a stop and the end of the run read wh
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List
 
+import pytest
 import torch
 
 from steadfast.distributed.comm import Comm, Pending
@@ -41,19 +44,20 @@ def _telemetry(folder: Path, comm: Comm, **kw: Any) -> Telemetry:
     return Telemetry(comm, RunRecord(folder, 0), "none", 10.0, 5, time.time(), 0, **kw)
 
 
-def test_a_log_step_writes_the_previous_window_and_starts_its_own(tmp_path: Path) -> None:
+def test_a_log_step_writes_the_previous_window_and_starts_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     comm = CountingComm()
     t = _telemetry(tmp_path, comm)
-    stamps = {}
+    # the wall clock telemetry reads, one second per step: a row's time tells its step's from the step that wrote it
+    clock = [1000.0]
+    monkeypatch.setattr(sys.modules[Telemetry.__module__], "time", SimpleNamespace(time=lambda: clock[0]))
     for step in range(1, 11):
+        clock[0] = 1000.0 + step
         t.add_loss(torch.tensor(float(step)))
-        if step % 5 == 0:
-            stamps[step] = time.time()
         t.after_step(step, 0)
         if step == 5:
             assert _rows(tmp_path) == [] and comm.started == 1 and comm.waited == 0  # in flight, not waited for
     (row,) = _rows(tmp_path)  # step 5's row, written at step 10
-    assert row["step"] == 5 and row["loss"] == 3.0 and abs(row["time"] - stamps[5]) < 0.5
+    assert row["step"] == 5 and row["loss"] == 3.0 and row["time"] == 1005.0
     assert comm.started == 2 and comm.waited == 1
     assert t.end_epoch() == 5.5  # steps 6..10 were in flight: read at once, with their row
     assert [r["step"] for r in _rows(tmp_path)] == [5, 10] and _rows(tmp_path)[1]["loss"] == 8.0
