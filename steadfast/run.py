@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import comm as comms
-from . import parallel
+from . import library_mode, parallel
 from .agreement import StopAgreement
 from .boundary import StepBoundary
 from .cadence import Cadence, history
@@ -98,6 +98,10 @@ class Run:
         self._heartbeat = heartbeat()  # None when not started by the launcher's workers
         self._beat("init")
         self.comm = comms.init(self.launch.collective, self.launch.collective_timeout_s)
+        no_folder: Optional[str] = None
+        if self.launch.library_mode:  # a platform started the workers: rank 0's launch, this node's snapshot folder
+            self.launch, no_folder = library_mode.agree(self.launch, self.comm, self.settings.snapshot.every_n_steps != 0)
+            self.started, self.restarts = self.launch.launch_time or self.started, self.launch.restart_count
         threads = num_threads or max(1, len(os.sched_getaffinity(0)) // self.comm.local_world_size)
         torch.set_num_threads(threads)
         check_shared_run_dir(self.dir, self.comm)
@@ -131,6 +135,7 @@ class Run:
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         every = self.settings.snapshot.every_n_steps
         memory, why = open_memory(every, self.launch.snapshot, self.rank, self.local_rank, self.world_size)
+        why = why or no_folder
         if why:
             announce_off(self.record.event, why)
         self.checkpointer = Checkpointer(
