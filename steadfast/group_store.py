@@ -9,7 +9,7 @@ unique id), so the restart fails and uses up another (pytorch/pytorch#135712; na
 a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); a platform's torchrun does not.
 
 So the workers agree on a generation number nobody used before, and the group meets under
-`steadfast/<generation>/`. Rank 0 takes the number from a counter in the store (`add`: atomic), and
+`steadfast/<generation>`. Rank 0 takes the number from a counter in the store (`add`: atomic), and
 every other rank asks for it under a nonce of its own, drawn now: rank 0 answers every nonce it
 finds under that nonce's own key, which never existed before, so no rank can read a stale answer;
 each rank acknowledges under the generation's key, and rank 0 answers until all have. Every old
@@ -44,7 +44,7 @@ def fresh_store(rank: int, world_size: int, timeout_s: float) -> Optional[Any]:
     )
     deadline = time.monotonic() + timeout_s
     generation = _hand_out(store, world_size, deadline) if rank == 0 else _ask(store, rank, timeout_s)
-    return dist.PrefixStore(f"steadfast/{generation}/", store)
+    return dist.PrefixStore(f"steadfast/{generation}", store)
 
 
 def _ask(store: Any, rank: int, timeout_s: float) -> int:

@@ -52,6 +52,7 @@ class Platform:
     """One way of starting workers that is not ours."""
 
     name: str
+    title: str  # what started the workers, for messages: "torchrun (torch elastic)"
     restarts: str  # who restarts a failed worker, in a few words (messages and docs)
     rank_env: RankEnv  # torch's variables (set by the platform or from torch_env) and the platform's own
     recognises: Callable[[Environ], bool]
@@ -80,6 +81,7 @@ def _slurm_torch_env(env: Environ) -> Dict[str, str]:
 
 TORCH_ELASTIC = Platform(
     name="torchelastic",
+    title="torchrun (torch elastic)",
     restarts="torch elastic's agent (--max-restarts)",
     rank_env=TORCH_DISTRIBUTED,
     recognises=lambda env: bool(env.get("TORCHELASTIC_RUN_ID")) and bool(env.get("RANK")),
@@ -89,6 +91,7 @@ TORCH_ELASTIC = Platform(
 
 SLURM = Platform(
     name="slurm",
+    title="srun",
     restarts="nothing (Slurm requeues the whole job: --requeue)",
     rank_env=RankEnv(
         rank="RANK",
@@ -108,6 +111,7 @@ SLURM = Platform(
 
 TORCH_ENV = Platform(  # a PyTorchJob's pods without torchrun, and any launcher that sets only torch's variables
     name="torch-env",
+    title="a platform that sets torch's variables (a PyTorchJob)",
     restarts="the platform (a PyTorchJob's restartPolicy restarts the pod)",
     rank_env=RankEnv(
         rank="RANK",
@@ -136,6 +140,10 @@ class Detected:
     @property
     def name(self) -> str:
         return self.platform.name
+
+    @property
+    def title(self) -> str:
+        return self.platform.title
 
     def torch_environ(self) -> Dict[str, str]:
         return self.platform.torch_env(self.env)
