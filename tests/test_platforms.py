@@ -182,6 +182,37 @@ def test_a_restarted_group_meets_in_a_namespace_nobody_used(monkeypatch: pytest.
     assert not server.check([group_store.ASKS])  # every request answered and cleared
 
 
+WATCHED = """
+import sys, time
+from pathlib import Path
+from steadfast.contract.heartbeat import start_heartbeat
+from steadfast.contract.schemas import RestartConf
+from hydra_plugins.steadfast_launcher._selfwatch import SelfWatch
+
+run = Path(sys.argv[1])
+start_heartbeat(run, 1).beat(5, "train")
+SelfWatch(run, 1, RestartConf(hang_timeout_s=1.0, startup_timeout_s=1.0)).start()
+
+
+def stuck_in_the_loop():
+    time.sleep(120)
+
+
+stuck_in_the_loop()
+"""
+
+
+def test_a_worker_without_progress_writes_its_stacks_and_ends_itself(tmp_path: Path) -> None:
+    """Library mode's watchdog lives in the worker: no progress for restart.hang_timeout_s, and the
+    worker records where it was and kills itself with SIGKILL for its platform to restart it."""
+    proc = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "no progress for" in proc.stderr and "ending this worker (SIGKILL)" in proc.stderr, proc.stderr
+    (hang,) = [e for e in events(tmp_path) if e["event"] == "hang_detected"]
+    assert hang["rank"] == 1 and hang["step"] == 5 and hang["where"].endswith("in stuck_in_the_loop"), hang
+    assert "stuck_in_the_loop" in (tmp_path / "logs" / "stacks" / "rank1.txt").read_text()
+
+
 # ---- real processes ----------------------------------------------------------------------------------
 
 

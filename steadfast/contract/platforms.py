@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from .backends import TORCH_DISTRIBUTED, RankEnv
@@ -93,16 +93,7 @@ SLURM = Platform(
     name="slurm",
     title="srun",
     restarts="nothing (Slurm requeues the whole job: --requeue)",
-    rank_env=RankEnv(
-        rank="RANK",
-        world_size="WORLD_SIZE",
-        local_rank="LOCAL_RANK",
-        local_world_size="LOCAL_WORLD_SIZE",
-        restart_count="SLURM_RESTART_COUNT",
-        address="MASTER_ADDR",
-        port="MASTER_PORT",
-        run_id="SLURM_JOB_ID",
-    ),
+    rank_env=replace(TORCH_DISTRIBUTED, restart_count="SLURM_RESTART_COUNT", run_id="SLURM_JOB_ID"),  # after torch_env
     recognises=lambda env: bool(env.get("SLURM_STEP_ID")) and bool(env.get("SLURM_PROCID")) and _int(env, "SLURM_NTASKS") > 1,
     job=lambda env: f"{_get(env, 'SLURM_JOB_ID')}.{_get(env, 'SLURM_STEP_ID')}",
     node=lambda env: _get(env, "SLURM_NODEID") or "0",
@@ -113,14 +104,7 @@ TORCH_ENV = Platform(  # a PyTorchJob's pods without torchrun, and any launcher 
     name="torch-env",
     title="a platform that sets torch's variables (a PyTorchJob)",
     restarts="the platform (a PyTorchJob's restartPolicy restarts the pod)",
-    rank_env=RankEnv(
-        rank="RANK",
-        world_size="WORLD_SIZE",
-        local_rank="LOCAL_RANK",
-        local_world_size="LOCAL_WORLD_SIZE",
-        address="MASTER_ADDR",
-        port="MASTER_PORT",
-    ),
+    rank_env=replace(TORCH_DISTRIBUTED, restart_count="", run_id=""),  # it counts no restarts
     recognises=lambda env: all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")),
     job=_torch_job,
     # one process per pod is the PyTorchJob's way: each is a node of its own (PET_NODE_RANK is torchrun's, not this)
