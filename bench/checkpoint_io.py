@@ -42,7 +42,7 @@ import torch
 
 from pipeline.models import MLP
 from steadfast.checkpoint.manager import CheckpointManager
-from steadfast.comm import Comm
+from steadfast.distributed.comm import Comm
 
 MiB = 1 << 20
 TARGETS = {"project_sync/raw_fsync_write throughput": (">=", 0.9), "async_blocked/sync_save time": ("<=", 0.05)}

@@ -13,7 +13,7 @@ wins over the backend's TUNING):
   --tuning adds cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
   time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
-  one grouped all-reduce per step, steadfast.comm_horovod, chosen the same way).
+  one grouped all-reduce per step, steadfast.distributed._horovod, chosen the same way).
 """
 
 from __future__ import annotations

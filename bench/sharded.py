@@ -9,7 +9,7 @@ each and to the whole model) and its AdamW optimizer after one step: 3 float32 t
 process of its own (multiprocessing, forked from a forkserver that imported torch, FSDP2 and the
 library once: under torchrun those imports cost 10-30 s per group on this loaded 2-core machine,
 and no figure includes them), with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets
-them; the saves and loads go through the real CheckpointManager and steadfast.comm.TorchDistComm.
+them; the saves and loads go through the real CheckpointManager and steadfast.distributed.comm.TorchDistComm.
 Each round starts 5 groups (2 and 3 workers with each memory method, and 1 worker), in a rotated
 order, so no group always runs first; `--rounds` rounds, medians reported.
 
@@ -76,7 +76,7 @@ PRELOAD = [  # fully_shard imports torch._dynamo on first use (2 s here)
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint.state_dict",
     "steadfast.checkpoint.manager",
-    "steadfast.comm",
+    "steadfast.distributed.comm",
 ]
 
 

@@ -4,7 +4,7 @@ optimizer, that save, load and measure what bench/sharded.py asks (its docstring
 Each worker is a process of its own, forked from a forkserver that imported torch, torch._dynamo,
 FSDP2, torch.distributed.checkpoint and the library once (under torchrun those imports cost 10-30 s
 per group on this loaded 2-core machine; no figure includes them), with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set as torchrun sets them, on Gloo, through steadfast.comm.TorchDistComm.
+MASTER_ADDR and MASTER_PORT set as torchrun sets them, on Gloo, through steadfast.distributed.comm.TorchDistComm.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class _Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from steadfast.comm import TorchDistComm
+        from steadfast.distributed.comm import TorchDistComm
 
         self.args = args
         self.comm = TorchDistComm(600)

@@ -17,7 +17,7 @@ machine, which other tenants' load hardly moves):
   heartbeat   bare + the heartbeat's pwrite every step
   telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
               (a Telemetry alone: a control-plane message per window)
-  agreement   bare + the stop agreement: the control plane's periodic message (steadfast/exchange.py),
+  agreement   bare + the stop agreement: the control plane's periodic message (steadfast/distributed/exchange.py),
               at its automatic interval (every 2**k steps, about CONTROL_INTERVAL_S)
   run_step    the pieces of steadfast.Run.step above, in its order (with the loader; the windows ride the
               agreement's messages, as in steadfast.Run)
@@ -26,10 +26,10 @@ machine, which other tenants' load hardly moves):
   reduce_sync   bare + only a blocking control-plane all-reduce of 8 floats every 10 steps
   reduce_async  bare + only a control-plane all-reduce of 2 floats at the agreement's interval, started at
                 one and waited for at the next (the exchange's collective)
-  snapshot    bare + a snapshot in shared memory every step (steadfast.snapshots: model, optimizer,
+  snapshot    bare + a snapshot in shared memory every step (steadfast.checkpoint.memory: model, optimizer,
               progress on local rank 0, every rank's RNG states): snapshot.every_n_steps=1.
               snapshot.every_n_steps=auto takes one every N steps, N the smallest power of two at
-              which cost <= 2% of N steps (steadfast.snapshot_cadence.auto_interval); the result
+              which cost <= 2% of N steps (steadfast.loop.memory_cadence.auto_interval); the result
               reports that interval and its cost per step
 
 Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
@@ -76,16 +76,16 @@ def _worker(args: argparse.Namespace) -> None:
     from pipeline.data import synthetic
     from pipeline.models import MLP
     from steadfast import Run
-    from steadfast.agreement import StopAgreement
+    from steadfast.checkpoint.memory import MemorySnapshots
+    from steadfast.checkpoint.state import Progress, RNGState
     from steadfast.contract import shm
     from steadfast.contract.env import TORCH, LaunchEnv
     from steadfast.contract.heartbeat import Heartbeat
-    from steadfast.data import ResumableSampler, TensorBatches
-    from steadfast.exchange import Exchange
-    from steadfast.records import RunRecord
-    from steadfast.snapshots import MemorySnapshots
-    from steadfast.state import Progress, RNGState
-    from steadfast.telemetry import Telemetry
+    from steadfast.distributed.exchange import Exchange
+    from steadfast.loop.agreement import StopAgreement
+    from steadfast.loop.data import ResumableSampler, TensorBatches
+    from steadfast.telemetry.metrics import Telemetry
+    from steadfast.telemetry.records import RunRecord
 
     folder = Path(args.dir)
     # tiny: section 7's model and batch, with an epoch of 512 steps per worker (26 there): epoch ends stay rare
@@ -278,7 +278,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot") -> Dict[str, Any]:
-    from steadfast.snapshot_cadence import MEMORY_SHARE, auto_interval
+    from steadfast.loop.memory_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env
 
@@ -312,7 +312,7 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, jo
     first = next(iter(per))  # "bare", unless --configs says otherwise
     bare, bare_cpu = per[first], cpu[first]
     snapshot = {}
-    if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.snapshot_cadence)
+    if "snapshot" in per:  # what snapshot.every_n_steps=auto makes of this cost (steadfast.loop.memory_cadence)
         cost = per["snapshot"] - bare
         every = auto_interval(max(cost, 0.0), bare)
         snapshot = {

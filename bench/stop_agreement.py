@@ -1,7 +1,7 @@
 """What the stop agreement costs: `python -m bench.stop_agreement [--quick | --tiny] [--json PATH]`.
 
 The ranks agree on stop requests (and rank 0's "a timed save is due") in the control plane's
-periodic message (steadfast/exchange.py: one all-reduce of a few floats on CPU tensors, on a Gloo
+periodic message (steadfast/distributed/exchange.py: one all-reduce of a few floats on CPU tensors, on a Gloo
 group of its own), pipelined: started at one exchange, read at the next. Measured two ways on 2
 local workers:
 
@@ -43,7 +43,7 @@ def _gloo_worker(rank: int, port: int, n: int, out: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from steadfast.comm import TorchDistComm
+    from steadfast.distributed.comm import TorchDistComm
 
     comm = TorchDistComm(60)
     for _ in range(min(200, n)):
@@ -81,7 +81,7 @@ def _hvd_worker(n: int) -> List[float]:
     import torch
 
     torch.set_num_threads(1)
-    from steadfast.comm_horovod import HorovodComm
+    from steadfast.distributed._horovod import HorovodComm
 
     comm = HorovodComm()
     for _ in range(min(200, n)):

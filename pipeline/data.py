@@ -1,4 +1,4 @@
-"""Built-in datasets (the sampler that resumes mid-epoch is steadfast.data.ResumableSampler)."""
+"""Built-in datasets (the sampler that resumes mid-epoch is steadfast.ResumableSampler, steadfast/loop/data.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from steadfast import Run
-from steadfast.state import seed_everything
+from steadfast.checkpoint.state import seed_everything
 
 from . import config as schema
 from .data import build_data

@@ -7,31 +7,42 @@
 
 The names below are imported on first use, so `import steadfast` (and its `contract`, which the
 launcher imports at Hydra's start-up) never imports torch.
+
+  run              Run: the API a loop uses (docs/own-loop.md)
+  contract         what the launch side and the workers promise each other (no torch, nothing of ours)
+  checkpoint       durable state: the commit protocol, the format, the resume; what a run's loop tracks
+  loop             the step boundary and what is due at it (cadences, the stop agreement, resumable data)
+  distributed      the collectives and the control plane (init(), Comm, Exchange, DDP and FSDP2)
+  telemetry        what a person sees: metrics, stragglers, the progress display, logs
+  faults           rehearsed failures (`fault=...`)
+  config, conf     the library's config schemas (cheap: no torch) and its config groups (pkg://steadfast.conf)
+  preflight        the library's checks, run by the launcher before any worker starts
+  report           `python -m pipeline.report`: what happened in a run, from its records
+  verify_recovery  `python -m pipeline.verify_recovery`: a run with faults against one without
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, List
 
 __all__ = ["Run", "PerRank", "Progress", "ResumableSampler", "Stateful", "StopRun", "model_sha256"]
 
 _WHERE = {
     "Run": ".run",
-    "PerRank": ".state",
-    "Progress": ".state",
-    "Stateful": ".state",
-    "ResumableSampler": ".data",
+    "PerRank": ".checkpoint.state",
+    "Progress": ".checkpoint.state",
+    "Stateful": ".checkpoint.state",
+    "ResumableSampler": ".loop.data",
     "StopRun": ".contract.stop",
-    "model_sha256": ".records",
+    "model_sha256": ".checkpoint.state",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.state import PerRank, Progress, Stateful, model_sha256
     from .contract.stop import StopRun
-    from .data import ResumableSampler
-    from .records import model_sha256
+    from .loop.data import ResumableSampler
     from .run import Run
-    from .state import PerRank, Progress, Stateful
 
 
 def __getattr__(name: str) -> Any:
@@ -42,5 +53,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'steadfast' has no attribute {name!r}")
 
 
-def __dir__() -> list:
+def __dir__() -> List[str]:
     return sorted([*globals(), *__all__])

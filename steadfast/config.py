@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 
 class Resume(Enum):
@@ -61,7 +61,7 @@ class CheckpointConf:
 
 @dataclass
 class SnapshotConf:
-    """Copies of the training state in shared memory between checkpoints (steadfast/snapshots.py):
+    """Copies of the training state in shared memory between checkpoints (steadfast/checkpoint/memory.py):
     after a worker's death the group restores from memory, losing at most the interval in force
     (every_n_steps, or what auto chose then: the attempt's snapshot_interval events)."""
 
@@ -83,7 +83,7 @@ class Precision(Enum):
 
 @dataclass
 class ParallelConf:
-    """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/parallel.py)."""
+    """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/distributed/parallel.py)."""
 
     kind: ParallelKind = ParallelKind.ddp
     # fsdp: the module classes (by class name) that become their own FSDP unit, each sharded and
@@ -161,17 +161,16 @@ class Settings:
     parallel: ParallelConf = field(default_factory=ParallelConf)
 
 
-def settings_from(cfg: Any) -> Settings:
+def settings_from(cfg: Union[DictConfig, Dict[str, Any]]) -> Settings:
     """Settings from a job config (a DictConfig or a dict); raises ValueError naming a bad key."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
     node = {
-        key: cfg[key]
+        key: plain[key]
         for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot", "parallel")
-        if isinstance(cfg, dict) and key in cfg and cfg[key] is not None
+        if isinstance(plain, dict) and key in plain and plain[key] is not None
     }
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Settings), node)

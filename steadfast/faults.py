@@ -31,9 +31,9 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from .config import FaultKind
+from .config import FaultConf, FaultKind
 from .contract.events import Event
 
 # The kinds (steadfast.config.FaultKind, their one definition) by how and where they fire.
@@ -50,7 +50,7 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    def __init__(self, cfg: Any, rank: int, run_dir: Path, record_event: Callable[..., None]) -> None:
+    def __init__(self, cfg: FaultConf, rank: int, run_dir: Path, record_event: Callable[..., None]) -> None:
         self.cfg, self.rank, self.record_event = cfg, rank, record_event
         self.kind = FaultKind(getattr(cfg.kind, "value", cfg.kind)) if cfg is not None else FaultKind.none
         self.active = self.kind is not FaultKind.none and cfg.rank == rank

@@ -9,6 +9,9 @@
                 ...                                           # your step
                 run.step(loss)                                # cadence, preemption, heartbeat, metrics
 
+A loop of steps without epochs (a language model's) is `for step in run.steps(max_steps)`, its
+batches from `run.random_batches(get_batch)` or `run.stream(loader)` (loop/streams.py).
+
 On every step `run.step` beats the heartbeat the launcher's hang watchdog reads, adds the loss to
 the metrics, saves when the `checkpoint` group's cadence says so, and takes part in the ranks'
 agreement on stop requests: after SIGTERM/SIGINT every rank stops at the same step, that step is
@@ -24,18 +27,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Iterable, Iterator, Optional, cast
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, Mapping, Optional, Union, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import comm as comms
-from . import library_mode, parallel
-from .agreement import StopAgreement
-from .boundary import StepBoundary
-from .cadence import Cadence, history
+from . import distributed as comms
 from .checkpoint.manifest import step_dir_name
-from .checkpointer import Checkpointer
+from .checkpoint.memory import announce_off, open_memory
+from .checkpoint.shared_folder import check_shared_run_dir
+from .checkpoint.state import Progress, model_sha256, seed_everything, unwrap
+from .checkpoint.tracked import Checkpointer
 from .config import settings_from
 from .contract import events
 from .contract.env import LaunchEnv
@@ -43,14 +45,18 @@ from .contract.events import Event
 from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
 from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
-from .data import ResumableSampler, RunData
-from .exchange import Exchange
+from .distributed import library_mode, parallel
+from .distributed.exchange import Exchange
 from .faults import FaultInjector
-from .records import RunRecord, check_shared_run_dir, model_sha256, setup_logging
-from .snapshot_cadence import MemoryCadence
-from .snapshots import announce_off, open_memory
-from .state import Progress, seed_everything, unwrap
-from .telemetry import Telemetry
+from .loop.agreement import StopAgreement
+from .loop.boundary import StepBoundary
+from .loop.cadence import Cadence, history
+from .loop.data import ResumableSampler, RunData
+from .loop.memory_cadence import MemoryCadence
+from .loop.shape import LoopShape
+from .telemetry.logs import setup_logging
+from .telemetry.metrics import Loss, Telemetry
+from .telemetry.records import RunRecord
 
 log = logging.getLogger("steadfast")
 
@@ -67,7 +73,7 @@ class Run:
 
     def __init__(
         self,
-        cfg: Any = None,
+        cfg: Union[DictConfig, Mapping[str, Any], None] = None,
         *,
         seed: int = 0,
         log_every_n_steps: int = 10,
@@ -85,7 +91,7 @@ class Run:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r}: a number of batches per optimizer step >= 1")
         self.accumulate_grad_batches = accumulate_grad_batches
         self.launch = LaunchEnv.current()
-        resolved = (
+        resolved: Dict[str, Any] = (
             cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
             if isinstance(cfg, DictConfig)
             else dict(cfg or {})
@@ -93,15 +99,13 @@ class Run:
         self.settings = settings_from(resolved)
         self.seed, self.elastic, self.max_rss_mb = seed, elastic, max_rss_mb
         self.dir: Path = self.launch.run_dir
-        self.started = self.launch.launch_time or time.time()
-        self.restarts = self.launch.restart_count
         self._heartbeat = heartbeat()  # None when not started by the launcher's workers
         self._beat("init")
         self.comm = comms.init(self.launch.collective, self.launch.collective_timeout_s)
-        no_folder: Optional[str] = None
-        if self.launch.library_mode:  # a platform started the workers: rank 0's launch, this node's snapshot folder
-            self.launch, no_folder = library_mode.agree(self.launch, self.comm, self.settings.snapshot.every_n_steps != 0)
-            self.started, self.restarts = self.launch.launch_time or self.started, self.launch.restart_count
+        # library mode (a platform started the workers): rank 0's launch on every rank, this node's snapshot folder
+        self.launch = library_mode.agree(self.launch, self.comm, self.settings.snapshot.every_n_steps != 0)
+        self.started = self.launch.launch_time or time.time()
+        self.restarts = self.launch.restart_count
         threads = num_threads or max(1, len(os.sched_getaffinity(0)) // self.comm.local_world_size)
         torch.set_num_threads(threads)
         check_shared_run_dir(self.dir, self.comm)
@@ -135,7 +139,6 @@ class Run:
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         every = self.settings.snapshot.every_n_steps
         memory, why = open_memory(every, self.launch.snapshot, self.rank, self.local_rank, self.world_size)
-        why = why or no_folder
         if why:
             announce_off(self.record.event, why)
         self.checkpointer = Checkpointer(
@@ -177,6 +180,16 @@ class Run:
         self.train_loss: Optional[float] = None  # the mean loss of the last completed epoch
         self.latest: Dict[str, Any] = {}  # the last value of every metric given to run.log
         self.data = RunData(self.world_size, self.rank, seed, self.progress, accumulate_grad_batches)
+        self.shape = LoopShape(  # epochs or steps; a loop begun after a resume on another world size records it
+            self.progress,
+            self.data,
+            self.telemetry,
+            self.boundary,
+            self.cadence,
+            lambda: self.data.world_size_changed(
+                self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes
+            ),
+        )
         self._first_step = True
         self._finished = False
         self._result: Dict[str, Any] = {}
@@ -233,7 +246,7 @@ class Run:
         outer = wrapped if any(True for _ in model.buffers()) else model
         self.telemetry.timer.watch(outer, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
-            next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))
+            next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))  # type: ignore[no-untyped-call]
         if optimizer is None:
             return wrapped
         self.optimizer = optimizer
@@ -262,6 +275,7 @@ class Run:
             seed_everything(self.seed + 1 + self.rank + 1_000_003 * step)
 
         restored = self.checkpointer.restore(new_rank if self.elastic else None)
+        self.data.sources.resumed = True
         if self.model is not None and self.optimizer is not None:
             self.comm.broadcast_state(self.model, self.optimizer)
         if restored is None:
@@ -284,11 +298,10 @@ class Run:
             source=self.checkpointer.source,
         )
         log.info(
-            "Resumed from %s%s (epoch %d, batch %d)",
+            "Resumed from %s%s (%s)",
             "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else "",
             restored.path,
-            self.progress.epoch + 1,  # numbered as the progress line and the stop message number it
-            self.progress.batch_in_epoch,
+            self.shape.where(),
         )
         self._beat("train", force=True)
         return restored.step
@@ -298,15 +311,28 @@ class Run:
         acts on a stop request that came during validation or a save. After a resume from a
         checkpoint taken at an epoch's last step, that epoch comes once more with no batches left:
         code after the batch loop must cope (run.epoch_loss() is then None)."""
-        self.telemetry.plan(max_epochs * -(-self.batches_per_epoch // self.accumulate_grad_batches), max_epochs)
-        if self.resumed_from is not None and self.saved_world_size not in (None, self.world_size):
-            self.data.world_size_changed(self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes)
-        while self.progress.epoch < max_epochs:
-            self.data.begin_epoch()
-            self.boundary.reset()
-            self.telemetry.timer.mark()
-            yield self.progress.epoch
-            self._end_epoch(max_epochs)
+        return self.shape.epochs(max_epochs, self._end_epoch)
+
+    def steps(self, max_steps: int) -> Iterator[int]:
+        """A loop of optimizer steps without epochs: the steps left, from where the run stands, each
+        given as the number of steps done before it (0, 1, ...: nanoGPT's iter_num). Call run.step()
+        once in each. Progress, messages, the report and summary.json count in steps."""
+        return self.shape.steps(max_steps)
+
+    def random_batches(self, fn: Callable[..., Any], *args: Any, per_step: Optional[int] = None, **kwargs: Any) -> Any:
+        """This rank's stream of random batches for a step loop: `next(batches)` is
+        `fn(*args, generator=g, **kwargs)`, g a torch.Generator seeded from (seed, this source, rank,
+        the batch's number). A checkpoint records the batches the steps took (`per_step` a step:
+        accumulate_grad_batches unless given), not those drawn, so a batch fetched ahead of the step
+        is drawn again, the same, after a resume. Draw from it after run.resume."""
+        return self.data.sources.random(fn, args, kwargs, per_step)
+
+    def stream(self, iterable: Iterable[Any], per_step: Optional[int] = None) -> Any:
+        """The batches of `iterable` (a DataLoader over an IterableDataset, any re-iterable) for a step
+        loop, pass after pass, as one stream (`next(batches)`); positioned as run.random_batches is.
+        A resume skips to its position (whole passes by len(), then read and drop): exact when a pass's
+        order depends only on its number (a DataLoader's generators are seeded per pass, set_epoch(pass) is called)."""
+        return self.data.sources.iterable(iterable, per_step)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """For a loader that is not the run's: its epoch set (DistributedSampler.set_epoch) and, after a
@@ -323,10 +349,14 @@ class Run:
     def accumulate(self, model: torch.nn.Module) -> ContextManager[None]:
         """Around a micro-batch's forward and backward: on the batches that do not complete an
         optimizer step, gradients only accumulate on each rank (DDP's no_sync, FSDP's
-        set_requires_gradient_sync(False)); on the one that does, they are reduced as usual."""
-        return _AS_IS if self.sync_gradients else parallel.no_sync(model)
+        set_requires_gradient_sync(False)); on the one that does, they are reduced as usual. With
+        the run's loader the batches are those it handed out; without one (run.steps), each entry
+        is a batch, and the accumulate_grad_batches-th since the last run.step completes the step."""
+        data = self.data
+        completes = data.entering_micro_batch() if data.counts_micro_batches else data.sync_gradients
+        return _AS_IS if completes else parallel.no_sync(model)
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Loss = None) -> None:
         """After the optimizer step: count it, and do what is due at this step boundary."""
         p = self.progress
         p.global_step += 1
@@ -369,8 +399,7 @@ class Run:
         """A row of metrics.jsonl (rank 0 writes what it is given: reduce first, e.g. with run.mean)."""
         self.latest.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         self.telemetry.metrics(
-            step=self.progress.global_step,
-            epoch=self.progress.epoch,
+            **self.shape.row(),
             **metrics,
             wall=round(time.time() - self.started, 3),
             restart=self.restarts,
@@ -384,7 +413,7 @@ class Run:
         return self.train_loss
 
     def mean(self, value: Any) -> float:
-        """The mean of a number over the ranks (collective, on the control plane: steadfast/comm.py)."""
+        """The mean of a number over the ranks (collective, on the control plane: steadfast/distributed/comm.py)."""
         t = self.comm.start_sum(torch.tensor([float(value), 1.0], dtype=torch.float64)).wait()
         return float(t[0] / t[1])
 
@@ -397,11 +426,7 @@ class Run:
         run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
         if self._finished:
             return {**self._result, **result}
-        self.agreement.drain(self.progress.global_step)
-        if self.checkpointer.last_saved_step != self.progress.global_step:
-            self.save()
-        self.checkpointer.close()
-        self.telemetry.close()
+        self._commit_last()
         out = self.result(status="completed", **result)
         if self.model is not None:  # the final weights, for any safetensors reader (a sharded model gathered a tensor at a time)
             from .checkpoint.export import export_model
@@ -423,7 +448,7 @@ class Run:
         rank); None if neither (docs/own-loop.md#what-final_loss-in-summaryjson-is)."""
         p = self.progress
         out: Dict[str, Any] = {
-            "epochs_completed": p.epoch,
+            **self.shape.position(),
             "global_step": p.global_step,
             "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
             **self.latest,
@@ -466,22 +491,28 @@ class Run:
                 self._preempt(signum)
 
     def _preempt(self, signum: int) -> None:
-        p = self.progress
+        where = self.shape.where()
         self._stop(
             PREEMPTED,
             signum,
             EXIT_PREEMPTED,
-            f"{signal_name(signum)}: stopped at step {p.global_step} (epoch {p.epoch + 1}, batch {p.batch_in_epoch}), "
-            "checkpoint committed. Run the same command again to continue.",
+            f"{signal_name(signum)}: stopped at step {self.progress.global_step}"
+            + ("" if where.startswith("step") else f" ({where})")
+            + ", checkpoint committed. Run the same command again to continue.",
         )
 
-    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
-        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
+    def _commit_last(self) -> None:
+        """Every rank: the step it stands at committed (an asynchronous save's too, before anyone
+        reports it), the last metrics windows sent."""
         self.agreement.drain(self.progress.global_step)
         if self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
-        self.checkpointer.close()  # an asynchronous save must be committed before we report it
+        self.checkpointer.close()
         self.telemetry.close()
+
+    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
+        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
+        self._commit_last()
         p = self.progress
         fields.update(
             step=p.global_step,

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from steadfast.agreement import StopAgreement
-from steadfast.cadence import FLOOR_S, FLOOR_SAVES, Cadence, young_daly
-from steadfast.comm import Comm
+from steadfast.checkpoint.state import PerRank, Progress, RNGState, is_per_rank, unwrap
 from steadfast.contract import stop
-from steadfast.data import ResumableSampler, TensorBatches, make_loader
-from steadfast.exchange import Exchange
-from steadfast.state import PerRank, Progress, RNGState, is_per_rank, unwrap
+from steadfast.distributed.comm import Comm
+from steadfast.distributed.exchange import Exchange
+from steadfast.loop.agreement import StopAgreement
+from steadfast.loop.cadence import FLOOR_S, FLOOR_SAVES, Cadence, young_daly
+from steadfast.loop.data import ResumableSampler, TensorBatches, make_loader
 
 
 class Clock:
@@ -233,7 +233,7 @@ def test_an_rng_state_that_does_not_fit_is_refused_before_any_generator_is_set(d
 
     import numpy as np
 
-    from steadfast.state import seed_everything
+    from steadfast.checkpoint.state import seed_everything
 
     seed_everything(1)
     saved = RNGState().state_dict()  # valid everywhere but in the damaged part
@@ -248,11 +248,11 @@ def test_an_rng_state_that_does_not_fit_is_refused_before_any_generator_is_set(d
 
 
 def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_path: Path) -> None:
-    from steadfast.checkpointer import Checkpointer
-    from steadfast.config import Settings
+    from steadfast.checkpoint.tracked import Checkpointer
+    from steadfast.config import FaultConf, Settings
     from steadfast.contract.env import LaunchEnv
     from steadfast.faults import FaultInjector
-    from steadfast.records import RunRecord
+    from steadfast.telemetry.records import RunRecord
 
     ckpt = Checkpointer(
         tmp_path / "ckpt",
@@ -261,7 +261,7 @@ def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_p
         {},
         RunRecord(tmp_path, 0),
         LaunchEnv(backend="local", collective="none", run_dir=tmp_path),
-        FaultInjector(None, 0, tmp_path, print),
+        FaultInjector(FaultConf(), 0, tmp_path, print),
         lambda phase: None,
     )
     with pytest.raises(ValueError, match="reserved"):
@@ -280,7 +280,7 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_and_never_past_its_deadline() 
     import threading
     import time
 
-    from steadfast.comm import await_store
+    from steadfast.distributed.comm import await_store
 
     with socket.socket() as store:
         store.bind(("127.0.0.1", 0))  # bound, not listening yet: connections are refused, as before rank 0 starts

@@ -16,7 +16,7 @@ from steadfast.contract.events import Event
 
 
 def _fits_test(tmp_path: Path, bad_objects: Dict[str, Any], bad_own: Dict[str, Any]) -> None:
-    from steadfast.state import Progress, RNGState
+    from steadfast.checkpoint.state import Progress, RNGState
 
     model = torch.nn.Linear(4, 3)
     good = {k: v.clone() for k, v in model.state_dict().items()}
@@ -34,7 +34,7 @@ def _fits_test(tmp_path: Path, bad_objects: Dict[str, Any], bad_own: Dict[str, A
 
 
 def test_a_weight_reshaped_with_the_same_bytes_falls_back(tmp_path: Path) -> None:
-    from steadfast.state import Progress, RNGState
+    from steadfast.checkpoint.state import Progress, RNGState
 
     w = torch.nn.Linear(4, 3).state_dict()
     reshaped = Box({"weight": w["weight"].reshape(4, 3).clone(), "bias": w["bias"]})
@@ -42,14 +42,14 @@ def test_a_weight_reshaped_with_the_same_bytes_falls_back(tmp_path: Path) -> Non
 
 
 def test_a_short_rng_state_falls_back_before_anything_is_applied(tmp_path: Path) -> None:
-    from steadfast.state import Progress, RNGState
+    from steadfast.checkpoint.state import Progress, RNGState
 
     short = Box({**RNGState().state_dict(), "torch": torch.zeros(10, dtype=torch.uint8)})
     _fits_test(tmp_path, {"model": torch.nn.Linear(4, 3), "progress": Progress(global_step=2)}, {"rng": short})
 
 
 def test_a_progress_of_the_wrong_type_falls_back(tmp_path: Path) -> None:
-    from steadfast.state import RNGState
+    from steadfast.checkpoint.state import RNGState
 
     _fits_test(tmp_path, {"model": torch.nn.Linear(4, 3), "progress": Box({"global_step": "abc"})}, {"rng": RNGState()})
 
@@ -57,7 +57,7 @@ def test_a_progress_of_the_wrong_type_falls_back(tmp_path: Path) -> None:
 def test_the_orphan_fence_is_checked_right_before_the_rename_that_commits(tmp_path: Path) -> None:
     """The launcher may go after the last file is written and before the commit: an orphaned worker
     must not commit then either (the fence used to run only after each file)."""
-    from steadfast.checkpointer import LauncherGone
+    from steadfast.checkpoint.tracked import LauncherGone
 
     class Hooks:
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
 from steadfast.checkpoint.manager import CheckpointManager
-from steadfast.comm import Comm
+from steadfast.distributed.comm import Comm
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

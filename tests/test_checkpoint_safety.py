@@ -22,8 +22,8 @@ from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
-from steadfast.comm import Comm
 from steadfast.contract.events import Event
+from steadfast.distributed.comm import Comm
 
 
 class Box:
@@ -72,7 +72,7 @@ import json, resource, signal, sys
 from pathlib import Path
 import torch
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
-from steadfast.comm import Comm
+from steadfast.distributed.comm import Comm
 
 class Box:
     def __init__(self, state): self.state = state

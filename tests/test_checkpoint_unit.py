@@ -16,7 +16,7 @@ import torch
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
-from steadfast.comm import Comm
+from steadfast.distributed.comm import Comm
 
 
 class Box:

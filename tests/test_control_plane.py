@@ -1,4 +1,4 @@
-"""The library's per-step work stays off the training stream (steadfast/comm.py, steadfast/exchange.py).
+"""The library's per-step work stays off the training stream (steadfast/distributed/comm.py, steadfast/distributed/exchange.py).
 
 A real `steadfast.Run` in this process, on a one-rank torch.distributed group (DDP over Gloo, or
 NCCL where CUDA is present), trains a small model with every collective of torch.distributed's
@@ -26,9 +26,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from steadfast import Run
-from steadfast.comm import Comm, Pending
 from steadfast.contract.env import TORCH, LaunchEnv
-from steadfast.exchange import CONTROL_INTERVAL_S, MAX_EVERY, Exchange
+from steadfast.distributed.comm import Comm, Pending
+from steadfast.distributed.exchange import CONTROL_INTERVAL_S, MAX_EVERY, Exchange
 
 COLLECTIVES = (
     "all_reduce",
@@ -222,11 +222,11 @@ def test_the_automatic_interval_is_a_power_of_two_of_about_the_control_interval(
 def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
     launched: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Run.step does its whole boundary only where a part has work (steadfast/boundary.py): the first
+    """Run.step does its whole boundary only where a part has work (steadfast/loop/boundary.py): the first
     step, the metrics windows (every 5), the control plane's message (every 8), the step cadence
     (every 7); at the others it only counts, and what it counts there is all in the records: each
     window's loss is the mean of every step's loss in it, and the checkpoints are at the cadence."""
-    from steadfast.boundary import StepBoundary
+    from steadfast.loop.boundary import StepBoundary
 
     whole: List[int] = []
     real_due = StepBoundary.due

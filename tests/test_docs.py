@@ -3,8 +3,9 @@ app's, the diff shown of examples/seed is the current one, and every link betwee
 points at a file and a heading that exist.
 
 docs/own-loop.md marks the fenced blocks that make up its app with an HTML comment right before
-each, `<!-- file: PATH -->`; the README marks its excerpt of that app with
-`<!-- excerpt: docs/own-loop.md PATH -->`.
+each, `<!-- file: PATH -->`; a document marks an excerpt of that app with
+`<!-- excerpt: docs/own-loop.md PATH -->`, and of a file of the repository with
+`<!-- excerpt: PATH -->`. An excerpt is verbatim; a line `...` in it stands for lines left out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from helpers import ROOT, env, events, run_dir, summary
 
 GUIDE = ROOT / "docs" / "own-loop.md"
 FILE_BLOCK = re.compile(r"^<!-- file: (\S+) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
-EXCERPT_BLOCK = re.compile(r"^<!-- excerpt: (\S+) (\S+) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
+EXCERPT_BLOCK = re.compile(r"^<!-- excerpt: (\S+) ?(\S*) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
 DIFF_BLOCK = re.compile(r"^```diff\n(.*?)^```$", re.M | re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md", ROOT / "BENCHMARKS.md"]
@@ -61,14 +62,40 @@ def test_the_guide_marks_a_complete_app() -> None:
     assert "steadfast" in config.defaults and "pkg://steadfast.conf" in config.hydra.searchpath
 
 
-def test_the_readme_shows_the_guides_code() -> None:
-    (excerpt,) = EXCERPT_BLOCK.findall((ROOT / "README.md").read_text())
-    source, path, shown = excerpt
-    whole = marked_files(ROOT / source)[path].splitlines()
-    lines = shown.rstrip("\n").splitlines()
-    assert len(lines) >= 10
-    starts = [i for i in range(len(whole) - len(lines) + 1) if whole[i : i + len(lines)] == lines]
-    assert starts, f"the README's code is not a verbatim part of {path} in {source}"
+def _is_part_of(shown: str, whole: List[str]) -> bool:
+    """Whether `shown`'s lines appear in `whole` verbatim and in order, a `...` line standing for any lines."""
+    chunks: List[List[str]] = [[]]
+    for line in shown.rstrip("\n").splitlines():
+        if line.strip() == "...":
+            chunks.append([])
+        else:
+            chunks[-1].append(line)
+    at = 0
+    for chunk in (c for c in chunks if c):
+        found = next((i for i in range(at, len(whole) - len(chunk) + 1) if whole[i : i + len(chunk)] == chunk), None)
+        if found is None:
+            return False
+        at = found + len(chunk)
+    return True
+
+
+def test_the_code_the_documents_show_is_the_apps() -> None:
+    excerpts = [(doc, *e) for doc in (ROOT / "README.md", GUIDE) for e in EXCERPT_BLOCK.findall(doc.read_text())]
+    assert [(d.name, source, path) for d, source, path, _ in excerpts] == [
+        ("README.md", "docs/own-loop.md", "train.py"),
+        ("README.md", "examples/nanogpt/train.py", ""),
+        ("own-loop.md", "examples/nanogpt/train.py", ""),
+    ]
+    for document, source, path, shown in excerpts:
+        whole = (marked_files(ROOT / source)[path] if path else (ROOT / source).read_text()).splitlines()
+        assert len(shown.splitlines()) >= 10
+        assert _is_part_of(shown, whole), f"{document.name}: its code is not a verbatim part of {source} {path}"
+
+
+def test_a_changed_line_is_not_part_of_the_app() -> None:
+    whole = ["a", "b", "c", "d"]
+    assert _is_part_of("a\n...\nc\nd\n", whole) and _is_part_of("b\nc\n", whole)
+    assert not _is_part_of("a\nc\n", whole) and not _is_part_of("c\n...\na\n", whole)
 
 
 @pytest.mark.skipif(shutil.which("diff") is None, reason="needs diff(1)")
@@ -77,7 +104,7 @@ def test_the_diff_shown_of_the_seed_example_is_current() -> None:
     current = subprocess.run(
         ["diff", "-u", "--label", plain, "--label", converted, plain, converted], cwd=ROOT, capture_output=True, text=True
     ).stdout
-    (shown,) = DIFF_BLOCK.findall(GUIDE.read_text())
+    (shown,) = [d for d in DIFF_BLOCK.findall(GUIDE.read_text()) if d.startswith(f"--- {plain}\n")]
     assert shown == current, "docs/own-loop.md shows an old diff: paste `diff -u --label ... --label ...` again"
 
 

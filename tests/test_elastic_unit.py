@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from steadfast.data import ResumableSampler
+from steadfast.loop.data import ResumableSampler
 
 
 def _take(samplers, batches, batch_size):
@@ -52,8 +52,8 @@ def test_resharding_mid_epoch_neither_repeats_nor_skips() -> None:
 def test_a_resume_on_another_world_size_at_an_epochs_end_records_the_batch_size() -> None:
     """A checkpoint at an epoch's last step leaves its sampler with nothing left (len 0): the event
     still says each worker's batch and the global batch."""
-    from steadfast.data import RunData
-    from steadfast.state import Progress
+    from steadfast.checkpoint.state import Progress
+    from steadfast.loop.data import RunData
 
     progress = Progress(epoch=3, batch_in_epoch=26, sample_in_epoch=103)
     data = RunData(world_size=2, rank=0, seed=3, progress=progress, accumulate=1)

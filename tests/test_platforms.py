@@ -147,7 +147,7 @@ def test_a_restarted_group_meets_in_a_namespace_nobody_used(monkeypatch: pytest.
     ranks agree on a generation of their own, even with a stale request left in the store."""
     import torch.distributed as dist
 
-    from steadfast import group_store
+    from steadfast.distributed import group_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -276,7 +276,7 @@ def write_run(folder: Path, r: Records, summary: Optional[Dict[str, Any]] = None
 def commit_checkpoints(folder: Path, steps: List[int]) -> None:
     """Real committed checkpoints, written by the checkpoint manager itself."""
     from steadfast.checkpoint.manager import CheckpointManager
-    from steadfast.comm import Comm
+    from steadfast.distributed.comm import Comm
 
     class Box:
         def __init__(self, step: int) -> None:

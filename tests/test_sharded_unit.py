@@ -20,7 +20,7 @@ from steadfast.checkpoint import sharded
 from steadfast.checkpoint.consolidate import consolidate
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.shards import is_dtensor
-from steadfast.comm import Comm
+from steadfast.distributed.comm import Comm
 
 
 @pytest.fixture(scope="module", autouse=True)

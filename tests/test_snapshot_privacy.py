@@ -1,5 +1,5 @@
 """Snapshots in shared memory are their user's alone, and nothing in a segment can hurt its reader
-(#23: steadfast/contract/shm.py, steadfast/snapshots.py).
+(#23: steadfast/contract/shm.py, steadfast/checkpoint/memory.py).
 
 Real folders, files, processes and signals: the launch's private folder made as the launcher makes
 it, snapshots written and read as workers do, a launcher killed with SIGKILL, a writer whose file is
@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 from helpers import env
 from steadfast.checkpoint import tensorfile
+from steadfast.checkpoint.memory import HEADER, HEADER_BYTES, MAGIC, Keyed, MemorySnapshots, announce_off, open_memory
+from steadfast.checkpoint.state import Progress, RNGState
 from steadfast.contract import shm
 from steadfast.contract.env import LaunchEnv
-from steadfast.snapshots import HEADER, HEADER_BYTES, MAGIC, Keyed, MemorySnapshots, announce_off, open_memory
-from steadfast.state import Progress, RNGState
 
 OTHER_UID = 65534  # nobody
 
@@ -39,7 +39,7 @@ OTHER_UID = 65534  # nobody
 def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A stand-in for /dev/shm with its permissions (1777: anyone may create, only owners remove),
     where another user can reach it: under /dev/shm itself when there is one."""
-    import steadfast.snapshots as snapshots
+    import steadfast.checkpoint.memory as snapshots
 
     folder = Path(tempfile.mkdtemp(prefix="sf-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     os.chmod(folder, 0o1777)
@@ -101,7 +101,7 @@ def test_the_launch_folder_is_private_and_its_key_never_leaves_it(launch: shm.La
 
 def _cadence_refuses(launch: shm.LaunchFolder, tmp_path: Path) -> str:
     """What the workers say when they find the launch's folder not private: snapshots off, and why."""
-    from steadfast.records import RunRecord
+    from steadfast.telemetry.records import RunRecord
 
     (tmp_path / "records").mkdir(exist_ok=True)
     record = RunRecord(tmp_path / "records", 0)
@@ -246,8 +246,8 @@ import os, sys
 from pathlib import Path
 import torch
 from steadfast.contract import shm
-from steadfast.snapshots import MemorySnapshots
-from steadfast.state import Progress, RNGState
+from steadfast.checkpoint.memory import MemorySnapshots
+from steadfast.checkpoint.state import Progress, RNGState
 shm.SHM_DIR = Path(sys.argv[1])
 folder = shm.LaunchFolder(Path(sys.argv[2]))
 folder.create()

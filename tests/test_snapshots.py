@@ -1,4 +1,4 @@
-"""Snapshots in shared memory (steadfast/snapshots.py, snapshot_cadence.py): the double buffer, torn
+"""Snapshots in shared memory (steadfast/checkpoint/memory.py, steadfast/loop/memory_cadence.py): the double buffer, torn
 copies, the agreed restore, the launcher's clean-up, when they are taken and what is recorded of it,
 and end to end: a worker killed at random steps loses at most the interval in force, and the run ends
 with the uninterrupted run's weights."""
@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from helpers import QUICK, env, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
+from steadfast.checkpoint.memory import MemorySnapshots, fits
+from steadfast.checkpoint.state import Progress, RNGState
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
-from steadfast.snapshots import MemorySnapshots, fits
-from steadfast.state import Progress, RNGState
 
 
 @pytest.fixture
 def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    import steadfast.snapshots as snapshots
+    import steadfast.checkpoint.memory as snapshots
 
     folder = tmp_path / "shm"
     folder.mkdir()
@@ -361,10 +361,10 @@ def _drive(
 ) -> Tuple[List[int], List[Dict[str, Any]]]:
     """Steps as Run.step drives a MemoryCadence (the control exchange every 10 steps, then at_step),
     on a fake clock; returns the steps that were copied and the snapshot_interval events."""
-    from steadfast.comm import Comm
-    from steadfast.exchange import Exchange
-    from steadfast.records import RunRecord
-    from steadfast.snapshot_cadence import MemoryCadence
+    from steadfast.distributed.comm import Comm
+    from steadfast.distributed.exchange import Exchange
+    from steadfast.loop.memory_cadence import MemoryCadence
+    from steadfast.telemetry.records import RunRecord
 
     clock = _Clock(cost_s)
     exchange = Exchange(Comm(), 10)
@@ -394,9 +394,9 @@ def _check_gaps(copies: List[int], recorded: List[Dict[str, Any]], started_from:
 def test_auto_settles_on_a_power_of_two_within_two_percent_and_records_each_change(
     launch: shm.LaunchFolder, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from steadfast.snapshot_cadence import MEMORY_SHARE
+    from steadfast.loop.memory_cadence import MEMORY_SHARE
 
-    caplog.set_level(logging.INFO, logger="steadfast.snapshot_cadence")
+    caplog.set_level(logging.INFO, logger="steadfast.loop.memory_cadence")
     jitter = random.Random(1)
 
     def step_s(step: int) -> float:  # 10 ms +-30%; a 2 s validation every 500 steps; 4x faster from step 800 to 1400

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from steadfast import stragglers
-from steadfast.comm import Comm, Pending
-from steadfast.records import RunRecord
-from steadfast.stragglers import StepTimer, StragglerRule
-from steadfast.telemetry import Telemetry
+from steadfast.distributed.comm import Comm, Pending
+from steadfast.telemetry import _stragglers as stragglers
+from steadfast.telemetry._stragglers import StepTimer, StragglerRule
+from steadfast.telemetry.metrics import Telemetry
+from steadfast.telemetry.records import RunRecord
 
 MS = 0.001
 
@@ -245,7 +245,7 @@ class TwoRanks(Comm):
     def start_sum(self, tensor: torch.Tensor) -> Pending:
         self.collectives.append("start_sum")
         peer = torch.zeros_like(tensor)
-        # one window per message (steadfast/exchange.py): its 2 summed numbers, then each rank's [memory, local time]
+        # one window per message (steadfast/distributed/exchange.py): its 2 summed numbers, then each rank's [memory, local time]
         mine, theirs = 2 + 2 * self.rank + 1, 2 + 2 * (1 - self.rank) + 1
         peer[theirs] = self.peer_ms / 1000 if tensor[mine] > 0 else 0.0
         return Pending(lambda: tensor + peer)

@@ -196,7 +196,7 @@ class _Tty(io.StringIO):
 
 
 def test_progress_on_a_terminal_is_one_line_redrawn_and_cleared_for_log_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    from steadfast.progress import ProgressDisplay
+    from steadfast.telemetry._progress import ProgressDisplay
 
     monkeypatch.setenv("TERM", "xterm")
     stream = _Tty()
@@ -224,7 +224,7 @@ def test_progress_on_a_terminal_is_one_line_redrawn_and_cleared_for_log_records(
 
 
 def test_progress_elsewhere_is_plain_periodic_lines(caplog: pytest.LogCaptureFixture) -> None:
-    from steadfast.progress import ProgressDisplay
+    from steadfast.telemetry._progress import ProgressDisplay
 
     stream = io.StringIO()
     caplog.set_level(logging.INFO)

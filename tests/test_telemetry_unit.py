@@ -10,9 +10,9 @@ from typing import Any, Dict, List
 
 import torch
 
-from steadfast.comm import Comm, Pending
-from steadfast.records import RunRecord
-from steadfast.telemetry import Telemetry
+from steadfast.distributed.comm import Comm, Pending
+from steadfast.telemetry.metrics import Telemetry
+from steadfast.telemetry.records import RunRecord
 
 
 class CountingComm(Comm):

@@ -47,10 +47,10 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
     from bench.common import HOT
     from pipeline.data import synthetic
     from pipeline.models import MLP
-    from steadfast.comm import TorchDistComm
+    from steadfast.checkpoint.memory import MemorySnapshots
+    from steadfast.checkpoint.state import Progress, RNGState
     from steadfast.contract import shm
-    from steadfast.snapshots import MemorySnapshots
-    from steadfast.state import Progress, RNGState
+    from steadfast.distributed.comm import TorchDistComm
 
     comm = TorchDistComm(120)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))

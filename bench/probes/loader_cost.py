@@ -9,7 +9,7 @@ figure is the median over the rounds of an epoch's wall time per batch (and CPU 
 
   slices          an epoch's permutation, this rank's share, `x[index], y[index]` per batch (bench/baseline_ddp.py --loader slices)
   index_select    the same with `index_select` (what TensorBatches does)
-  tensor_batches  steadfast.data's ResumableSampler + TensorBatches
+  tensor_batches  steadfast.loop.data's ResumableSampler + TensorBatches
   run_loader      what `run.loader` hands a loop: TensorBatches counted into the run's position, and the
                   position's move into the progress that `run.step` makes (RunData.stepped)
   dataloader      torch's DataLoader over the TensorDataset with a DistributedSampler (the usual script)
@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 from bench.common import HOT, TINY  # noqa: E402
 from pipeline.data import synthetic  # noqa: E402
-from steadfast.data import ResumableSampler, RunData, TensorBatches  # noqa: E402
-from steadfast.state import Progress  # noqa: E402
+from steadfast.checkpoint.state import Progress  # noqa: E402
+from steadfast.loop.data import ResumableSampler, RunData, TensorBatches  # noqa: E402
 
 WORLD, RANK = 2, 0
 

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from steadfast.checkpoint import fileio, sharded  # noqa: E402
 from steadfast.checkpoint import manifest as mf  # noqa: E402
 from steadfast.checkpoint.manager import CheckpointManager  # noqa: E402
-from steadfast.comm import Comm  # noqa: E402
+from steadfast.distributed.comm import Comm  # noqa: E402
 
 WIDTH = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 BLOCKS = int(sys.argv[2]) if len(sys.argv) > 2 else 3

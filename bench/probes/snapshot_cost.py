@@ -30,9 +30,9 @@ os.environ["STEADFAST_SHM_DIR"] = shm_dir
 
 import torch  # noqa: E402
 
-import steadfast.snapshots as after  # noqa: E402
+import steadfast.checkpoint.memory as after  # noqa: E402
+from steadfast.checkpoint.state import Progress, RNGState  # noqa: E402
 from steadfast.contract import shm  # noqa: E402
-from steadfast.state import Progress, RNGState  # noqa: E402
 
 
 def before_module() -> object:

@@ -5,7 +5,7 @@
 Two forked processes call init_process_group("gloo") on a fresh TCPStore, with rank 0 started 0,
 or 50 ms after rank 1, or the other way round; prints each rank's start and init time. A rank that
 connects before rank 0 listens is refused and retried after torch's backoff (0.5-0.7 s here);
-steadfast.comm.await_store is the fix.
+steadfast.distributed.comm.await_store is the fix.
 """
 
 import multiprocessing as mp

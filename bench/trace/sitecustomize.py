@@ -76,7 +76,7 @@ WRAP = {
     "torch.nn.parallel.distributed": [("DistributedDataParallel.__init__", "ddp_init")],
     "steadfast.run": [("Run.__init__", "run_init"), ("Run.setup", "run_setup"), ("Run.resume", "trainer_resume")],
     "pipeline.trainer": [("build_data", "build_data"), ("build_model", "build_model")],
-    "steadfast.comm": [("init", "comm_init")],
+    "steadfast.distributed": [("init", "comm_init")],
     "horovod.torch": [("init", "horovod_init")],
 }
 QUIET = {"agent_monitor"}  # polled: only calls that return a non-HEALTHY state are recorded; the rest are counted

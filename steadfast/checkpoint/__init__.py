@@ -1,7 +1,31 @@
 """Checkpoints that are either committed and complete, or invisible.
 
-manager (CheckpointManager: save, restore, retention), restore (which checkpoint a resume uses),
-snapshot (the blocking part of an asynchronous save), manifest (cheap, no torch: the launcher's
-pre-flight uses it), fileio (whole writes, validated reads; no torch), and the tensor file format:
-tensorformat (safetensors plus the state's skeleton), tensorwrite (writing), tensorfile (reading,
-and the public names of both)."""
+The commit protocol and the resume:
+  manager        CheckpointManager: save (synchronous or in the background), restore, retention
+  restore        which checkpoint a resume uses; every check that makes a bad one "unusable, fall back"
+  manifest       what makes a checkpoint committed, listing them, which config changes a resume
+                 accepts (cheap, no torch: the launcher's pre-flight uses it)
+  snapshot       the blocking part of an asynchronous save: the tensors copied into reused host memory
+  ranks          one rank's part of a save in which every rank writes its own files
+  fileio         whole, checked writes and bounded, validated reads (no torch: the report uses it)
+The format (what the files hold):
+  codec          Codec, the extension point: what each rank writes and how it gets its state back
+  formats        the codecs there are; which one stores a state, which one wrote a checkpoint
+  replicated     the replicated format: the same state on every rank, written once by rank 0
+  sharded        the sharded format: every rank writes its own pieces of the DTensors
+  shards         where a rank's piece lies in the whole tensor; a piece built from others' pieces
+  sources        where a checkpoint's bytes are read from: a folder on disk, or a snapshot's buffers
+  tensorformat   the tensor file format (safetensors plus the state's skeleton), shared by
+  tensorwrite    its writer (a Layout first, then the bytes straight from the tensors' memory) and
+  tensorfile     its reader (nothing unpickled), and the public names of both
+  dtypes         the format's dtype codes and the torch dtypes they name (no torch)
+  export, consolidate   one plain safetensors file of a model: from a live sharded model, and
+                 `steadfast-consolidate` from a committed checkpoint
+  compare        two checkpoints of one step read whole and compared object by object, key by key
+                 (steadfast-verify: where a resumed run left the path of the run never stopped)
+What a run's loop tracks, on top of those:
+  tracked        Checkpointer: the objects a checkpoint holds, the resume policy, each save's bookkeeping
+  state          Stateful, PerRank, Progress, RNG states, model_sha256
+  memory         the memory tier: copies of the state in /dev/shm between checkpoints
+  shared_folder  whether every rank sees the run folder rank 0 writes to
+"""

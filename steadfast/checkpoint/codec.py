@@ -5,7 +5,7 @@ each rank gets its state back. The manager (commit protocol, fall-back, retentio
 Two codecs write: `replicated` (format 4: every object's state the same on every rank, written once
 by rank 0 into one file with every rank's own state, gathered) and `sharded` (format 3: DTensors, each
 rank writes its own file); a third reads format 2 (the replicated format's file per object). A new
-format is a new Codec subclass in its own module, registered in `registered`.
+format is a new Codec subclass in its own module, registered in `formats.registered`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what 
 
 
 class Collectives(Protocol):
-    """What the checkpoint code needs of the ranks' collectives (steadfast.comm.Comm provides it)."""
+    """What the checkpoint code needs of the ranks' collectives (steadfast.distributed.comm.Comm provides it)."""
 
     rank: int
     world_size: int
@@ -106,22 +106,3 @@ class Codec(ABC):
     @abstractmethod
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """(objects' states, this rank's own states) from a snapshot's verified buffers."""
-
-
-def registered() -> List[Codec]:
-    """Every codec, in the order `for_state` asks them (the replicated one, which takes any state, last
-    but for those that only read)."""
-    from .replicated import PerObjectCodec, ReplicatedCodec
-    from .sharded import ShardedCodec
-
-    return [ShardedCodec(), ReplicatedCodec(), PerObjectCodec()]
-
-
-def for_state(objects: Dict[str, Any]) -> Codec:
-    """The codec that stores these states (name -> state)."""
-    return next(codec for codec in registered() if codec.wants(objects))
-
-
-def for_manifest(manifest: Dict[str, Any]) -> Codec:
-    """The codec that wrote a (validated) manifest."""
-    return next(codec for codec in registered() if codec.format == manifest.get("format"))

@@ -39,8 +39,9 @@ from ..contract.events import Event
 from . import fileio
 from . import manifest as mf
 from . import restore as rs
-from .codec import Codec, Collectives, Unsaveable, for_state, state_of
-from .ranks import RankWrite, write_own
+from .codec import Codec, Collectives, Unsaveable, state_of
+from .formats import for_state
+from .ranks import RankWrite, SaveHooks, write_own
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
 log = logging.getLogger(__name__)
@@ -50,16 +51,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
-
-
-class SaveHooks(Protocol):
-    """What the writer calls while it saves (fault injection, the heartbeat, the orphan fence)."""
-
-    def during_save(self, step: int, files_written: int) -> None: ...
-
-    def before_commit(self, step: int) -> None: ...
-
-    def after_commit(self, step: int, path: Path) -> None: ...
 
 
 CheckpointError = rs.CheckpointError

@@ -6,13 +6,20 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 from . import fileio
 from .codec import Codec, Planned
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .manager import SaveHooks
+
+class SaveHooks(Protocol):
+    """What the writer calls while it saves (fault injection, the heartbeat, the orphan fence)."""
+
+    def during_save(self, step: int, files_written: int) -> None: ...
+
+    def before_commit(self, step: int) -> None: ...
+
+    def after_commit(self, step: int, path: Path) -> None: ...
 
 
 @dataclass
@@ -36,7 +43,7 @@ def write_own(
     pieces: Dict[str, List[Any]],
     planned: Optional[Planned],
     rank: int,
-    hooks: Optional["SaveHooks"],
+    hooks: Optional[SaveHooks],
 ) -> Dict[str, Any]:
     """Write this rank's files (name -> its buffers, in order) into the save's temporary folder, fsync and read each
     back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..contract.events import Event
 from . import fileio
 from . import manifest as mf
-from .codec import Collectives, Loaded, for_manifest
+from .codec import Collectives, Loaded
+from .formats import for_manifest
 
 log = logging.getLogger(__name__)
 

@@ -343,7 +343,7 @@ class FaultFired(Record):
 @dataclass(frozen=True)
 class Straggler(Record):
     """A rank whose local work per step (loading the batch, the forward) exceeded the other ranks' median
-    by logger.straggler_margin for `windows` logging windows in a row (steadfast/stragglers.py); written
+    by logger.straggler_margin for `windows` logging windows in a row (steadfast/telemetry/_stragglers.py); written
     by that rank (`host`, `pid`: its own)."""
 
     rank: Optional[int] = None

@@ -8,7 +8,7 @@ fstat (a folder, owned by this user, mode 0700) before it puts anything in it: t
 way, and open every file in it relative to that descriptor: slot files are created with
 O_EXCL|O_NOFOLLOW and opened with O_NOFOLLOW|O_NONBLOCK, then checked with fstat (a regular file,
 owned by this user, no permission for anyone else) before a byte is read or written. The workers
-key the snapshots' digests with the launch's key (steadfast/snapshots.py), so a snapshot of another
+key the snapshots' digests with the launch's key (steadfast/checkpoint/memory.py), so a snapshot of another
 launch, or one written without the key, never verifies.
 
 The key never leaves the folder: not in the environment (Horovod puts its workers' environment on
@@ -172,8 +172,8 @@ def platform_folder(run_dir: Path, launch_id: str, node: str) -> str:
     """Library mode: the name of this node's folder of the launch `launch_id`, made if it is not there,
     held (shared flock) until `leave_platform_folder`; folders of this run's earlier launches that no
     worker holds are removed. OSError (NotPrivate) when it cannot be made or is not this user's."""
-    launch = f"{PREFIX}{run_key(run_dir)}-{_digest(launch_id)}-"
-    name = launch + _digest(node)
+    name = platform_folder_name(run_dir, launch_id, node)
+    launch = name[: -len(_digest(node))]
     if name in _held:
         return name
     final = SHM_DIR / name
@@ -201,6 +201,10 @@ def platform_folder(run_dir: Path, launch_id: str, node: str) -> str:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def platform_folder_name(run_dir: Path, launch_id: str, node: str) -> str:
+    return f"{PREFIX}{run_key(run_dir)}-{_digest(launch_id)}-{_digest(node)}"
 
 
 def leave_platform_folder(name: str, ended: bool) -> List[Path]:

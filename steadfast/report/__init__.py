@@ -12,7 +12,10 @@ events), metrics.jsonl, summary.json, config.yaml (where the checkpoints are) an
 themselves, verified against their manifests. Times are wall-clock times of one machine's records.
 
   loader       reads and validates a run folder's files   -> records.RunRecords
+  records      what is read, validated into plain values (the analysis's input; no file I/O)
+  checkpoints  the committed checkpoints, listed and verified
   analysis     pure: records -> launches, attempts, lost steps, time breakdown, goodput (model.RunReport)
+  model        what the report says about a run (the analysis's output)
   text, plot   the words and the picture (matplotlib only in plot, imported when drawing)
   cli          the command (`main`)
 """

@@ -123,7 +123,7 @@ class Fault:
 
 @dataclass(frozen=True)
 class SlowRank:
-    """A rank named a straggler, or no longer slower (a `straggler` record; see steadfast/stragglers.py)."""
+    """A rank named a straggler, or no longer slower (a `straggler` record; see steadfast/telemetry/_stragglers.py)."""
 
     rank: Optional[int]
     host: Optional[str]

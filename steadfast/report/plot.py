@@ -72,7 +72,7 @@ def _loss(ax: Any, r: RunReport) -> None:
             )
     val = sorted((m.step, m.val_loss) for m in r.metrics if m.val_loss is not None)
     if val:
-        ax.plot(*zip(*val), "o--", ms=3.5, lw=1, color="black", alpha=0.7, label="val loss (per epoch)")
+        ax.plot(*zip(*val), "o--", ms=3.5, lw=1, color="black", alpha=0.7, label="val loss")
     values = [m.loss for m in r.metrics if m.loss is not None] + [v for _, v in val]
     log_scale = bool(values) and min(values) > 0 and max(values) / min(values) > 30
     marked = 0

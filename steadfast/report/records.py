@@ -44,6 +44,7 @@ class Summary:
 
     status: Optional[str] = None
     epochs_completed: Optional[int] = None
+    max_steps: Optional[int] = None  # a loop of steps (run.steps): its bound; it has no epochs
     global_step: Optional[int] = None
     final_loss: Optional[float] = None
     val_loss: Optional[float] = None
@@ -55,6 +56,7 @@ class Summary:
 _SUMMARY_FIELDS: Dict[str, Callable[[Any], Any]] = {
     "status": text,
     "epochs_completed": integer,
+    "max_steps": integer,
     "global_step": integer,
     "final_loss": number,
     "val_loss": number,
@@ -87,7 +89,7 @@ class MetricRow:
     restart: Optional[int] = None
     loss: Optional[float] = None
     val_loss: Optional[float] = None
-    local_ms_per_rank: Optional[Tuple[float, ...]] = None  # each rank's local work per step (steadfast/stragglers.py)
+    local_ms_per_rank: Optional[Tuple[float, ...]] = None  # each rank's local work per step (steadfast/telemetry/_stragglers.py)
 
 
 MAX_RANKS = 65536  # a per-rank list longer than any world size is damage, not data

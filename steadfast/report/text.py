@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from .model import DISK, MEMORY, Attempt, RunReport, SlowRank
-from .records import DEFAULT_CHECKPOINT_DIR
+from .records import DEFAULT_CHECKPOINT_DIR, Summary
 
 
 def seconds(s: float) -> str:
@@ -51,6 +51,15 @@ def _restores(attempts: Sequence[Attempt]) -> str:
     return "  restores: " + ", ".join(parts)
 
 
+def _position(s: Summary) -> str:
+    """Where the run ended and its training loss, in its loop's terms: steps of run.steps (the loss of
+    the last logged window), or epochs (the last epoch's mean loss)."""
+    if s.epochs_completed is None and (s.max_steps is not None or s.global_step is not None):
+        bound = f"/{s.max_steps}" if s.max_steps is not None else ""
+        return f"steps {_dash(s.global_step)}{bound}, train loss (last logged window) {_fmt(s.final_loss)}"
+    return f"epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, train loss (last epoch) {_fmt(s.final_loss)}"
+
+
 def format_run(r: RunReport) -> str:
     s, b = r.summary, r.breakdown
     lines = [f"Run {r.folder}: {r.status}"]
@@ -58,10 +67,7 @@ def format_run(r: RunReport) -> str:
         lines.append(f"  problem: {problem}")
     if s.error:
         lines.append(f"  error: {s.error}")
-    lines.append(
-        f"  epochs {_dash(s.epochs_completed)}, steps {_dash(s.global_step)}, train loss (last epoch) {_fmt(s.final_loss)}, "
-        f"val loss {_fmt(s.val_loss)}, val accuracy {_fmt(s.val_accuracy, '.3f')}"
-    )
+    lines.append(f"  {_position(s)}, val loss {_fmt(s.val_loss)}, val accuracy {_fmt(s.val_accuracy, '.3f')}")
     if s.model_sha256:
         lines.append(f"  model_sha256 {s.model_sha256}")
     lines.append(

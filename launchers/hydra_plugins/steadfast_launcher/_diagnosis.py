@@ -76,7 +76,14 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 # A main thread whose innermost Python frame is in one of these waits for its peers (steadfast's
 # comm modules wait for Horovod's collectives in Python: Horovod's own wait spins).
-_COLLECTIVE = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/horovod/", "/steadfast/comm")
+_COLLECTIVE = (
+    "/torch/distributed/",
+    "/torch/autograd/",
+    "/torch/nn/parallel/",
+    "/horovod/",
+    "/steadfast/distributed/comm",
+    "/steadfast/distributed/_horovod",
+)
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
 
 

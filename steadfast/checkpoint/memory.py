@@ -1,6 +1,6 @@
 """Per-step snapshots in shared memory: a worker's death costs at most a few steps, and the resume stays exact.
 
-Every `snapshot.every_n_steps` steps (steadfast/snapshot_cadence.py says when) each node copies
+Every `snapshot.every_n_steps` steps (steadfast/loop/memory_cadence.py says when) each node copies
 exactly what a committed checkpoint holds into shared memory (/dev/shm), which outlives the
 workers: local rank 0 the objects every rank shares (model, optimizer, scheduler, progress and data
 position: the same on every rank after a step), and every rank its own RNG states. Each of those is a double buffer: two slot files, written in
@@ -36,15 +36,16 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import xxhash
 
-from .checkpoint import tensorfile
-from .checkpoint.codec import OWN, SHARED, Codec, for_state, state_of
-from .checkpoint.replicated import ReplicatedCodec
-from .contract.events import Event
-from .contract.shm import SHM_DIR, Segments
+from ..contract.events import Event
+from ..contract.shm import SHM_DIR, Segments
+from . import tensorfile
+from .codec import OWN, SHARED, Codec, state_of
+from .formats import for_state
+from .replicated import ReplicatedCodec
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class Buffer:
             self._known = True
         older = min(self.slots, key=lambda slot: slot.seq)
         older.write(seq, step, world_size, layout.buffers(), layout.size, halfway)
-        return layout.size
+        return int(layout.size)  # layout: the codec's, untyped here
 
     def complete(self, world_size: Optional[int] = None) -> Dict[int, Tuple[int, Slot]]:
         """step -> (sequence, slot) of every filled slot (of that world size; bytes not yet verified)."""
@@ -319,7 +320,7 @@ class MemorySnapshots:
 
 
 def open_memory(
-    every: Any, segment: Optional[str], rank: int, local_rank: int, world_size: int
+    every: Union[int, str], segment: Optional[str], rank: int, local_rank: int, world_size: int
 ) -> Tuple[Optional[MemorySnapshots], Optional[str]]:
     """This rank's snapshots in the launch's private folder, or (None, why not); (None, None): off."""
     if every == 0 or not segment:

@@ -19,13 +19,12 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from . import group_store
-from .contract import env
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -75,7 +74,8 @@ class Comm:
     def max_each(self, values: Sequence[float]) -> List[float]:
         """Element-wise maximum over the ranks, on every rank: the control agreement (stop
         requests, time-based saves). A few floats on the CPU, so it never waits for a GPU."""
-        return self.start_max_each(values).wait()
+        maxima: List[float] = self.start_max_each(values).wait()
+        return maxima
 
     def start_max_each(self, values: Sequence[float]) -> "Pending":
         """`max_each` without waiting: the result is read later with `.wait()`, so the collective
@@ -116,7 +116,7 @@ class TorchDistComm(Comm):
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.device = pick_device(self.local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+        kwargs: Dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
         store = group_store.fresh_store(self.rank, self.world_size, timeout_s)
@@ -207,14 +207,3 @@ def await_store(host: Optional[str], port: Optional[str], timeout_s: float) -> N
 
 
 _RETIRED: List[Any] = []  # process groups destroyed by shutdown(), referenced until the process ends
-
-
-def init(collective: str = env.NONE, timeout_s: float = 600.0) -> Comm:
-    """The Comm for the collective library the launcher started us with (LaunchEnv.collective)."""
-    if collective == env.TORCH:
-        return TorchDistComm(timeout_s)
-    if collective == env.HOROVOD:
-        from .comm_horovod import HorovodComm
-
-        return HorovodComm()
-    return Comm()

@@ -12,24 +12,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple
 
+from ..contract import platforms, shm
+from ..contract.env import LaunchEnv
 from .comm import Comm
-from .contract import platforms, shm
-from .contract.env import LaunchEnv
 
 
-def agree(launch: LaunchEnv, comm: Comm, snapshots: bool) -> Tuple[LaunchEnv, Optional[str]]:
-    """This rank's LaunchEnv with rank 0's launch (exported to the environment too), and why there is
-    no snapshot folder when `snapshots` are wanted but none could be opened (None otherwise). Collective."""
+def agree(launch: LaunchEnv, comm: Comm, snapshots: bool) -> LaunchEnv:
+    """In library mode, this rank's LaunchEnv with rank 0's launch (exported to the environment too)
+    and, when `snapshots` are wanted, this node's folder for them (made if it is not there; if it
+    cannot be, the memory tier says why it is off when it finds nothing there). Collective. Else `launch`."""
+    if not launch.library_mode:
+        return launch
     launch_id, launch_time, attempt = comm.broadcast_object((launch.launch_id, launch.launch_time, launch.attempt))
-    folder, why = "", None
     platform = platforms.by_name(launch.platform)
+    node = platform.node(os.environ) if platform else "0"
+    folder = ""
     if snapshots:
         try:
-            folder = shm.platform_folder(launch.run_dir, launch_id, platform.node(os.environ) if platform else "0")
-        except OSError as exc:
-            why = f"this node's snapshot folder in {shm.SHM_DIR} cannot be used ({exc.strerror or exc})"
+            folder = shm.platform_folder(launch.run_dir, launch_id, node)
+        except OSError:
+            folder = shm.platform_folder_name(launch.run_dir, launch_id, node)
     agreed = dataclasses.replace(launch, launch_id=launch_id, launch_time=launch_time, attempt=attempt, snapshot=folder)
     os.environ.update(agreed.to_environ())
-    return agreed, why
+    return agreed

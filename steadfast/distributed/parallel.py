@@ -16,8 +16,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from ..config import ParallelConf
 from .comm import Comm
-from .config import ParallelConf
 
 log = logging.getLogger(__name__)
 

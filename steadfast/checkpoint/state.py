@@ -4,17 +4,20 @@ Anything with `state_dict()`/`load_state_dict()` is a `Stateful`: models, optimi
 schedulers, GradScalers, torchdata's StatefulDataLoader, a user's own objects. Objects are saved
 once, from rank 0 (they are the same on every rank after a step); `PerRank` marks an object whose
 state differs between ranks (a data loader's position, a rank's own RNG): every rank's state is
-gathered and each rank gets its own back.
+gathered and each rank gets its own back. `model_sha256` is the digest of a model's state, what
+a run ends with in summary.json (an exact resume ends with the same one as a run never stopped).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch import nn
 
 
 @runtime_checkable
@@ -60,9 +63,14 @@ class Progress:
     sample_in_epoch: int = 0  # samples of the epoch's order consumed by all ranks together (data.ResumableSampler)
     global_step: int = 0
     first_world_size: Optional[int] = None  # workers of the run's first launch (or the elastic job's full size)
+    # batches the steps took from each of the run's step-loop sources (run.random_batches, run.stream), in order
+    streams: List[int] = field(default_factory=list)
 
     def state_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        state = asdict(self)
+        if not self.streams:  # a run without such sources saves what it always saved
+            del state["streams"]
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Checked whole before anything is set: ValueError names the first key that is wrong (an
@@ -70,7 +78,7 @@ class Progress:
         a key the state does not have keeps its value (a checkpoint of an older version)."""
         self.check_state(state)
         for key, value in state.items():
-            setattr(self, key, value)
+            setattr(self, key, list(value) if key == "streams" else value)
 
     def check_state(self, state: Any) -> None:
         """ValueError when `state` cannot be loaded (a resume asks before it applies anything)."""
@@ -80,6 +88,9 @@ class Progress:
             if key in COUNTS:
                 if not _int_in(value, 0, MAX_COUNT):
                     raise ValueError(f"progress {key!r}: must be an int from 0 to {MAX_COUNT}, not {_show(value)}")
+            elif key == "streams":
+                if not (isinstance(value, list) and len(value) <= MAX_STREAMS and all(_int_in(v, 0, MAX_COUNT) for v in value)):
+                    raise ValueError(f"progress 'streams': must be a list of at most {MAX_STREAMS} ints from 0 to {MAX_COUNT}")
             elif key == "first_world_size":
                 if value is not None and not _int_in(value, 1, MAX_WORLD_SIZE):
                     raise ValueError(f"progress {key!r}: must be None or an int from 1 to {MAX_WORLD_SIZE}, not {_show(value)}")
@@ -117,6 +128,7 @@ class RNGState:
 COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "global_step")
 MAX_COUNT = 2**53  # far beyond any run; well below what a manifest accepts (10**18 steps), so saves after it stay valid
 MAX_WORLD_SIZE = 2**31
+MAX_STREAMS = 1024
 MT_WORDS = 624  # numpy's MT19937 key
 
 
@@ -196,3 +208,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def model_sha256(model: nn.Module) -> str:
+    """sha256 over every tensor of the state_dict, in key order, as contiguous CPU bytes. A sharded
+    tensor (FSDP2's DTensor) is gathered whole first, a tensor at a time: collective, and the same
+    digest as the unsharded model's."""
+    from .shards import is_dtensor
+
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
+        t = whole.detach().cpu().contiguous().reshape(-1)
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -8,13 +8,14 @@ batch at a time by index (no per-sample `__getitem__` and collate).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
 
-from .contract.events import Event
-from .state import Progress
+from ..checkpoint.state import Progress
+from ..contract.events import Event
+from .streams import Sources
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class TensorBatches:
 
 
 def make_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     batch_size: int,
     sampler: ResumableSampler,
     num_workers: int = 0,
@@ -225,9 +226,11 @@ class RunData:
         self.world_size, self.rank, self.seed, self.progress = world_size, rank, seed, progress
         self.accumulate = accumulate
         self.position = Position()
-        self.samplers: list = []
-        self.generators: list = []
+        self.samplers: List[ResumableSampler] = []
+        self.generators: List[torch.Generator] = []
         self.samples_per_step = 0
+        self.sources = Sources(progress, seed, rank, accumulate)  # a step loop's random batches and iterable data
+        self.micro = 0  # batches entered through run.accumulate since the last step (a loop without run.loader)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -267,12 +270,27 @@ class RunData:
                 yield batch
 
     @property
+    def counts_micro_batches(self) -> bool:
+        """No loader of the run's is in the middle of an epoch: run.accumulate's entries are the batches."""
+        return not self.position.active
+
+    @property
     def sync_gradients(self) -> bool:
+        if self.counts_micro_batches:
+            return self.micro > 0 and self.micro % self.accumulate == 0
         return self.position.completes_group(self.accumulate)
+
+    def entering_micro_batch(self) -> bool:
+        """A loop without run.loader enters a batch's forward and backward: whether it completes a step."""
+        self.micro += 1
+        return self.micro % self.accumulate == 0
 
     def stepped(self) -> None:
         """An optimizer step is done: the progress takes the position of what was handed out."""
         p = self.progress
+        self.micro = 0
+        if self.sources.all:
+            self.sources.stepped(p.global_step)
         if self.position.active:  # several batches a step with accumulation
             p.batch_in_epoch, p.sample_in_epoch = self.position.batches, self.position.samples
         else:
@@ -282,8 +300,11 @@ class RunData:
     def world_size_changed(
         self, record: Callable[..., None], step: Optional[int], saved: Optional[int], notes: Dict[str, Any]
     ) -> None:
-        """Record a resume on another world size, once the loop has its data (the batch size) and the
-        app has said what it does about it (`notes`: its policy)."""
+        """Record a resume on another world size (a checkpoint of step `step` saved by `saved` ranks),
+        once the loop has its data (the batch size) and the app has said what it does about it
+        (`notes`: its policy). Nothing when the world size is the saved one, or there was no resume."""
+        if step is None or saved in (None, self.world_size):
+            return
         p, first = self.progress, self.samplers[0] if self.samplers else None
         batch = (
             {"batch_per_worker": first.batch_size, "global_batch": first.batch_size * self.world_size}

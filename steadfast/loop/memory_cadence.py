@@ -1,6 +1,6 @@
 """When the memory tier copies (snapshot.every_n_steps), and what it records and says about it.
 
-The copies themselves, their slots and their reading back are steadfast/snapshots.py's.
+The copies themselves, their slots and their reading back are steadfast/checkpoint/memory.py's.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
-from .contract.events import Event
-from .exchange import Exchange
-from .snapshots import MemorySnapshots, announce_off, fits
+from ..checkpoint.memory import MemorySnapshots, announce_off, fits
+from ..contract.events import Event
+from ..distributed.exchange import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class MemoryCadence:
     of the recent copy times (the slowest rank's) and of the recent step times (the fastest rank's),
     agreed by every rank at the same steps: other processes and a validation only ever add to a
     time, so the least is what the work itself takes (on a loaded machine a median of copies moved
-    3x); the ranks' numbers ride the control plane's periodic message (steadfast/exchange.py): sent at
+    3x); the ranks' numbers ride the control plane's periodic message (steadfast/distributed/exchange.py): sent at
     one exchange, decided on at the next. Raised as soon as the budget is exceeded, lowered only when a quarter of the interval would
     do (LOWER_AT), it stays put while the measurements jitter, and every change is a factor of two
     or more: each is recorded (snapshot_interval, as is the attempt's first snapshot) and logged on
@@ -51,7 +51,7 @@ class MemoryCadence:
     def __init__(
         self,
         memory: MemorySnapshots,
-        every: Any,
+        every: Union[int, str],
         exchange: Exchange,
         record: Callable[..., None],
         tracked: Tuple[Dict[str, Any], Dict[str, Any]],

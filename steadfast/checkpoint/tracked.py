@@ -13,17 +13,16 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Protocol
 
-from .checkpoint import manifest
-from .checkpoint.codec import Collectives, Loaded
-from .checkpoint.manager import CheckpointError, CheckpointManager, Restored
-from .checkpoint.restore import check_fits
-from .config import Resume, Settings
-from .contract.env import LaunchEnv
-from .faults import FaultInjector
-from .records import RunRecord
-from .snapshots import MemorySnapshots
+from ..config import Resume, Settings
+from ..contract.env import LaunchEnv
+from ..telemetry.records import RunRecord
+from . import manifest
+from .codec import Collectives, Loaded
+from .manager import CheckpointError, CheckpointManager, Restored
+from .memory import MemorySnapshots
+from .restore import check_fits
 from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)
@@ -35,10 +34,19 @@ class LauncherGone(CheckpointError):
     """The launcher that started this worker is gone: this worker must not commit anything."""
 
 
+class SaveFaults(Protocol):
+    """The faults that fire in a checkpoint's writing (steadfast.faults.FaultInjector: the faults import
+    checkpoint/, to damage a committed checkpoint, so it is not imported back)."""
+
+    def during_save(self, step: int, files_written: int) -> None: ...
+
+    def after_commit(self, step: int, path: Path) -> None: ...
+
+
 class _SaveHooks:
     """What the writer calls while it writes: a heartbeat per file, the save faults, the fence."""
 
-    def __init__(self, faults: FaultInjector, beat: Callable[[str], None], launch: LaunchEnv) -> None:
+    def __init__(self, faults: SaveFaults, beat: Callable[[str], None], launch: LaunchEnv) -> None:
         self.faults, self.beat, self.launch = faults, beat, launch
 
     def during_save(self, step: int, files_written: int) -> None:
@@ -64,7 +72,7 @@ class Checkpointer:
         resolved_cfg: Dict[str, Any],
         record: RunRecord,
         launch: LaunchEnv,
-        faults: FaultInjector,
+        faults: SaveFaults,
         beat: Callable[[str], None],
         memory: Optional[MemorySnapshots] = None,
     ) -> None:

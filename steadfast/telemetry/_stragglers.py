@@ -23,7 +23,7 @@ to `run.setup` there are no hooks: the local time is the time from one boundary 
 Per step: two to four perf_counter reads and a few additions (on CUDA two event records), about 5 us
 per forward on a CPU (8 us with a wrapper), nearly all of it PyTorch's hook dispatch; no collective.
 Every logging window each rank's mean local time per step rides in the window's existing all-reduce
-(telemetry.py, a slot per rank), and every rank applies `StragglerRule` to the same numbers.
+(metrics.py, a slot per rank), and every rank applies `StragglerRule` to the same numbers.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class StepTimer:
                 self._pair = (
                     self._free.pop()
                     if self._free
-                    else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
                 )
             self._pair[0].record()
         else:

@@ -1,12 +1,12 @@
 """The control plane's one periodic message: what the ranks tell each other while they train.
 
-The stop agreement's flags (steadfast/agreement.py), the metrics windows (steadfast/telemetry.py)
-and the snapshot cadence's timings (steadfast/snapshot_cadence.py) have no collective of their own.
+The stop agreement's flags (steadfast/loop/agreement.py), the metrics windows (steadfast/telemetry/metrics.py)
+and the snapshot cadence's timings (steadfast/loop/memory_cadence.py) have no collective of their own.
 A collective costs about the same whatever it carries: on Gloo a few hundred microseconds of CPU per
 rank, in the wake-ups of its threads (bench/step_cost.py), so what the library costs per step is how
 many it makes. Every `every` steps (`due`) the message in flight is read, each part getting its
 answer, and the next one is started: one all-reduce (a sum) of one CPU tensor on the control plane
-(steadfast/comm.py), pipelined, so it overlaps the steps until the next exchange instead of adding
+(steadfast/distributed/comm.py), pipelined, so it overlaps the steps until the next exchange instead of adding
 its latency to one. Parts post numbers for the next message, directly or as riders asked at every
 send; every rank posts the same parts in the same order, so the message has the same layout on
 every rank: a post's `shared` numbers are summed over the ranks, its `own` numbers go in this rank's

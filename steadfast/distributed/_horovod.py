@@ -70,7 +70,8 @@ class HorovodComm(Comm):
             self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+        total: torch.Tensor = self.hvd.allreduce(tensor, op=self.hvd.Sum)
+        return total
 
     def start_max_each(self, values: Sequence[float]) -> Pending:
         # Horovod runs a collective only at its next cycle (HOROVOD_CYCLE_TIME): waiting for it

@@ -22,7 +22,7 @@ import os
 import secrets
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Set
 
 COUNTER = "steadfast/generation"
 ASKS = "steadfast/asks"  # nonces, appended ("<nonce>;")
@@ -60,7 +60,7 @@ def _ask(store: Any, rank: int, timeout_s: float) -> int:
 def _hand_out(store: Any, world_size: int, deadline: float) -> int:
     generation = int(store.add(COUNTER, 1))
     acks = f"steadfast/acks/{generation}"
-    answered: set = set()
+    answered: Set[str] = set()
     pause = 0.002
     while world_size > 1:
         if store.check([ASKS]):

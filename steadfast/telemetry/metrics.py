@@ -2,8 +2,8 @@
 display, TensorBoard; and the memory guard.
 
 The loss is summed on the device as the steps go (no host sync per step). Every
-`log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/stragglers.py) in its own slot. Windows travel
-to the other ranks in the control plane's periodic message (steadfast/exchange.py: one all-reduce of
+`log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/telemetry/_stragglers.py) in its own slot. Windows travel
+to the other ranks in the control plane's periodic message (steadfast/distributed/exchange.py: one all-reduce of
 CPU numbers on a process group of its own, about every half second by default; a Telemetry
 given no exchange sends one per window), so every rank sees the same numbers and takes the same
 decisions: the memory guard, the stragglers named. A
@@ -21,17 +21,18 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .comm import Comm
-from .contract import events
-from .contract.events import Event
-from .exchange import Exchange
-from .progress import ProgressDisplay
+from ..contract import events
+from ..contract.events import Event
+from ..distributed.comm import Comm
+from ..distributed.exchange import Exchange
+from ._progress import ProgressDisplay
+from ._stragglers import StepTimer, StragglerRule
 from .records import RunRecord
-from .stragglers import StepTimer, StragglerRule
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -64,6 +65,8 @@ class _Window:
 
 SHARED = 2  # numbers of a window summed over the ranks
 
+Loss = Union[torch.Tensor, float, None]  # what a step reports: a tensor on any device, a number, or nothing
+
 
 class Telemetry:
     def __init__(
@@ -75,7 +78,7 @@ class Telemetry:
         log_every_n_steps: int,
         started: float,
         restarts: int,
-        tensorboard_dir: Any = None,
+        tensorboard_dir: Optional[Path] = None,
         max_rss_mb: Optional[float] = None,
         straggler_margin: Optional[float] = None,
         straggler_windows: int = 1,
@@ -101,13 +104,17 @@ class Telemetry:
         self._tb_dir = tensorboard_dir
         self._tb: Optional[SummaryWriter] = None
         self.lr: Optional[float] = None
+        self.by_epochs = True  # rows say their epoch (a loop of steps, plan(n, 0), has none)
         self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
         self.stragglers = StragglerRule(straggler_margin, straggler_windows)
 
     def plan(self, total_steps: int, max_epochs: int) -> None:
+        """The loop's bounds: total steps (0: unknown) and epochs (0: a loop of steps, run.steps, whose
+        progress line and metrics rows have no epoch)."""
         self.display.total, self.display.max_epochs = total_steps, max_epochs
+        self.by_epochs = max_epochs > 0
 
-    def add_loss(self, loss: Any) -> None:
+    def add_loss(self, loss: Loss) -> None:
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
@@ -127,7 +134,7 @@ class Telemetry:
         closes, or a rank's peak memory read at this step's exchange is to be acted on."""
         return step + 1 if self._over is not None else step - step % self.every + self.every
 
-    def quiet_step(self, step: int, epoch: int, loss: Any) -> None:
+    def quiet_step(self, step: int, epoch: int, loss: Loss) -> None:
         """A step before `next_due`: its loss, its local time (the step's boundary too), the display."""
         if loss is not None:
             self.add_loss(loss)
@@ -167,7 +174,7 @@ class Telemetry:
         if device is not None:
             host = torch.empty((), dtype=torch.float64, pin_memory=device.device.type == "cuda")
             host.copy_(device.double(), non_blocking=True)
-            landed = torch.cuda.Event() if device.device.type == "cuda" else None
+            landed = torch.cuda.Event() if device.device.type == "cuda" else None  # type: ignore[no-untyped-call]
             if landed is not None:
                 landed.record()
         closed_at = self._last if step is None else step
@@ -238,7 +245,9 @@ class Telemetry:
             return
         local = [r[1] for r in ranks]
         self._stragglers(local, window.step)
-        row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step, "epoch": window.epoch}
+        row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step}
+        if self.by_epochs:
+            row["epoch"] = window.epoch
         if mean is not None:
             row["loss"] = round(mean, 6)
         if window.lr is not None:

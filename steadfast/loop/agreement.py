@@ -1,7 +1,7 @@
 """Every rank stops at the same step: the stop agreement, off the training's critical path.
 
 A stop request (SIGTERM, SIGINT, SIGHUP) only sets a flag in the rank that got it. At every
-exchange of the control plane's periodic message (steadfast/exchange.py: every `every_n_steps`
+exchange of the control plane's periodic message (steadfast/distributed/exchange.py: every `every_n_steps`
 steps, by default about every CONTROL_INTERVAL_S) the ranks send their flags, with rank 0's "a timed
 save is due" and whether they still write an asynchronous save. It is pipelined: sent at one
 exchange and read at the next, so it overlaps the steps in between instead of adding its latency to
@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from .contract.stop import signal_name, stop_requested
-from .exchange import Exchange
+from ..contract.stop import signal_name, stop_requested
+from ..distributed.exchange import Exchange
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The progress display of rank 0: epoch, step, loss, steps/s, ETA, and the ranks named stragglers.
+"""The progress display of rank 0: epoch (a loop of epochs), step, loss, steps/s, ETA, and the ranks named stragglers.
 
 On a terminal (logger.progress=auto or bar) it is one line, redrawn in place at most 5 times a
 second; log records clear it before they print, and it comes back with the next step. Anywhere
@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from typing import Any, Deque, Optional, TextIO, Tuple
+from typing import Any, Deque, List, Optional, TextIO, Tuple
 
 log = logging.getLogger("steadfast.progress")
 
@@ -58,13 +58,13 @@ class ProgressDisplay:
         self.mode = mode if enabled else "none"
         self.every_s, self.total, self.max_epochs = every_s, total_steps, max_epochs
         self.loss: Optional[float] = None
-        self.slow = ""  # the ranks named stragglers (steadfast/stragglers.py), e.g. "rank 1 (+48%)"
+        self.slow = ""  # the ranks named stragglers (steadfast/telemetry/_stragglers.py), e.g. "rank 1 (+48%)"
         self._rate: Optional[float] = None
         self.visible = False
         self._samples: Deque[Tuple[float, int]] = deque()
         self._last_draw = self._last_line = -1e9
         self._due = 0.0  # the next time a sample, a redraw or a line is due (update does nothing before)
-        self._filters: list = []
+        self._filters: List[Tuple[logging.Handler, logging.Filter]] = []
         if self.mode == "bar":
             for handler in logging.getLogger().handlers:
                 if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
@@ -82,15 +82,17 @@ class ProgressDisplay:
         return self._rate
 
     def text(self, step: int, epoch: int) -> str:
+        """The line: `epoch e/E | ` only for a loop of epochs (max_epochs > 0); the step out of the total,
+        its share and the ETA only when the total is known and not passed."""
         rate = self.rate()
-        eta = (self.total - step) / rate if rate else None
-        pct = 100.0 * step / self.total if self.total else 0.0
+        known = self.total >= step and self.total > 0
+        eta = (self.total - step) / rate if rate and known else None
+        where = f"step {step}/{self.total} ({100.0 * step / self.total:.0f}%)" if known else f"step {step}"
+        if self.max_epochs > 0:
+            where = f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | {where}"
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         speed = f"{rate:.1f} steps/s" if rate else "- steps/s"
-        return (
-            f"epoch {min(epoch + 1, self.max_epochs)}/{self.max_epochs} | step {step}/{self.total} ({pct:.0f}%) | "
-            f"loss {loss} | {speed} | ETA {format_duration(eta)}" + (f" | slow: {self.slow}" if self.slow else "")
-        )
+        return f"{where} | loss {loss} | {speed} | ETA {format_duration(eta)}" + (f" | slow: {self.slow}" if self.slow else "")
 
     # ---- called by the trainer -------------------------------------------------------------------
     def update(self, step: int, epoch: int, loss: Optional[float] = None) -> None:
@@ -124,7 +126,7 @@ class ProgressDisplay:
         width = shutil.get_terminal_size((100, 20)).columns
         text = self.text(step, epoch)
         bar_width = max(10, min(30, width - len(text) - 4))
-        filled = int(bar_width * step / self.total) if self.total else 0
+        filled = min(bar_width, int(bar_width * step / self.total)) if self.total else 0
         line = f"[{'#' * filled}{'.' * (bar_width - filled)}] {text}"[: max(1, width - 1)]
         try:
             self.stream.write("\r\x1b[K" + line)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
-from .contract import events
-from .contract.events import Event
+from ..contract import events
+from ..contract.events import Event
 
 FLOOR_S = 5.0  # auto: never checkpoint more often than this
 FLOOR_SAVES = 20  # auto: nor spend more than 1/20 of the time saving
@@ -53,7 +53,7 @@ class Cadence:
         self,
         every_n_epochs: Optional[int],
         every_n_steps: Optional[int],
-        every_n_seconds: Any,
+        every_n_seconds: Union[float, str, None],
         run_seconds: float = 0.0,
         failures: int = 0,
         clock: Callable[[], float] = time.monotonic,

@@ -1,8 +1,8 @@
 """A step boundary: what is due once an optimizer step ends, and the steps at which nothing is.
 
 Each part says what it has to do at a step and the next step at which it may have more than
-counting to do: the metrics window (steadfast/telemetry.py), the control plane's message and what
-rides it (steadfast/exchange.py: a stop, a save by time, an asynchronous save's commit, the
+counting to do: the metrics window (steadfast/telemetry/metrics.py), the control plane's message and what
+rides it (steadfast/distributed/exchange.py: a stop, a save by time, an asynchronous save's commit, the
 intervals' changes), the checkpoint cadence by steps, a step fault, the snapshot cadence. Before the
 first such step a boundary only counts: the loss into the window, the step's local time, the
 display's clock and the heartbeat (the library's whole per-step cost on most steps,
@@ -12,15 +12,15 @@ bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
+from ..checkpoint.tracked import Checkpointer
+from ..contract.heartbeat import Heartbeat
+from ..faults import FaultInjector
+from ..telemetry.metrics import Loss, Telemetry
 from .agreement import StopAgreement
 from .cadence import Cadence
-from .checkpointer import Checkpointer
-from .contract.heartbeat import Heartbeat
-from .faults import FaultInjector
-from .snapshot_cadence import MemoryCadence
-from .telemetry import Telemetry
+from .memory_cadence import MemoryCadence
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class StepBoundary:
         self.checkpointer, self.memory, self.heartbeat, self.time_due = checkpointer, memory, heartbeat, time_due
         self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
 
-    def quiet(self, step: int, epoch: int, loss: Any) -> bool:
+    def quiet(self, step: int, epoch: int, loss: Loss) -> bool:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
@@ -57,7 +57,7 @@ class StepBoundary:
             self.heartbeat.beat(step, "train")
         return True
 
-    def due(self, step: int, epoch: int, loss: Any) -> Due:
+    def due(self, step: int, epoch: int, loss: Loss) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
         The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
         self.telemetry.add_loss(loss)
@@ -78,7 +78,7 @@ class StepBoundary:
         if self.memory is not None and not self.memory.at_step(step):
             self.memory = self.checkpointer.memory = None  # off on every rank from now on
         self.quiet_until = self._next_due(step)
-        self.telemetry.timer.mark()  # the next step's local work begins (steadfast/stragglers.py)
+        self.telemetry.timer.mark()  # the next step's local work begins (steadfast/telemetry/_stragglers.py)
 
     def reset(self) -> None:
         """The next step is a whole boundary (an epoch begins: its end exchanged and may have saved)."""
