@@ -45,7 +45,7 @@ from .contract.events import Event
 from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
 from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
-from .distributed import parallel
+from .distributed import library_mode, parallel
 from .distributed.exchange import Exchange
 from .faults import FaultInjector
 from .loop.agreement import StopAgreement
@@ -99,11 +99,13 @@ class Run:
         self.settings = settings_from(resolved)
         self.seed, self.elastic, self.max_rss_mb = seed, elastic, max_rss_mb
         self.dir: Path = self.launch.run_dir
-        self.started = self.launch.launch_time or time.time()
-        self.restarts = self.launch.restart_count
         self._heartbeat = heartbeat()  # None when not started by the launcher's workers
         self._beat("init")
         self.comm = comms.init(self.launch.collective, self.launch.collective_timeout_s)
+        # library mode (a platform started the workers): rank 0's launch on every rank, this node's snapshot folder
+        self.launch = library_mode.agree(self.launch, self.comm, self.settings.snapshot.every_n_steps != 0)
+        self.started = self.launch.launch_time or time.time()
+        self.restarts = self.launch.restart_count
         threads = num_threads or max(1, len(os.sched_getaffinity(0)) // self.comm.local_world_size)
         torch.set_num_threads(threads)
         check_shared_run_dir(self.dir, self.comm)

@@ -9,7 +9,8 @@ nothing of ours and no torch:
              the collective library to initialise, the backend's rank variables, timeouts)
   events     the event vocabulary of `events.jsonl`: a record type per kind, one writer, one reader
   summary    `summary.json`: derived from the events by its one writer, the launcher
-  exits      exit codes (EXIT_PREEMPTED: stopped on request, run the same command to continue)
+  exits      exit codes (EXIT_PREEMPTED: stopped on request, run the same command to continue;
+             EXIT_PLATFORM_PREEMPTED in library mode)
   stop       stop requests: signals set a flag; a task saves and raises `StopRun` (a `StopReason`)
   heartbeat  progress counters the launcher's hang watchdog reads; stack dumps on request
   backends   the backend registry: each backend's schema, world-size keys and rank variables
@@ -17,6 +18,9 @@ nothing of ours and no torch:
   keys       which config keys change what is trained (run names, the resume guard)
   naming     folder names from the command line (Hydra's overrides, OmegaConf's resolvers)
   shm        the shared-memory folder of a launch's snapshots: private, made and removed by the launcher
+             (in library mode by the workers)
+  platforms  the platforms that start the workers themselves (torchrun, srun, a PyTorchJob): how a
+             worker recognises one (library mode, docs/platforms.md)
   files      file names in the run folder, the atomic write, bounded validated reads
   pids       whether a process is still there
   fits       whether a value fits a type hint (what the event records are checked with)

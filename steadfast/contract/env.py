@@ -28,6 +28,7 @@ ENV_COLLECTIVE_TIMEOUT = "STEADFAST_COLLECTIVE_TIMEOUT_S"  # restart.collective_
 ENV_SNAPSHOT = "STEADFAST_SNAPSHOT"  # the launch's private snapshot folder in shared memory, a name in shm.SHM_DIR (empty: none)
 ENV_LAUNCHER_PID = "STEADFAST_LAUNCHER_PID"  # the launcher process on this host: workers never commit once it is gone
 ENV_RANK_ENV = "STEADFAST_RANK_ENV"  # the names of the backend's rank variables (a RankEnv, as JSON)
+ENV_PLATFORM = "STEADFAST_PLATFORM"  # library mode: the platform that started the workers (contract/platforms.py); empty: ours
 
 TORCH = "torch"  # torch.distributed (Gloo on CPU, NCCL on GPUs)
 HOROVOD = "horovod"
@@ -63,6 +64,7 @@ class LaunchEnv:
     snapshot: str = ""
     launcher_pid: int = 0
     rank_env: RankEnv = TORCH_DISTRIBUTED
+    platform: str = ""  # library mode (docs/platforms.md): torch elastic, srun, a PyTorchJob started this worker
 
     def to_environ(self) -> Dict[str, str]:
         return {
@@ -77,6 +79,7 @@ class LaunchEnv:
             ENV_SNAPSHOT: self.snapshot,
             ENV_LAUNCHER_PID: str(self.launcher_pid),
             ENV_RANK_ENV: self.rank_env.to_json(),
+            ENV_PLATFORM: self.platform,
         }
 
     @classmethod
@@ -85,8 +88,9 @@ class LaunchEnv:
         run_dir = env.get(ENV_RUN_DIR)
         if not run_dir:
             raise NotLaunched(
-                f"{ENV_RUN_DIR} is not set: run this task through the steadfast launcher "
-                "(an app whose config selects hydra/launcher=steadfast)"
+                f"{ENV_RUN_DIR} is not set: run this task through the steadfast launcher (an app whose config "
+                "selects hydra/launcher=steadfast: the library's `steadfast` config), which also runs it as one rank "
+                "under torchrun, srun or a PyTorchJob (docs/platforms.md)"
             )
         collective = env.get(ENV_COLLECTIVE) or NONE
         try:
@@ -106,6 +110,7 @@ class LaunchEnv:
             snapshot=env.get(ENV_SNAPSHOT, ""),
             launcher_pid=_int(env, ENV_LAUNCHER_PID, default=0),
             rank_env=rank_env(env),
+            platform=env.get(ENV_PLATFORM, ""),
         )
 
     @classmethod
@@ -128,6 +133,11 @@ class LaunchEnv:
     @property
     def local_world_size(self) -> int:
         return _int(os.environ, self.rank_env.local_world_size, default=1)
+
+    @property
+    def library_mode(self) -> bool:
+        """A platform started this worker; no launcher of ours watches it (docs/platforms.md)."""
+        return bool(self.platform)
 
     def launcher_alive(self) -> bool:
         """False once the launcher that started this worker is gone (killed): an orphaned worker

@@ -113,6 +113,7 @@ def _kind(kind: Event) -> Callable[[R], R]:
 class Launch(Record):
     backend: Optional[str] = None
     overrides: Optional[List[str]] = None
+    platform: Optional[str] = None  # library mode: the platform that started the workers (contract/platforms.py)
 
 
 @_kind(Event.RELAUNCH)

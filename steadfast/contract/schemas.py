@@ -101,6 +101,10 @@ class RestartConf:
     # Deadline of every collective and barrier (torch.distributed's timeout, Horovod's stall
     # shutdown), so the peers of a lost rank never wait forever.
     collective_timeout_s: float = 600.0
+    # The exit code after a stop request (SIGTERM/SIGHUP) once the stop step is committed. null: 75
+    # (EX_TEMPFAIL) from the steadfast launcher, 143 in library mode (under torchrun, srun, a
+    # PyTorchJob: what Kubernetes' training operator retries). See docs/platforms.md.
+    preemption_exit_code: Optional[int] = None
 
     def problems(self, prefix: str = "restart") -> List[str]:
         out = bounded(prefix, self)
@@ -118,6 +122,8 @@ class RestartConf:
             out.append(bad(f"{prefix}.startup_timeout_s", self.startup_timeout_s, "seconds >= 1, or null (hang_timeout_s)"))
         if not self.collective_timeout_s >= 1:
             out.append(bad(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "seconds >= 1"))
+        if self.preemption_exit_code is not None and not 1 <= self.preemption_exit_code <= 255:
+            out.append(bad(f"{prefix}.preemption_exit_code", self.preemption_exit_code, "an exit code 1-255, or null"))
         return out
 
 

@@ -19,6 +19,14 @@ The launcher holds an flock on the folder for the launch: a later launch of the 
 removes this user's folders of that run whose lock nobody holds (their launcher was killed),
 recognised by the folder's nonce and that lock, never by a pid, which a new process may have been
 given since.
+
+In library mode (a platform starts the workers: docs/platforms.md) there is no launcher of ours to
+make the folder, and every restart of the platform's workers on a node must find the same one: its
+name comes from the run folder, the launch (rank 0's, agreed over the process group) and the node
+(`platform_folder`). The first worker of the node makes it as above under a random name and renames
+it into place, so nobody sees it without its key; every worker holds a shared flock on it while it
+lives. The last worker of the node to end a launch that ended (completed or stopped) removes it; a
+launch the platform gave up on leaves it, and the next launch of the run removes it (remove_orphans).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 SHM_DIR = Path(os.environ.get("STEADFAST_SHM_DIR") or "/dev/shm")  # the variable: a test's stand-in
 PREFIX = "steadfast-"
@@ -134,10 +142,10 @@ def _remove(fd: int, path: Path) -> List[Path]:
 
 def remove_orphans(run_dir: Path, keep: str = "") -> List[Path]:
     """Remove this user's folders of `run_dir`'s launches whose launcher is gone (nobody holds
-    their lock), except `keep` (this launch's); another user's are never touched."""
+    their lock), except those whose name starts with `keep` (this launch's); another user's are never touched."""
     start = f"{PREFIX}{run_key(run_dir)}-"
     try:
-        names = [e.name for e in os.scandir(SHM_DIR) if e.name.startswith(start) and e.name != keep]
+        names = [e.name for e in os.scandir(SHM_DIR) if e.name.startswith(start) and not (keep and e.name.startswith(keep))]
     except OSError:
         return []
     removed: List[Path] = []
@@ -155,6 +163,65 @@ def remove_orphans(run_dir: Path, keep: str = "") -> List[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+_held: Dict[str, int] = {}  # library mode: the folders this process holds a shared flock on, by name
+
+
+def platform_folder(run_dir: Path, launch_id: str, node: str) -> str:
+    """Library mode: the name of this node's folder of the launch `launch_id`, made if it is not there,
+    held (shared flock) until `leave_platform_folder`; folders of this run's earlier launches that no
+    worker holds are removed. OSError (NotPrivate) when it cannot be made or is not this user's."""
+    name = platform_folder_name(run_dir, launch_id, node)
+    launch = name[: -len(_digest(node))]
+    if name in _held:
+        return name
+    final = SHM_DIR / name
+    if not os.path.lexists(final):
+        made = LaunchFolder(run_dir)  # private, with its key, under a random name
+        made.create()
+        try:
+            os.rename(made.path, final)
+        except OSError:  # another worker of the node was first (or something else has the name): use what is there
+            made.remove()
+        else:
+            os.close(made.fd)
+            made.fd = -1
+    fd = os.open(final, DIR_FLAGS)
+    try:
+        _check(fd, stat.S_ISDIR, final, DIR_MODE)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    _held[name] = fd
+    remove_orphans(run_dir, keep=launch)  # this launch's folders of other nodes stay (a rehearsal's nodes share one)
+    return name
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def platform_folder_name(run_dir: Path, launch_id: str, node: str) -> str:
+    return f"{PREFIX}{run_key(run_dir)}-{_digest(launch_id)}-{_digest(node)}"
+
+
+def leave_platform_folder(name: str, ended: bool) -> List[Path]:
+    """Library mode, as a worker ends: let go of the folder; when the launch `ended` (completed or
+    stopped, nothing to restore), the last worker of the node to leave removes it."""
+    fd = _held.pop(name, -1)
+    if fd < 0:
+        return []
+    try:
+        if not ended:
+            return []
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while another worker of the node holds it
+        return _remove(fd, SHM_DIR / name)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
 
 
 class Segments:

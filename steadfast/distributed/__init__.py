@@ -7,6 +7,10 @@ comm        Comm, the collective interface (Pending, TorchDistComm, pick_device,
 exchange    Exchange, the control plane's one periodic message (stop flags, metrics windows,
             snapshot timings ride it)
 parallel    how run.setup(model, optimizer) spreads the model over the ranks (DDP, FSDP2)
+group_store   a fresh namespace per incarnation of the group in torch elastic's shared store (a plain
+              torchrun)
+library_mode  when a platform started the workers (docs/platforms.md): rank 0's launch on every rank,
+              and the node's snapshot folder
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from . import group_store
+
 
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
@@ -117,7 +119,10 @@ class TorchDistComm(Comm):
         kwargs: Dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
-        if self.rank != 0:
+        store = group_store.fresh_store(self.rank, self.world_size, timeout_s)
+        if store is not None:  # torch elastic's shared store (a plain torchrun): this incarnation's own namespace
+            kwargs.update(store=store, rank=self.rank, world_size=self.world_size)
+        elif self.rank != 0:
             await_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s)
         dist.init_process_group(**kwargs)
         # the control plane (module doc): its own Gloo group, even when training runs on Gloo too

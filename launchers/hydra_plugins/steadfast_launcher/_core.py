@@ -2,7 +2,9 @@
 or to the sweep runner, and return Hydra's JobReturns (the shape of Hydra's own launcher plugins).
 
 Where the work is: `_compose` (jobs and their checks), `_sweep` (running them, the ledger, the
-table), `_job` (one job: lock, relaunch loop, summary), `_backends` (how workers start), `_locks`.
+table), `_job` (one job: lock, relaunch loop, summary), `_backends` (how workers start), `_locks`;
+`_inplace` when a platform (torchrun, srun, a PyTorchJob) started this process as one of its
+workers: the task runs here, as its rank (library mode, docs/platforms.md).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, configure_log, setup_globals
 from omegaconf import DictConfig
 
+from steadfast.contract import platforms
 from steadfast.contract.naming import master_is_sweep
 
-from . import _compose, _slurm
+from . import _compose, _inplace, _slurm
 from ._context import LaunchContext
 from ._ledger import Ledger
 from ._leftovers import SweepFolderSnapshot
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def launch(ctx: LaunchContext, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
+    found = platforms.detect(os.environ)
+    if found is not None:  # a platform started this process as one of its workers: its task runs here (library mode)
+        return _inplace.launch(ctx, job_overrides, initial_job_idx, found)
     setup_globals()
     master: DictConfig = ctx.config
     configure_log(master.hydra.hydra_logging, master.hydra.verbose)

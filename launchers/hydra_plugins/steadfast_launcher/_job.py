@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from steadfast.contract import events, shm, summary
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv
 from steadfast.contract.events import Event
-from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.exits import exit_code
 from steadfast.contract.failures import printable
 from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
 from steadfast.contract.heartbeat import stop_marker
@@ -227,7 +227,7 @@ def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attem
     _record_end(run_dir, record, Status.PREEMPTED, since, started, attempt, stop_signal=name)
     message = (
         f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-        f"(exit code {EXIT_PREEMPTED} after SIGTERM)."
+        f"(exit code {exit_code(signal.SIGTERM, job.restart.preemption_exit_code)} after SIGTERM)."
     )
     log.warning("%s", message)
     return Stopped(

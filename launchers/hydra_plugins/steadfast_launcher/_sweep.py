@@ -147,7 +147,7 @@ class Sweep:
                 "interrupted ones resume from their checkpoints.",
                 signal_name(self.signum, unknown="a signal"),
             )
-            sys.exit(exit_code(self.signum))
+            sys.exit(exit_code(self.signum, self.jobs[0].restart.preemption_exit_code if self.jobs else None))
         return [self.returns[j.idx] for j in self.jobs]
 
     def all_refused(self) -> bool:

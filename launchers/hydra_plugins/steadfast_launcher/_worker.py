@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -34,23 +34,42 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
     """One rank's task. `environ`: the launcher's environment at the launch, for a worker forked from
     the forkserver (a spawned one inherits it)."""
     if restore_hydra:  # a fresh worker process
-        # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
-        # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
-        # ask it for its stacks.
-        install_stop_handlers()
-        if environ is not None:
-            _forkserver.adopt_environment(environ)
-        folder = run_dir()
-        start_heartbeat(folder, current_rank())
-        enable_stack_dumps(folder, current_rank())
-        _guard_start_up(folder)
-        _end_with_the_launcher()
+        start_rank(environ)
     try:
-        task_function, task_cfg, job_cfg, hydra_state = _payload.load(ref)  # checks the sha256 first
-        if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
-            Singleton.set_state(hydra_state)
-            setup_globals()
-            HydraConfig.instance().set_config(job_cfg)
+        return run_task(lambda: _loaded(ref, restore_hydra))
+    finally:
+        end_rank(restore_hydra)
+
+
+def start_rank(environ: Optional[PayloadRef] = None) -> None:
+    """What a fresh worker process does first, once its LaunchEnv is in the environment."""
+    # First of all: from here on a SIGTERM/SIGINT (forwarded by the launcher, or sent by a
+    # scheduler) is a stop request, never a sudden death; the watchdog can see this rank and
+    # ask it for its stacks.
+    install_stop_handlers()
+    if environ is not None:
+        _forkserver.adopt_environment(environ)
+    folder = run_dir()
+    start_heartbeat(folder, current_rank())
+    enable_stack_dumps(folder, current_rank())
+    _guard_start_up(folder)
+    _end_with_the_launcher()
+
+
+def _loaded(ref: PayloadRef, restore_hydra: bool) -> Tuple[Callable[[Any], Any], Any]:
+    task_function, task_cfg, job_cfg, hydra_state = _payload.load(ref)  # checks the sha256 first
+    if restore_hydra:  # a fresh process: rebuild what Hydra had in the launcher
+        Singleton.set_state(hydra_state)
+        setup_globals()
+        HydraConfig.instance().set_config(job_cfg)
+    return task_function, task_cfg
+
+
+def run_task(task: Callable[[], Tuple[Callable[[Any], Any], Any]]) -> Any:
+    """Call the task function `task()` gives with its config: its value, or the Stopped marker of a
+    task that stopped on purpose; a failure is recorded (worker_failed) and raised."""
+    try:
+        task_function, task_cfg = task()
         _record_rendezvous()
         result = task_function(task_cfg)
         _end_once_returned()
@@ -61,16 +80,19 @@ def run_rank(ref: PayloadRef, environ: Optional[PayloadRef] = None, restore_hydr
     except Exception as exc:
         _record_failure(exc)
         raise
-    finally:
-        beat = heartbeat()
-        if beat is not None:  # the task is over: the hang watchdog stops watching this rank
-            beat.beat(beat.step, DONE_PHASE)
-        if restore_hydra:
-            # Nothing left to stop. Python puts back the default action of every signal it handles
-            # while the interpreter shuts down, so a late SIGTERM (a scheduler signalling every
-            # process, a second forward) would end a finished worker with -15, which torch elastic
-            # takes for a failure and restarts the group; ignored signals stay ignored.
-            ignore_stop_signals()
+
+
+def end_rank(fresh_process: bool) -> None:
+    """The task is over: the hang watchdog stops watching this rank."""
+    beat = heartbeat()
+    if beat is not None:
+        beat.beat(beat.step, DONE_PHASE)
+    if fresh_process:
+        # Nothing left to stop. Python puts back the default action of every signal it handles
+        # while the interpreter shuts down, so a late SIGTERM (a scheduler signalling every
+        # process, a second forward) would end a finished worker with -15, which torch elastic
+        # takes for a failure and restarts the group; ignored signals stay ignored.
+        ignore_stop_signals()
 
 
 def _end_once_returned() -> None:

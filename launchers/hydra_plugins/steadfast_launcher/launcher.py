@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from typing import Any, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
@@ -12,7 +13,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from steadfast.contract import backends
+from steadfast.contract import backends, platforms
 
 from . import _backends
 from ._compat.hydra_compositions import ReusedCompositions
@@ -68,7 +69,10 @@ class SteadfastLauncher(Launcher):
 def _warm_up(config: DictConfig) -> None:
     """Let the backend the sweep's own config names (most likely its jobs' backend) start what its
     launches will need, while Hydra composes and checks the jobs (e.g. torchrun's forkserver, whose
-    imports are the longest part of a launch's start-up). Not for a job submitted elsewhere (Slurm)."""
+    imports are the longest part of a launch's start-up). Not for a job submitted elsewhere (Slurm),
+    nor in library mode (a platform started this process as one of its workers: no workers to start)."""
+    if platforms.detect(os.environ) is not None:
+        return
     try:
         node = OmegaConf.select(config, "hydra.launcher.backend")
         cluster = OmegaConf.select(config, "hydra.launcher.cluster.name", default="none")
