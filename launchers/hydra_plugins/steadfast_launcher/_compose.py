@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Union
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from . import _backends, _ledger
+from . import _backends, _ledger, _payload
 from ._context import LaunchContext
-from ._types import ConfigError, Job, Settings, cluster_from, restart_from
+from ._types import ConfigError, Job, Refused, Settings, cluster_from, restart_from
 from .config import SteadfastLauncherConf
 
 
@@ -98,3 +99,10 @@ def preflight(jobs: List[Job]) -> None:
         problems += [prefix + p for p in found]
     if problems:
         raise ConfigError(problems)
+
+
+def check_task(task_function: TaskFunction) -> None:
+    """The workers get the task function pickled: what cannot be pickled is named now, in one line."""
+    why = _payload.unpicklable(task_function)
+    if why is not None:
+        raise Refused(why[0].upper() + why[1:])
