@@ -1,8 +1,10 @@
-"""An app written the way people write them (tests/test_user_code.py): `from torch.backends import cudnn`
-set inside main, a helper of its own that fails, and a module-level object that cannot be pickled."""
+"""An app written the way people write them (tests/test_user_code.py, tests/test_app_keys.py): `from
+torch.backends import cudnn` set inside main, a helper of its own that fails, a module-level object
+that cannot be pickled, and a dataclass of its keys."""
 
 import sys
 import threading
+from dataclasses import dataclass
 
 import hydra
 import torch
@@ -14,6 +16,15 @@ from torch.utils.data import TensorDataset
 import steadfast as sf
 
 LOCK = threading.Lock() if "lock=true" in sys.argv else None  # the test's way to make main unpicklable
+
+
+@dataclass
+class Config:  # the app's keys, typed (tests/test_app_keys.py names it: hydra.launcher.app_schema=__main__:Config)
+    seed: int = 0
+    epochs: int = 1
+    samples: int = 128
+    fail_at_step: int = 0
+    lock: bool = False
 
 
 def check_batch(step, fail_at_step):
