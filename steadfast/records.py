@@ -75,8 +75,18 @@ def model_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+DETAILS = "steadfast.details"  # loggers under it write to the log files only, never to the console
+
+
+class _FilesOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(DETAILS)
+
+
 def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
-    """Every rank logs to logs/rank<r>.log; only rank 0 also logs to the console."""
+    """Every rank logs to logs/rank<r>.log; only rank 0 also logs to the console, without the details
+    (DETAILS: the snapshot cadence's decisions), on any console handler (in the launcher's process
+    too, with backend=local)."""
     (run_dir / "logs").mkdir(exist_ok=True)
     root = logging.getLogger()
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S")
@@ -89,6 +99,10 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(fmt)
         root.addHandler(console)
+    for handler in root.handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if not any(isinstance(f, _FilesOnly) for f in handler.filters):
+                handler.addFilter(_FilesOnly())
     root.setLevel(logging.INFO)
     return file_handler
 

@@ -52,6 +52,10 @@ def test_a_workers_traceback_names_the_apps_file_line_and_source(project: Path) 
     stack = json.loads(errors[0].read_text())["message"]["extraInfo"]["py_callstack"]
     assert frame in stack and source in stack, stack
     assert f"{script}:{line}" in summary(folder)["error"]
+    assert (
+        "job #0 [fail_at_step=3 backend.nproc_per_node=1 run.name=fails] failed after 0 restart(s); summary: outputs/fails/summary.json"
+        in console
+    )
 
 
 def test_an_object_that_cannot_be_pickled_is_named_before_any_worker_starts(project: Path) -> None:

@@ -83,8 +83,10 @@ def rules() -> Tuple[KeyRule, ...]:
 
 
 def rule(key: str, safe_to_change: Iterable[str] = ()) -> Optional[KeyRule]:
-    """The row for `key` (None: it changes what is trained). `safe_to_change` are the app's own neutral keys."""
+    """The row for `key` (None: it changes what is trained). `safe_to_change` are the app's own neutral keys.
+    The backend group's choice (`backend=local`) is its name: it names the run as `backend.name` does."""
     key = key.lstrip("+~")
+    key = "backend.name" if key == "backend" else key
     for prefix in safe_to_change:
         row = KeyRule(str(prefix), False, False, "declared by the app in run.safe_to_change")
         if row.matches(key):

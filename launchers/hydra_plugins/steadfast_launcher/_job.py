@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from steadfast.contract import events, shm, summary
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv
 from steadfast.contract.events import Event
-from steadfast.contract.exits import EXIT_PREEMPTED
+from steadfast.contract.exits import exit_code
 from steadfast.contract.files import CONFIG_FILE, EVENTS_FILE, SUMMARY_FILE, atomic_write
 from steadfast.contract.heartbeat import stop_marker
 from steadfast.contract.stop import Stopped, StopReason, request_stop, restore_handlers, signal_name, stop_requested
@@ -211,6 +211,8 @@ def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attem
     name = stop.signal if stop is not None and stop.signal else signal_name(signum)
     if stop is not None and stop.saved:
         how = f"stopped at step {stop.step}, checkpoint committed: no step lost"
+    elif stop is None and not events.records(run_dir, since=since, kinds=(Event.FIRST_STEP,)):
+        how = "stopped during start-up, before the first step: nothing to save"
     else:
         how = (
             "stopped before the workers could save (restart.preemption_grace_s="
@@ -218,10 +220,7 @@ def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attem
         )
     record = events.JobInterrupted(attempt=attempt, signal=signal_name(noted, unknown="a signal"))
     _record_end(run_dir, record, Status.PREEMPTED, since, started, attempt, stop_signal=name)
-    message = (
-        f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-        f"(exit code {EXIT_PREEMPTED} after SIGTERM)."
-    )
+    message = f"{job.label} preempted by {name}: {how}. Run the same command again to continue (exit code {exit_code(signum)})."
     log.warning("%s", message)
     return Stopped(
         StopReason.PREEMPTED, step=stop.step if stop else None, saved=bool(stop and stop.saved), message=message, signal=signum
