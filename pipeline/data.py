@@ -38,7 +38,7 @@ def digits(val_fraction: float = 0.2, seed: int = 0, **_: Any) -> Datasets:
 
     spec = find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("data=digits reads scikit-learn's bundled digits: pip install scikit-learn")
+        raise ImportError("data=digits reads scikit-learn's bundled digits: pip install 'steadfast[trainer]' (or scikit-learn)")
     path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.float64)

@@ -17,8 +17,10 @@ launcher imports at Hydra's start-up) never imports torch.
   faults           rehearsed failures (`fault=...`)
   config, conf     the library's config schemas (cheap: no torch) and its config groups (pkg://steadfast.conf)
   preflight        the library's checks, run by the launcher before any worker starts
+  app_keys         an app's own keys checked before any worker starts (its optional schema, `+KEY`)
+  help             `--help`'s config groups: every group's real options for any app
   report           `python -m pipeline.report`: what happened in a run, from its records
-  verify_recovery  `python -m pipeline.verify_recovery`: a run with faults against one without
+  verify_recovery  `steadfast-verify`: an app killed and resumed against the same app uninterrupted
 """
 
 from __future__ import annotations

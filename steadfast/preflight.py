@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import app_keys
 from .checkpoint import manifest
 from .config import FaultKind, Resume, Settings, settings_from
 from .contract import backends
@@ -118,6 +119,7 @@ def check(job_cfg: DictConfig) -> List[str]:
             "logger.tensorboard=true: the tensorboard package is not installed. Install it with "
             "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none"
         )
+    out += app_keys.problems(job_cfg, cfg)
     return out + _resume_problems(job_cfg, cfg, s)
 
 

@@ -297,12 +297,8 @@ class Run:
             world_size=self.world_size,
             source=self.checkpointer.source,
         )
-        log.info(
-            "Resumed from %s%s (%s)",
-            "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else "",
-            restored.path,
-            self.shape.where(),
-        )
+        memory = "the snapshot in memory of step %d in " % restored.step if self.checkpointer.source == "memory" else ""
+        self.shape.resumed = f"Resumed from {memory}{restored.path}"  # said in the loop's terms once it begins
         self._beat("train", force=True)
         return restored.step
 
@@ -365,6 +361,7 @@ class Run:
             return
         if self._first_step:
             self._first_step = False
+            self.shape.announce(f"step {self.resumed_from}")  # a loop that began neither run.epochs nor run.steps
             self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
         if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]

@@ -143,3 +143,26 @@ def test_hydras_job_return_still_keeps_what_a_job_returned(unchecked: None, monk
     assert isinstance(hydra_job_return.returned(failure), ValueError) and hydra_job_return.returned(done) == 42
     monkeypatch.setattr(_compat, "_checked", {hydra_job_return.RETURN_VALUE.name: "skipped in this test"})
     assert isinstance(hydra_job_return.returned(failure), ValueError)  # the same, through the public property
+
+
+def test_hydras_override_message_is_still_where_the_nearest_key_replaces_it(unchecked: None) -> None:
+    """Hydra's own raise, caught by the wrapper (installed by the launcher's config module): for a
+    config that selects the steadfast launcher, the nearest key instead of the advice to use +."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.steadfast_launcher._compat import hydra_overrides
+
+    _holds(hydra_overrides.NEAREST_KEY)
+    hydra_overrides.install()
+    overrides = OverridesParser.create().parse_overrides(["sampels=3"])
+    for target, expected in (
+        ("hydra_plugins.steadfast_launcher.launcher.SteadfastLauncher", "did you mean samples?"),
+        ("other", "use +"),
+    ):
+        cfg = OmegaConf.create({"samples": 1, "hydra": {"launcher": {"_target_": target}}})
+        OmegaConf.set_struct(cfg, True)
+        with pytest.raises(ConfigCompositionException, match=expected):
+            ConfigLoaderImpl._apply_overrides_to_config(overrides, cfg)

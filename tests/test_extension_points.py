@@ -107,7 +107,7 @@ def test_a_toy_backend_is_one_module_and_one_yaml_file(tmp_path: Path) -> None:
     done = _train(tmp_path, e, "backend.ranks=1")
     assert done.returncode == 0, done.stderr[-4000:]
     (run,) = (tmp_path / "outputs").iterdir()
-    assert run.name == "backend.ranks=1,data.num_samples=128,data=synthetic", run.name
+    assert run.name == "backend.ranks=1,backend=toy,data.num_samples=128,data=synthetic", run.name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 1 and summary["epochs_completed"] == 1
     recorded = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]

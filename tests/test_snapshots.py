@@ -396,7 +396,7 @@ def test_auto_settles_on_a_power_of_two_within_two_percent_and_records_each_chan
 ) -> None:
     from steadfast.loop.memory_cadence import MEMORY_SHARE
 
-    caplog.set_level(logging.INFO, logger="steadfast.loop.memory_cadence")
+    caplog.set_level(logging.INFO, logger="steadfast.details.snapshots")
     jitter = random.Random(1)
 
     def step_s(step: int) -> float:  # 10 ms +-30%; a 2 s validation every 500 steps; 4x faster from step 800 to 1400

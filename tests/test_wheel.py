@@ -173,6 +173,24 @@ def test_every_module_of_ours_comes_from_the_wheel(installed: Dict[str, Path]) -
     assert "hydra_plugins.steadfast_launcher._backends.torchrun" in got["files"]
 
 
+def test_the_package_is_typed_and_an_own_loop_install_is_light(installed: Dict[str, Path]) -> None:
+    """py.typed ships (an app's type checker reads sf.Run's hints); scikit-learn, the built-in
+    trainer's data, is only in the `trainer` extra."""
+    proc = run(
+        installed,
+        str(installed["python"]),
+        "-c",
+        "import importlib.metadata as m, json; d = m.distribution('steadfast');"
+        "print(json.dumps({'requires': d.requires, 'files': [str(f) for f in d.files]}))",
+        cwd=installed["work"],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert "steadfast/py.typed" in got["files"]
+    sklearn = [r for r in got["requires"] if r.startswith("scikit-learn")]
+    assert sklearn == ['scikit-learn; extra == "trainer"'], got["requires"]
+
+
 def test_an_own_loop_app_outside_the_repository_trains(installed: Dict[str, Path]) -> None:
     app = installed["work"] / "own"
     (app / "conf").mkdir(parents=True)

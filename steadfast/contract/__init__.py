@@ -21,6 +21,7 @@ nothing of ours and no torch:
              (in library mode by the workers)
   platforms  the platforms that start the workers themselves (torchrun, srun, a PyTorchJob): how a
              worker recognises one (library mode, docs/platforms.md)
+  compile_cache  torch.compile's cache: one private folder per run and machine, named to every worker
   files      file names in the run folder, the atomic write, bounded validated reads
   pids       whether a process is still there
   fits       whether a value fits a type hint (what the event records are checked with)

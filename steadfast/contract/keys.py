@@ -14,9 +14,32 @@ An app adds its own neutral keys with `run.safe_to_change` (a list of keys or `p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import backends
+
+# The library's config groups (steadfast/conf/, the launcher's schemas) and what each is for: an
+# app's own key must not take one of these names (nor `run`, `resume`), and --help describes them.
+GROUPS: Dict[str, str] = {
+    "backend": "how the workers start: torch elastic (torchrun), Horovod, or in this process",
+    "restart": "what happens when a worker fails: restart.max_restarts, restart.hang_timeout_s",
+    "checkpoint": "when checkpoints are written and how many are kept",
+    "snapshot": "copies in shared memory between checkpoints",
+    "parallel": "how run.setup spreads the model over the ranks: ddp, fsdp, none",
+    "fault": "fault injection, to rehearse recovery",
+    "logger": "progress display and TensorBoard logging (logger=tensorboard)",
+    "cluster": "where jobs run: here (none) or submitted to Slurm",
+}
+LIBRARY_KEYS: Tuple[str, ...] = (*GROUPS, "run", "resume", "hydra")
+
+
+def shadowing(group: str, value: object) -> str:
+    """The problem of an app's key that takes a library group's name (its value is not the group's node)."""
+    return (
+        f"{group}={value!r}: `{group}` is the library's config group ({GROUPS[group]}), so the app's own "
+        f"key cannot take that name: rename the app's key (e.g. my_{group}), or pick an option with "
+        f"`- {group}: OPTION` in the defaults list"
+    )
 
 
 @dataclass(frozen=True)
@@ -60,8 +83,10 @@ def rules() -> Tuple[KeyRule, ...]:
 
 
 def rule(key: str, safe_to_change: Iterable[str] = ()) -> Optional[KeyRule]:
-    """The row for `key` (None: it changes what is trained). `safe_to_change` are the app's own neutral keys."""
+    """The row for `key` (None: it changes what is trained). `safe_to_change` are the app's own neutral keys.
+    The backend group's choice (`backend=local`) is its name: it names the run as `backend.name` does."""
     key = key.lstrip("+~")
+    key = "backend.name" if key == "backend" else key
     for prefix in safe_to_change:
         row = KeyRule(str(prefix), False, False, "declared by the app in run.safe_to_change")
         if row.matches(key):

@@ -15,7 +15,7 @@ from ..checkpoint.memory import MemorySnapshots, announce_off, fits
 from ..contract.events import Event
 from ..distributed.exchange import Exchange
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("steadfast.details.snapshots")  # the rank logs only (telemetry.logs.DETAILS)
 
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: a copy per interval costs at most this share of its steps' time
 SMOOTHING = 8  # auto: the least of this many recent measurements (copies, windows of steps) decides

@@ -32,6 +32,7 @@ class LoopShape:
         self.resized = resized  # records a resume on another world size, when a loop begins (the app's notes given)
         self.max_steps: Optional[int] = None  # run.steps' bound (None: not a loop of run.steps)
         self.epochs_called = False
+        self.resumed: Optional[str] = None  # "Resumed from ...", said once the loop's shape is known (announce)
 
     @property
     def by_steps(self) -> bool:
@@ -52,12 +53,21 @@ class LoopShape:
         p = self.progress
         return {"step": p.global_step} if self.by_steps else {"step": p.global_step, "epoch": p.epoch}
 
+    def announce(self, done: Optional[str] = None) -> None:
+        """Say where a resume left the run, in the loop's terms, once they are known (a loop begins, or
+        its first step); `done`: the loop's bound is already reached."""
+        if self.resumed is not None:
+            log.info("%s (%s)", self.resumed, done or self.where())
+            self.resumed = None
+
     def epochs(self, max_epochs: int, end: Callable[[int], None]) -> Iterator[int]:
         """run.epochs: the epochs left, `end(max_epochs)` after each."""
         self.epochs_called = True
         per_epoch = -(-self.data.batches_per_epoch // self.data.accumulate)
         self.telemetry.plan(max_epochs * per_epoch, max_epochs)
         self.resized()
+        complete = self.progress.epoch >= max_epochs
+        self.announce(f"all {max_epochs} epochs done: already complete, nothing to train" if complete else None)
         while self.progress.epoch < max_epochs:
             self.data.begin_epoch()
             self.begin()
@@ -82,6 +92,8 @@ class LoopShape:
                 self.cadence.every_n_epochs,
             )
         self.resized()
+        complete = self.progress.global_step >= max_steps
+        self.announce(f"all {max_steps} steps done: already complete, nothing to train" if complete else None)
         self.begin()
         return self._steps(max_steps)
 

@@ -20,6 +20,12 @@ forward begins with an all-gather: only the time to the first forward counts. Wi
 to `run.setup` there are no hooks: the local time is the time from one boundary to the next
 `run.step`, which the gradient collective equalises (under data parallelism nothing is then named).
 
+Under torch.compile the hooks compile to nothing (`torch.compiler.is_compiling()`, which Dynamo reads
+as a constant): a clock read in a hook would be a graph break in the user's model. A model compiled
+before `run.setup` (nanoGPT's order: the hooks sit on the compiled module, outside its graph) is timed
+as above; one compiled after it (the hooks inside the compiled region) is timed as a loop without a
+model: from one boundary to the next `run.step`.
+
 Per step: two to four perf_counter reads and a few additions (on CUDA two event records), about 5 us
 per forward on a CPU (8 us with a wrapper), nearly all of it PyTorch's hook dispatch; no collective.
 Every logging window each rank's mean local time per step rides in the window's existing all-reduce
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
+from torch.compiler import is_compiling
 
 # A rank must also be this many seconds per step slower than the others' median: scheduling jitter
 # of a fraction of a millisecond on a tiny model never names anybody, whatever the ratio.
@@ -71,14 +78,20 @@ class StepTimer:
             inner.register_forward_hook(self._forward_ends, prepend=True)
 
     def _arrive(self, module: nn.Module, args: Any) -> None:
+        if is_compiling():  # traced by Dynamo: nothing (see the module doc)
+            return
         if self._arrival is None or not self._first_only:
             self._arrival = time.perf_counter()
 
     def _arrive_and_begin(self, module: nn.Module, args: Any) -> None:
+        if is_compiling():
+            return
         self._arrival = time.perf_counter()
         self._forward_begins(module, args)
 
     def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        if is_compiling():
+            return
         if self.cuda:
             import torch
 
@@ -93,6 +106,8 @@ class StepTimer:
             self._forward_start = time.perf_counter()
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         if self._pair is not None:
             self._pair[1].record()
         else:

@@ -8,6 +8,13 @@ from pathlib import Path
 
 from ..contract.failures import printable
 
+DETAILS = "steadfast.details"  # loggers under it write to the log files only, never to the console
+
+
+class _FilesOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(DETAILS)
+
 
 class _PrintableFormatter(logging.Formatter):
     """A worker's log lines show only printable characters (control characters as \\xNN): nothing it
@@ -18,7 +25,9 @@ class _PrintableFormatter(logging.Formatter):
 
 
 def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
-    """Every rank logs to logs/rank<r>.log; only rank 0 also logs to the console."""
+    """Every rank logs to logs/rank<r>.log; only rank 0 also logs to the console, without the details
+    (DETAILS: the snapshot cadence's decisions), on any console handler (in the launcher's process
+    too, with backend=local)."""
     (run_dir / "logs").mkdir(exist_ok=True)
     root = logging.getLogger()
     fmt = _PrintableFormatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S")
@@ -31,5 +40,9 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(fmt)
         root.addHandler(console)
+    for handler in root.handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if not any(isinstance(f, _FilesOnly) for f in handler.filters):
+                handler.addFilter(_FilesOnly())
     root.setLevel(logging.INFO)
     return file_handler

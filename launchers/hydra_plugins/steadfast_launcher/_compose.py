@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Union
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from . import _backends, _ledger
+from steadfast.contract import keys
+
+from . import _backends, _ledger, _payload
 from ._context import LaunchContext
-from ._types import ConfigError, Job, Settings, cluster_from, restart_from
+from ._types import ConfigError, Job, Refused, Settings, cluster_from, restart_from
 from .config import SteadfastLauncherConf
 
 
@@ -36,6 +39,10 @@ def prepare(ctx: LaunchContext, overrides: List[str], idx: int, sweep_dir: str) 
         sweep_config.hydra.job.num = idx
         sweep_config.hydra.sweep.dir = sweep_dir
     HydraConfig.instance().set_config(sweep_config)  # lets ${hydra:...} resolve while we check it
+    nodes = {g: sweep_config.get(g) for g in keys.GROUPS if g in sweep_config}
+    shadowed = [keys.shadowing(g, v) for g, v in nodes.items() if v is not None and not isinstance(v, DictConfig)]
+    if shadowed:
+        raise ConfigError(shadowed)
     backend = _backends.backend_from(OmegaConf.select(sweep_config, "hydra.launcher.backend"))
     restart = restart_from(OmegaConf.select(sweep_config, "hydra.launcher.restart"))
     job = Job(idx=idx, overrides=overrides, config=sweep_config, backend=backend, restart=restart)
@@ -98,3 +105,10 @@ def preflight(jobs: List[Job]) -> None:
         problems += [prefix + p for p in found]
     if problems:
         raise ConfigError(problems)
+
+
+def check_task(task_function: TaskFunction) -> None:
+    """The workers get the task function pickled: what cannot be pickled is named now, in one line."""
+    why = _payload.unpicklable(task_function)
+    if why is not None:
+        raise Refused(why[0].upper() + why[1:])

@@ -67,6 +67,7 @@ def launch(ctx: LaunchContext, job_overrides: Sequence[Sequence[str]], initial_j
             )
         sweep = Sweep(ctx, jobs, settings, ledger, sweep_dir)
         _compose.preflight([j for j in jobs if sweep.completed_result(j) is None])
+        _compose.check_task(ctx.task_function)
     except (ConfigError, Refused):
         if before is not None and initial_job_idx == 0:  # nothing of this launch ran: leave nothing behind
             unlock_sweep(Path(sweep_dir), remove=before.is_new())

@@ -218,6 +218,8 @@ def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attem
     name = stop.signal if stop is not None and stop.signal else signal_name(signum)
     if stop is not None and stop.saved:
         how = f"stopped at step {stop.step}, checkpoint committed: no step lost"
+    elif stop is None and not events.records(run_dir, since=since, kinds=(Event.FIRST_STEP,)):
+        how = "stopped during start-up, before the first step: nothing to save"
     else:
         how = (
             "stopped before the workers could save (restart.preemption_grace_s="
@@ -227,7 +229,7 @@ def _end_on_request(job: Job, run_dir: Path, since: float, started: float, attem
     _record_end(run_dir, record, Status.PREEMPTED, since, started, attempt, stop_signal=name)
     message = (
         f"{job.label} preempted by {name}: {how}. Run the same command again to continue "
-        f"(exit code {exit_code(signal.SIGTERM, job.restart.preemption_exit_code)} after SIGTERM)."
+        f"(exit code {exit_code(signum, job.restart.preemption_exit_code)})."
     )
     log.warning("%s", message)
     return Stopped(

@@ -23,7 +23,7 @@ from steadfast.contract.exits import exit_code
 from steadfast.contract.keys import override_key
 from steadfast.contract.stop import signal_name
 
-from . import _backends, _ledger, _packing, _payload
+from . import _backends, _ending, _ledger, _packing, _payload
 from ._compat.hydra_job_return import returned
 from ._context import LaunchContext
 from ._job import run_one
@@ -127,6 +127,9 @@ class Sweep:
             if self.failed_first is None:
                 self.failed_first = job
         self._record(job, **fields)
+        line = _ending.end_line(job, self.signum if interrupted else None)
+        if line is not None:
+            (log.info if self.status[job.idx] == COMPLETED else log.warning)("%s", line)
 
     # ---- the run
 
@@ -139,15 +142,18 @@ class Sweep:
                 self._run_sequential()
         finally:
             self._fill_not_run()
-            if table or self.signum is not None:
+            if table:  # a single job's end is its own line (see _finished)
                 self._print_table()
         if self.signum is not None:
-            log.warning(
-                "Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
-                "interrupted ones resume from their checkpoints.",
-                signal_name(self.signum, unknown="a signal"),
-            )
-            sys.exit(exit_code(self.signum, self.jobs[0].restart.preemption_exit_code if self.jobs else None))
+            configured = self.jobs[0].restart.preemption_exit_code if self.jobs else None
+            if table:
+                log.warning(
+                    "Stopped by %s. Run the same command again to resume: completed jobs are skipped, "
+                    "interrupted ones resume from their checkpoints (exit code %d).",
+                    signal_name(self.signum, unknown="a signal"),
+                    exit_code(self.signum, configured),
+                )
+            sys.exit(exit_code(self.signum, configured))
         return [self.returns[j.idx] for j in self.jobs]
 
     def all_refused(self) -> bool:

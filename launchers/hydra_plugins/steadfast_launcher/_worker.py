@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import setup_globals
 
-from steadfast.contract import events
+from steadfast.contract import compile_cache, events
 from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, restart_count, run_dir
 from steadfast.contract.exits import EXIT_ORPHANED
 from steadfast.contract.failures import recurs
@@ -50,6 +50,9 @@ def start_rank(environ: Optional[PayloadRef] = None) -> None:
     if environ is not None:
         _forkserver.adopt_environment(environ)
     folder = run_dir()
+    refused = compile_cache.use(folder)  # before the task compiles anything: restarts reuse what it compiled
+    if refused and current_rank() == 0:
+        print(f"[rank 0] {refused}", file=sys.stderr, flush=True)
     start_heartbeat(folder, current_rank())
     enable_stack_dumps(folder, current_rank())
     _guard_start_up(folder)

@@ -18,11 +18,13 @@ from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from steadfast import help
 from steadfast.config import register_configs
 from steadfast.contract import naming
 from steadfast.contract.schemas import ClusterConf, RestartConf, bad, bounded
 
 from . import _backends  # noqa: F401  (registers every backend)
+from ._compat import hydra_overrides
 
 
 @dataclass
@@ -45,6 +47,9 @@ class SteadfastLauncherConf:
     # an app adds its checks without dropping the library's.
     preflight: Any = None
     app_preflight: Any = None
+    # "module:Dataclass" (`__main__:Config` for a class in the script being run): the app's own keys,
+    # typed; checked by the library's pre-flight like its own (steadfast/app_keys.py).
+    app_schema: Optional[str] = None
     # Sweep-level settings (read from the sweep's config, not per job):
     # How many jobs run at once. Above 1, each job runs in its own launcher process and jobs
     # are packed by the worker processes they need (backend.procs_per_node) into max_procs.
@@ -76,3 +81,5 @@ _store.store(group="restart", name="schema", node=RestartConf, provider="steadfa
 _store.store(group="cluster", name="schema", node=ClusterConf, provider="steadfast")
 register_configs()
 naming.register_resolvers()
+help.register_resolver()
+hydra_overrides.install()  # before Hydra composes the app's config

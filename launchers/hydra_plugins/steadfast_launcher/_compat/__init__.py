@@ -11,6 +11,7 @@ tests/test_architecture.py fails if a third-party private name is touched outsid
   horovod_runner         horovod.run's workers' environment, shutdown events, Gloo check, result store
   hydra_compositions     the sweeper's composition of a job reused by the launcher
   hydra_job_return       what a failed job raised, read from Hydra's JobReturn without raising it
+  hydra_overrides        Hydra's message for an unknown key: the nearest key instead of "use +KEY"
   forkserver             multiprocessing's forkserver: its pid, and ending it with the launcher
   elastic_worker         torch elastic's worker wrapper (`_wrap`): let a worker end once it returned
   torch_logging          torch's log formatter: tracebacks rendered before it imports torch._dynamo
