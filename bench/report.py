@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .common import RESULTS, ROOT
-from .reports import checkpoints, goodput, horovod, hot_loop, recovery, scaling, sharded, startup, step_cost
+from .reports import anomalies, checkpoints, goodput, horovod, hot_loop, recovery, scaling, sharded, startup, step_cost
 from .reports.cells import f, load, table
 
 OUT = ROOT / "BENCHMARKS.md"
@@ -24,7 +24,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sh = (
+    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sh, an = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -37,6 +37,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "stop_agreement",
             "step_cost",
             "sharded",
+            "anomalies",
         )
     )
     m: Dict[str, Any] = run_all.get("machine") or next(
@@ -81,6 +82,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     ]
     if sh:
         rows += sharded.rows(sh)
+    rows += anomalies.rows(an)
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
     lines += hot_loop.section(hot)
@@ -93,6 +95,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     lines += step_cost.section(sc_step, sa)
     if sh:
         lines += sharded.section(sh, in_suite="sharded" in ran)
+    lines += anomalies.section(an)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

@@ -38,6 +38,7 @@ SUITE: List[tuple] = [
     ("horovod", "bench.horovod", [], (60, 35)),
     ("scaling", "bench.scaling", [], (150, 46)),
     ("sharded", "bench.sharded", [], (380, 170)),
+    ("anomalies", "bench.anomalies", [], (90, 50)),
 ]
 QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"]}
 TINY_ARGS = {

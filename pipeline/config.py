@@ -14,7 +14,17 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from steadfast.config import CheckpointConf, FaultConf, LoggerConf, ParallelConf, Resume, RunConf, SnapshotConf, register_configs
+from steadfast.config import (
+    AnomalyConf,
+    CheckpointConf,
+    FaultConf,
+    LoggerConf,
+    ParallelConf,
+    Resume,
+    RunConf,
+    SnapshotConf,
+    register_configs,
+)
 from steadfast.contract import backends, naming
 from steadfast.contract.backends import BackendConf
 from steadfast.contract.schemas import ClusterConf, RestartConf, bad, bounded, positive
@@ -215,6 +225,7 @@ class TrainConfig:
     cluster: ClusterConf = field(default_factory=ClusterConf)
     snapshot: SnapshotConf = field(default_factory=SnapshotConf)
     parallel: ParallelConf = field(default_factory=ParallelConf)
+    anomaly: AnomalyConf = field(default_factory=AnomalyConf)
 
 
 MODEL_SCHEMAS: Dict[str, Type[ModelConfig]] = {"mlp": MLPConfig, "cnn": CNNConfig, "transformer": TransformerConfig}

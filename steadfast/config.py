@@ -1,6 +1,6 @@
 """Typed schemas of the library's own config groups (cheap: no torch).
 
-`checkpoint`, `snapshot`, `parallel`, `fault`, `logger`, `run` and `resume` configure what every task gets from
+`checkpoint`, `snapshot`, `parallel`, `anomaly`, `fault`, `logger`, `run` and `resume` configure what every task gets from
 `steadfast.Run`, the built-in trainer and a user's own loop alike; `backend`, `restart` and
 `cluster` are the launcher's (steadfast.contract.schemas, and each backend's own module). The YAML
 options of these groups live in `steadfast/conf/` (an app adds `pkg://steadfast.conf` to its search
@@ -37,6 +37,9 @@ class FaultKind(Enum):
     save_error = "save_error"  # ENOSPC while writing a checkpoint
     corrupt_checkpoint = "corrupt_checkpoint"  # one byte of the newest committed checkpoint flipped
     slow_rank = "slow_rank"  # delay_s more local work on every step from at_step on: a straggler
+    nan_loss = "nan_loss"  # the model's output on one rank is NaN in step at_step: a non-finite loss and gradients
+    loss_spike = "loss_spike"  # the model's output on one rank plus `factor` times noise in step at_step: a loss spike
+    bitflip = "bitflip"  # one bit of one parameter flipped on one rank after step at_step: silent corruption
 
 
 class ProgressMode(Enum):
@@ -81,6 +84,47 @@ class Precision(Enum):
     float16 = "float16"
 
 
+class SkipKind(Enum):
+    batch = "batch"  # the batches of the step that showed the anomaly, on every rank
+    window = "window"  # every batch since the state a rollback restores, up to that step's
+
+
+@dataclass
+class AnomalyConf:
+    """Failures that crash nothing (steadfast/health/): a non-finite loss or gradient norm, a loss
+    spike, replicas that diverged. Found on every rank, agreed at the same step, rolled back."""
+
+    nonfinite: bool = True  # a NaN or infinite loss (or gradient norm given to run.step) is an anomaly
+    # a loss spike: a step's loss this many standard deviations above its moving average ... (anomaly=spikes: 6)
+    spike_zscore: Optional[float] = None
+    # ... and this many times the average (anomaly=spikes: 2); either test off when null; both null: no spikes (default)
+    spike_ratio: Optional[float] = None
+    ema_steps: int = 100  # the moving average's span: each healthy loss weighs 1/ema_steps
+    warmup_steps: int = 100  # healthy losses seen before a spike can be called
+    skip: SkipKind = SkipKind.batch  # the data a rollback skips (batch: exactly reproducible)
+    max_rollbacks: int = 3  # rollbacks allowed in any window_steps steps; one more stops the run
+    window_steps: int = 1000
+    lr_scale: float = 1.0  # after a rollback, the learning rate times this ...
+    lr_scale_steps: int = 0  # ... for this many steps from the anomaly's step (0: never)
+    # compare the replicas' parameters (a fingerprint of each) every this many steps and at every
+    # checkpoint; 0: off. Only replicated parameters (parallel=ddp, Horovod): off for fsdp and none
+    fingerprint_every_n_steps: int = 100
+
+    @property
+    def spikes(self) -> bool:
+        return self.spike_zscore is not None or self.spike_ratio is not None
+
+    @property
+    def watches(self) -> bool:
+        """Whether the losses are watched at all (anomaly=off: no)."""
+        return self.nonfinite or self.spikes
+
+    @property
+    def on(self) -> bool:
+        """Whether anything is watched (the losses, or the replicas where there are some)."""
+        return self.watches or self.fingerprint_every_n_steps > 0
+
+
 @dataclass
 class ParallelConf:
     """How run.setup(model, optimizer) spreads the model over the ranks (steadfast/distributed/parallel.py)."""
@@ -116,6 +160,8 @@ class FaultConf:
     hang_s: float = 3600.0
     hang_until_stop: bool = False  # a hang ends when the process is asked to stop (places a signal exactly)
     delay_s: float = 0.02  # slow_rank: seconds added to each step's local work (before its forward)
+    factor: float = 1000.0  # loss_spike: this times standard normal noise is added to the model's output
+    bit: int = 12  # bitflip: the bit flipped (0: the lowest) in the first element of the first parameter
 
 
 @dataclass
@@ -144,6 +190,7 @@ def register_configs() -> None:
         ("logger", "schema", LoggerConf),
         ("snapshot", "schema", SnapshotConf),
         ("parallel", "schema", ParallelConf),
+        ("anomaly", "schema", AnomalyConf),
     ):
         cs.store(group=group, name=name, node=node, provider="steadfast")
 
@@ -159,6 +206,7 @@ class Settings:
     logger: LoggerConf = field(default_factory=LoggerConf)
     snapshot: SnapshotConf = field(default_factory=SnapshotConf)
     parallel: ParallelConf = field(default_factory=ParallelConf)
+    anomaly: AnomalyConf = field(default_factory=AnomalyConf)
 
 
 def settings_from(cfg: Union[DictConfig, Dict[str, Any]]) -> Settings:
@@ -169,7 +217,7 @@ def settings_from(cfg: Union[DictConfig, Dict[str, Any]]) -> Settings:
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
     node = {
         key: plain[key]
-        for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot", "parallel")
+        for key in ("checkpoint", "run", "resume", "fault", "logger", "snapshot", "parallel", "anomaly")
         if isinstance(plain, dict) and key in plain and plain[key] is not None
     }
     try:

@@ -19,6 +19,12 @@ corrupt_checkpoint  one byte of the newest committed checkpoint flipped after it
 slow_rank       `delay_s` seconds more local work on every step from `at_step` on, for the rest of the
                 run and its restarts (`times` does not apply): slept after the step boundary, before
                 the next forward, where a slow data loader or slow compute would be; recorded once per attempt
+nan_loss        the model's output NaN in the forward passes of step `at_step` (training only): a NaN
+                loss, and gradients that poison every replica through the gradient all-reduce
+loss_spike      the same, `factor` times standard normal noise added to the output: a loss spike and
+                its large gradients
+bitflip         bit `bit` of the first element of the first parameter flipped after step `at_step`: that
+                replica silently differs from the others (steadfast/health/replicas.py finds it)
 
 With `fault.hang_until_stop=true` a hang ends as soon as the process is asked to stop
 (SIGTERM/SIGINT): tests use it to deliver a real signal at an exact moment.
@@ -33,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from .config import FaultConf, FaultKind
 from .contract.events import Event
 
@@ -41,7 +49,10 @@ KILLING = frozenset({FaultKind.kill, FaultKind.crash_in_save, FaultKind.crash_in
 FAILING = KILLING | {FaultKind.segfault, FaultKind.exception, FaultKind.save_error}  # the attempt fails (its event says `fails`)
 SAVE_KINDS = frozenset({FaultKind.crash_in_save, FaultKind.save_error, FaultKind.hang_in_save})  # in a checkpoint's writing
 WRITER_KINDS = SAVE_KINDS | {FaultKind.corrupt_checkpoint}  # fire on a rank that writes checkpoint files
-STEP_KINDS = frozenset({FaultKind.kill, FaultKind.segfault, FaultKind.hang, FaultKind.exception, FaultKind.sigterm})
+STEP_KINDS = frozenset(
+    {FaultKind.kill, FaultKind.segfault, FaultKind.hang, FaultKind.exception, FaultKind.sigterm, FaultKind.bitflip}
+)
+FORWARD_KINDS = frozenset({FaultKind.nan_loss, FaultKind.loss_spike})  # in the model's forward pass
 HANG_KINDS = frozenset({FaultKind.hang, FaultKind.hang_in_backward, FaultKind.hang_in_save})
 
 
@@ -56,10 +67,38 @@ class FaultInjector:
         self.active = self.kind is not FaultKind.none and cfg.rank == rank
         self.counter = run_dir / "faults" / f"{self.kind.value}-rank{rank}-step{cfg.at_step}.count" if self.active else None
         self._slowing = False  # fault=slow_rank: its firing recorded in this process
+        self._poisoning = -1  # nan_loss, loss_spike: the step whose forward passes it fired in
+        self.model: Optional[torch.nn.Module] = None  # bitflip: the model whose parameter it flips
 
     @property
     def wants_backward_hook(self) -> bool:
         return self.active and self.kind is FaultKind.hang_in_backward
+
+    def watch(self, model: torch.nn.Module, next_step: Callable[[], int]) -> None:
+        """run.setup's model: nan_loss and loss_spike act on its output in the step about to run
+        (`next_step()`), bitflip on its first parameter."""
+        self.model = model
+        if self.active and self.kind in FORWARD_KINDS:
+            model.register_forward_hook(lambda module, args, out: self.in_forward(next_step(), module, out))
+
+    def in_forward(self, step: int, module: torch.nn.Module, output: object) -> Optional[torch.Tensor]:
+        """A forward hook's: step `step`'s output made NaN (nan_loss), or `factor` times standard normal
+        noise added to it (loss_spike: a loss far above its range whatever the loss function), in every
+        training forward pass of that step (each micro-batch); None leaves the output as it is."""
+        if not (self.active and module.training and isinstance(output, torch.Tensor)):
+            return None
+        if step != self.cfg.at_step:
+            self._poisoning = -1  # another step: a replay of at_step after a rollback claims anew
+            return None
+        if self._poisoning != step:
+            if self.kind not in FORWARD_KINDS or not self._claim():
+                return None
+            self._poisoning = step
+            self.record_event(Event.FAULT_FIRED, fault=self.kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=False)
+        if self.kind is FaultKind.nan_loss:
+            return output * float("nan")
+        noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(step * 1_000_003 + self.rank))
+        return output + self.cfg.factor * noise.to(output.device, output.dtype)
 
     def before_work(self, step: int) -> None:
         """At a step boundary, before step `step`'s local work (fault=slow_rank)."""
@@ -126,8 +165,12 @@ class FaultInjector:
 
     def _fire(self, step: int) -> None:
         kind = self.kind
+        flipped = next(self.model.named_parameters()) if kind is FaultKind.bitflip and self.model is not None else None
+        where = {"tensor": flipped[0]} if flipped is not None else {}
         # Written straight to events.jsonl (not through rank 0) so any rank can report its fault.
-        self.record_event(Event.FAULT_FIRED, fault=kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING)
+        self.record_event(
+            Event.FAULT_FIRED, fault=kind.value, rank=self.rank, step=step, pid=os.getpid(), fails=kind in FAILING, **where
+        )
         if kind in KILLING:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind is FaultKind.segfault:
@@ -138,6 +181,8 @@ class FaultInjector:
             raise OSError(errno.ENOSPC, f"No space left on device (injected by fault=save_error at step {step})")
         elif kind is FaultKind.exception:
             raise InjectedFault(f"fault=exception injected at step {step} on rank {self.rank}")
+        elif flipped is not None:
+            flip_bit(flipped[1], self.cfg.bit)
         elif kind in HANG_KINDS:
             from .contract.stop import stop_requested
 
@@ -146,3 +191,14 @@ class FaultInjector:
                 if self.cfg.hang_until_stop and stop_requested() is not None:
                     break
                 time.sleep(0.01)
+
+
+def flip_bit(param: torch.Tensor, bit: int) -> None:
+    """Flip bit `bit` (0: the lowest; modulo the element's width) of the first element of `param`."""
+    width = 8 * param.element_size()
+    ints = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    bit %= width
+    mask = (1 << bit) - (1 << width if bit == width - 1 and ints is not torch.uint8 else 0)  # the sign bit: negative
+    with torch.no_grad():
+        element = param.detach().reshape(-1)[:1].view(ints)
+        element.bitwise_xor_(torch.tensor(mask, dtype=ints, device=element.device))

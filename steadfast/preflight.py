@@ -91,10 +91,12 @@ def check(job_cfg: DictConfig) -> List[str]:
             out.append(bad("fault.times", f.times, "an integer >= 0 (0 = every time)"))
         if f.kind is FaultKind.slow_rank:
             out += positive("fault.delay_s", f.delay_s)
+        if f.kind is FaultKind.bitflip and not 0 <= f.bit <= 63:
+            out.append(bad("fault.bit", f.bit, "a bit number from 0 (the lowest) to 63"))
         sharded = s.parallel.kind.value == "fsdp"  # every rank writes its own file of a sharded checkpoint
         if f.kind in WRITER_KINDS and f.rank != 0 and not sharded:
             out.append(bad("fault.rank", f.rank, f"0 for fault.kind={f.kind.value} (only rank 0 writes checkpoints)"))
-    out += _sharding_problems(s, OmegaConf.select(cfg, "backend.name", default=None))
+    out += _sharding_problems(s, OmegaConf.select(cfg, "backend.name", default=None)) + _anomaly_problems(s)
     if s.parallel.kind.value != "fsdp" and s.parallel.units:
         out.append(
             bad("parallel.units", s.parallel.units, "empty unless parallel.kind=fsdp (the modules FSDP shards one by one)")
@@ -121,6 +123,20 @@ def check(job_cfg: DictConfig) -> List[str]:
         )
     out += app_keys.problems(job_cfg, cfg)
     return out + _resume_problems(job_cfg, cfg, s)
+
+
+def _anomaly_problems(s: Settings) -> List[str]:
+    a, out = s.anomaly, []
+    if a.spike_zscore is not None and a.spike_zscore <= 0:
+        out.append(bad("anomaly.spike_zscore", a.spike_zscore, "standard deviations > 0, or null: no z-score test"))
+    if a.spike_ratio is not None and a.spike_ratio <= 1:
+        out.append(bad("anomaly.spike_ratio", a.spike_ratio, "a ratio > 1 to the moving average, or null: no ratio test"))
+    out += positive("anomaly.ema_steps", a.ema_steps) + positive("anomaly.window_steps", a.window_steps)
+    out += positive("anomaly.lr_scale", a.lr_scale)
+    for key in ("warmup_steps", "max_rollbacks", "lr_scale_steps", "fingerprint_every_n_steps"):
+        if getattr(a, key) < 0:
+            out.append(bad(f"anomaly.{key}", getattr(a, key), "an integer >= 0"))
+    return out
 
 
 def _sharding_problems(s: Settings, backend: Optional[str]) -> List[str]:

@@ -13,8 +13,9 @@ A loop of steps without epochs (a language model's) is `for step in run.steps(ma
 batches from `run.random_batches(get_batch)` or `run.stream(loader)` (loop/streams.py).
 
 On every step `run.step` beats the heartbeat the launcher's hang watchdog reads, adds the loss to
-the metrics, saves when the `checkpoint` group's cadence says so, and takes part in the ranks'
-agreement on stop requests: after SIGTERM/SIGINT every rank stops at the same step, that step is
+the metrics and to the anomaly watch (a non-finite loss or a spike sends every rank back to a
+healthy state: the `anomaly` group, steadfast/health/), saves when the `checkpoint` group's cadence
+says so, and takes part in the ranks' agreement on stop requests: after SIGTERM/SIGINT every rank stops at the same step, that step is
 committed, and the run ends with exit code 75 ("run the same command again"). Leaving the `with`
 block (or `run.finish()`) commits the last step and records the run's result in summary.json,
 with the final weights' sha256.
@@ -48,6 +49,7 @@ from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .distributed import library_mode, parallel
 from .distributed.exchange import Exchange
 from .faults import FaultInjector
+from .health.loop import RunHealth
 from .loop.agreement import StopAgreement
 from .loop.boundary import StepBoundary
 from .loop.cadence import Cadence, history
@@ -138,7 +140,10 @@ class Run:
         ck = self.settings.checkpoint
         folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
         every = self.settings.snapshot.every_n_steps
-        memory, why = open_memory(every, self.launch.snapshot, self.rank, self.local_rank, self.world_size)
+        # with the anomaly guard two more copies: the newest known healthy, the newest whose health is being agreed
+        memory, why = open_memory(
+            every, self.launch.snapshot, self.rank, self.local_rank, self.world_size, 4 if self.settings.anomaly.on else 2
+        )
         if why:
             announce_off(self.record.event, why)
         self.checkpointer = Checkpointer(
@@ -193,7 +198,8 @@ class Run:
         self._first_step = True
         self._finished = False
         self._result: Dict[str, Any] = {}
-        self._epoch_loss_of = -1  # the epoch whose mean loss train_loss holds
+        self._epoch_loss_of = (-1, 0)  # the epoch (and the data's generation: a rollback's) whose mean loss train_loss holds
+        self.health = RunHealth(self, self._stop)  # the anomaly guard (steadfast/health/): watch, agreement, rollbacks
         self.record.event(Event.ATTEMPT_STARTED, world_size=self.comm.world_size, device=str(self.comm.device))
 
     # ---- who and where ------------------------------------------------------------------------
@@ -247,6 +253,7 @@ class Run:
         self.telemetry.timer.watch(outer, model, forward_is_local=self.settings.parallel.kind.value != "fsdp")
         if self.faults.wants_backward_hook:  # fault=hang_in_backward: in the middle of the backward pass
             next(model.parameters()).register_hook(lambda grad: self.faults.in_backward(self.progress.global_step + 1))  # type: ignore[no-untyped-call]
+        self.health.watch_model(model, optimizer)  # the faults it rehearses, the learning rate after a rollback
         if optimizer is None:
             return wrapped
         self.optimizer = optimizer
@@ -278,6 +285,7 @@ class Run:
         self.data.sources.resumed = True
         if self.model is not None and self.optimizer is not None:
             self.comm.broadcast_state(self.model, self.optimizer)
+        self.health.start()  # what is known healthy: a committed checkpoint is; a snapshot once the ranks say so
         if restored is None:
             self.progress.first_world_size = self.launch.reference_world_size
             self._beat("train")
@@ -352,12 +360,14 @@ class Run:
         completes = data.entering_micro_batch() if data.counts_micro_batches else data.sync_gradients
         return _AS_IS if completes else parallel.no_sync(model)
 
-    def step(self, loss: Loss = None) -> None:
-        """After the optimizer step: count it, and do what is due at this step boundary."""
+    def step(self, loss: Loss = None, grad_norm: Loss = None) -> None:
+        """After the optimizer step: count it, and do what is due at this step boundary. `loss` (as it
+        is: nothing is read from a GPU per step) goes to the metrics and, with `grad_norm` (say
+        clip_grad_norm_'s), to the anomaly watch; an anomaly agreed at this step sends the run back."""
         p = self.progress
         p.global_step += 1
         self.data.stepped()
-        if self.boundary.quiet(p.global_step, p.epoch, loss):  # most steps: nothing is due but counting
+        if self.boundary.quiet(p.global_step, p.epoch, loss, grad_norm):  # most steps: nothing is due but counting
             return
         if self._first_step:
             self._first_step = False
@@ -365,7 +375,7 @@ class Run:
             self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
         if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
-        due = self.boundary.due(p.global_step, p.epoch, loss)
+        due = self.boundary.due(p.global_step, p.epoch, loss, grad_norm)
         if due.stop is not None:
             self._preempt(due.stop)
         if due.over_memory is not None:
@@ -385,7 +395,8 @@ class Run:
         self.boundary.after(p.global_step)
 
     def save(self) -> None:
-        """Commit the tracked state at this step now (collective: every rank calls it at the same step)."""
+        """Commit the tracked state at this step now (collective: every rank calls it at the same step).
+        Only a state known healthy: the ranks' health to this step is agreed first (steadfast/health/)."""
         self._beat("save", force=True)
         seconds = self.checkpointer.save(self.progress)
         self.cadence.saved(seconds)
@@ -405,8 +416,11 @@ class Run:
     def epoch_loss(self) -> Optional[float]:
         """The mean training loss of this epoch over every rank and batch, after its last step
         (collective; the epoch's end reuses it)."""
-        if self._epoch_loss_of != self.progress.epoch:
-            self.train_loss, self._epoch_loss_of = self.telemetry.end_epoch(), self.progress.epoch
+        if self._epoch_loss_of != (self.progress.epoch, self.data.position.generation):
+            self.train_loss, self._epoch_loss_of = (
+                self.telemetry.end_epoch(),
+                (self.progress.epoch, self.data.position.generation),
+            )
         return self.train_loss
 
     def mean(self, value: Any) -> float:
@@ -450,6 +464,7 @@ class Run:
             "final_loss": self.train_loss if self.train_loss is not None else self.telemetry.last_loss,
             **self.latest,
             "restarts": self.restarts,
+            **self.health.result(),
             "resumed_from_step": self.resumed_from,
             "world_size": self.world_size,
             "wall_seconds": round(time.time() - self.started, 3),
@@ -478,6 +493,8 @@ class Run:
     def _end_epoch(self, max_epochs: int) -> None:
         p = self.progress
         self.epoch_loss()
+        if self.health.rolled_back_at_epoch_end():
+            return  # the epoch (or the one it went back to) comes again from the healthy state restored
         self.data.end_epoch()
         if self.cadence.epoch_due(p.epoch):
             self.save()
@@ -498,26 +515,30 @@ class Run:
             + ", checkpoint committed. Run the same command again to continue.",
         )
 
-    def _commit_last(self) -> None:
-        """Every rank: the step it stands at committed (an asynchronous save's too, before anyone
-        reports it), the last metrics windows sent."""
+    def _commit_last(self, commit: bool = True) -> None:
+        """Every rank: the step it stands at committed (unless `commit` is False: a state not known
+        healthy; an asynchronous save's too, before anyone reports it), the last metrics windows sent."""
         self.agreement.drain(self.progress.global_step)
-        if self.checkpointer.last_saved_step != self.progress.global_step:
+        if commit and self.checkpointer.last_saved_step != self.progress.global_step:
             self.save()
         self.checkpointer.close()
         self.telemetry.close()
 
-    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, **fields: Any) -> None:
-        """Every rank, at the same step: commit it, record the stop, and end the task with StopRun."""
-        self._commit_last()
+    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, commit: bool = True, **fields: Any) -> None:
+        """Every rank, at the same step: commit it (unless `commit` is False: a state not known healthy),
+        record the stop, and end the task with StopRun. (The step committed is the healthy one an
+        anomaly found at this save sent the run back to.)"""
+        self._commit_last(commit)
         p = self.progress
         fields.update(
             step=p.global_step,
             epoch=p.epoch,
             batch_in_epoch=p.batch_in_epoch,
-            saved=True,
+            saved=self.checkpointer.last_saved_step == p.global_step,
             message=message,
-            checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step)),
+            checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step))
+            if self.checkpointer.last_saved_step == p.global_step
+            else None,
             result=self.result(),
         )
         if reason == PREEMPTED:
@@ -528,7 +549,7 @@ class Run:
         self.record.event(Event(reason), **fields)
         log.warning("%s", message)
         self._close()
-        raise StopRun(reason, p.global_step, True, message, exit_code, signum)
+        raise StopRun(reason, p.global_step, fields["saved"], message, exit_code, signum)
 
     def _close(self) -> None:
         self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank

@@ -142,6 +142,22 @@ def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.extended
 @pytest.mark.slow
+def test_anomalies_bench_smoke(tmp_path: Path) -> None:
+    r = _run_bench(tmp_path, "anomalies")
+    assert set(r["ms_per_step"]) == {"bare", "watched", "watched_gpu", "fingerprint"} and not r["false_findings"]
+    assert all(_positive(v) for v in r["ms_per_step"].values()) and _positive(r["device"]["ops_per_step"])
+    assert r["rollback"]["nan_at_step"] == 20 and r["rollback"]["steps_trained_again"] >= 1
+    from bench.report import write_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (tmp_path / "anomalies.json").rename(results / "anomalies.json")
+    text = write_report(results, tmp_path / "BENCHMARKS.md").read_text()
+    assert "## 10. Failures that crash nothing" in text and "| 10 | anomaly detection" in text
+
+
+@pytest.mark.extended
+@pytest.mark.slow
 def test_scaling_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "scaling")
     big = r["model_size"]["big"]

@@ -28,6 +28,7 @@ SCHEMAS: List[type] = [
     sconf.FaultConf,
     sconf.LoggerConf,
     sconf.SnapshotConf,
+    sconf.AnomalyConf,
     pconf.TrainerConfig,
     *pconf.MODEL_SCHEMAS.values(),
     *pconf.DATA_SCHEMAS.values(),

@@ -231,17 +231,17 @@ def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
     whole: List[int] = []
     real_due = StepBoundary.due
 
-    def due(self: StepBoundary, step: int, epoch: int, loss: Any) -> Any:
+    def due(self: StepBoundary, step: int, epoch: int, loss: Any, *more: Any) -> Any:
         whole.append(step)
-        return real_due(self, step, epoch, loss)
+        return real_due(self, step, epoch, loss, *more)
 
     monkeypatch.setattr(StepBoundary, "due", due)
     losses: List[float] = []
     real_step = Run.step
 
-    def step(self: Run, loss: Any = None) -> None:
+    def step(self: Run, loss: Any = None, *more: Any) -> None:
         losses.append(float(loss))
-        real_step(self, loss)
+        real_step(self, loss, *more)
 
     monkeypatch.setattr(Run, "step", step)
     cfg = {"logger": {"progress": "none"}, "checkpoint": {"every_n_steps": 7, "every_n_epochs": None}}

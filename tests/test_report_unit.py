@@ -435,3 +435,31 @@ def test_the_steps_reached_are_the_furthest_any_record_shows() -> None:
     assert (a0.last_step, a0.lost_steps, a0.cause) == (40, 27, "hang: rank 1 at step 14 (f.py:1)")
     r.events = [e for e in r.events if e["event"] != Event.FAULT_FIRED.value]
     assert r.report().attempts[0].last_step == 30  # the last logged step
+
+
+def test_rollbacks_and_heals_are_in_the_text_and_their_steps_counted_as_redone(tmp_path: Path) -> None:
+    """The anomaly guard's records (steadfast/health/): each finding a line; what a rollback gave up is
+    redone time, not other; a record with fields of the wrong type still reads."""
+    r = Records().ev(0, Event.LAUNCH).ev(5, Event.ATTEMPT_STARTED, restart=0).train(6, 10, 400, restart=0)
+    r.ev(20, Event.ANOMALY, restart=0, anomaly="nonfinite_loss", step=120, ranks=[1, 0], agreed_at=130, action="rolled_back")
+    r.events[-1].update(restored_step=100, source="memory", skipped=[0, 3840, 32, 119, 1], samples=[5, 9])
+    r.ev(30, Event.ANOMALY, restart=0, anomaly="divergence", step=200, ranks=[2], agreed_at=204, action="healed")
+    r.events[-1].update(source="rank 0", tensor="net.0.weight", hosts=["b"], suspect=[2])
+    r.ev(31, Event.ANOMALY, restart=0, anomaly=7, step="x", skipped=[1, 2])  # hostile: read as missing, no traceback
+    r.ev(50, Event.TRAINING_COMPLETED, restart=0, step=400).ev(51, Event.JOB_COMPLETED, relaunches=0)
+    before = Records().ev(0, Event.LAUNCH).ev(5, Event.ATTEMPT_STARTED, restart=0).train(6, 10, 400, restart=0)
+    before.ev(50, Event.TRAINING_COMPLETED, restart=0, step=400).ev(51, Event.JOB_COMPLETED, relaunches=0)
+    rep, plain = r.report(summary=Summary(status="completed")), before.report(summary=Summary(status="completed"))
+    assert [h.redone for h in rep.anomalies] == [30, 0, 0]
+    assert rep.breakdown.redone == pytest.approx(plain.breakdown.redone + 30 * STEP_S)
+    assert rep.breakdown.useful == pytest.approx(plain.breakdown.useful)
+    said = text.format_run(rep)
+    assert (
+        "anomaly: nonfinite_loss on rank 1 at step 120 (then on rank(s) 0), agreed at step 130: rolled back to step 100"
+        " (memory), 30 step(s) redone, 32 sample(s) skipped (epoch 1, 3840..3871 of its order)" in said
+    ), said
+    assert "replicas diverged at step 200 (ranks 2, first in net.0.weight), agreed at step 204: healed from rank 0" in said
+    assert "suspect hardware: rank(s) 2" in said and "anomaly: ? on rank - at step -" in said
+    from steadfast.report.plot import plot_run
+
+    assert plot_run(rep, tmp_path / "report.png").stat().st_size > 0  # the loss plot marks them

@@ -23,6 +23,7 @@ The format (what the files hold):
   dtypes         the format's dtype codes and the torch dtypes they name (no torch)
   export, consolidate   one plain safetensors file of a model: from a live sharded model, and
                  `steadfast-consolidate` from a committed checkpoint
+  finite         a poisoned state (a NaN or an infinity) is never committed, nor resumed
   compare        two checkpoints of one step read whole and compared object by object, key by key
                  (steadfast-verify: where a resumed run left the path of the run never stopped)
 What a run's loop tracks, on top of those:

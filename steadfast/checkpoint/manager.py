@@ -396,15 +396,17 @@ class CheckpointManager:
         allow_config_change: bool,
         fresh_start_if_unusable: bool = False,
         new_rank: Optional[Callable[[int], None]] = None,
+        newest: Optional[int] = None,
     ) -> Optional[Restored]:
         """Collective: load the newest checkpoint that every rank can load into `objects`; None if there is none.
 
         A checkpoint saved by another number of workers is refused unless `new_rank` is given (an
         elastic job): then ranks the checkpoint has keep their saved per-rank state, and a rank it
-        does not have calls `new_rank(step)` to seed its state deterministically."""
+        does not have calls `new_rank(step)` to seed its state deterministically. `newest`: none of a
+        later step (a rollback's)."""
         chooser = rs.Chooser(self.folder, self.training_config, self.full_config, self.on_event, self._set_aside)
         found = rs.Resume(self.folder, self.comm, chooser).run(
-            objects, per_rank, allow_config_change, fresh_start_if_unusable, new_rank
+            objects, per_rank, allow_config_change, fresh_start_if_unusable, new_rank, newest
         )
         if found is None:
             return None

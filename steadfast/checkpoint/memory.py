@@ -36,7 +36,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import xxhash
 
@@ -209,19 +209,41 @@ class Slot:
 
 
 class Buffer:
-    """A double buffer: the slot to write next is the one not holding the newest snapshot."""
+    """A double buffer (or more, `count`): the slot to write next is the oldest of those that hold
+    neither the newest snapshot (a death in the middle of the copy leaves it) nor the newest at or
+    before a protected step."""
 
-    def __init__(self, segments: Segments, name: str, keyed: Keyed) -> None:
-        self.slots = [Slot(segments, f"{name}.{k}", keyed) for k in "ab"]
+    def __init__(self, segments: Segments, name: str, keyed: Keyed, count: int = 2) -> None:
+        self.slots = [Slot(segments, f"{name}.{k}", keyed) for k in "abcd"[:count]]
         self._known = False  # whether the slots' contents are known to this process (it wrote or read them)
 
-    def write(self, seq: int, step: int, world_size: int, layout: Any, halfway: Optional[Callable[[], None]] = None) -> int:
+    def write(
+        self,
+        seq: int,
+        step: int,
+        world_size: int,
+        layout: Any,
+        halfway: Optional[Callable[[], None]] = None,
+        protect: Sequence[int] = (),
+    ) -> int:
+        """`protect`: steps, most important first, whose newest snapshot at or before each is kept
+        while another slot is left to write (the anomaly guard's: the newest known healthy, and the
+        newest whose health is being agreed)."""
         if not self._known:  # what an earlier incarnation left: the older slot goes first
             for slot in self.slots:
                 head = slot.header()
                 slot.seq, slot.step = (head[0], head[1]) if head else (0, 0)
             self._known = True
-        older = min(self.slots, key=lambda slot: slot.seq)
+        free = list(self.slots)
+        filled = [slot for slot in free if slot.seq]
+        kept = [max(filled, key=lambda slot: slot.seq)] if filled else []
+        for bound in protect:
+            held = [slot for slot in filled if slot.step <= bound]
+            kept += [max(held, key=lambda slot: (slot.step, slot.seq))] if held else []
+        for slot in kept:
+            if slot in free and len(free) > 1:
+                free.remove(slot)
+        older = min(free, key=lambda slot: slot.seq)
         older.write(seq, step, world_size, layout.buffers(), layout.size, halfway)
         return int(layout.size)  # layout: the codec's, untyped here
 
@@ -252,11 +274,14 @@ class MemorySnapshots:
     rank 0, `objects`) and each rank's own state (`own`); the sharded one each rank's file, its
     pieces and every unsharded tensor (`own` alone)."""
 
-    def __init__(self, segments: Segments, rank: int, local_rank: int, world_size: int) -> None:
-        self.segments, self.rank, self.world_size = segments, rank, world_size
+    def __init__(self, segments: Segments, rank: int, local_rank: int, world_size: int, copies: int = 2) -> None:
+        self.segments, self.rank, self.world_size, self.copies = segments, rank, world_size, copies
         self.writes_objects = local_rank == 0
         keyed = Keyed(segments.key)
-        self.buffers = {SHARED: Buffer(segments, SHARED, keyed), OWN: Buffer(segments, f"{RANK}{rank}", keyed)}
+        self.buffers = {
+            SHARED: Buffer(segments, SHARED, keyed, copies),
+            OWN: Buffer(segments, f"{RANK}{rank}", keyed, copies),
+        }
         self.seq = int(time.time() * 1000)  # grows across incarnations of the workers
         self.bytes = 0
         self.seconds: Optional[float] = None  # the last snapshot's cost on this rank
@@ -272,15 +297,29 @@ class MemorySnapshots:
         blobs = for_state(states).snapshot(states, own, self.writes_objects)
         return [(self.buffers[name], layout) for name, layout in blobs.items()]
 
-    def take(self, step: int, planned: List[Tuple[Buffer, Any]], halfway: Optional[Callable[[], None]] = None) -> None:
+    def take(
+        self,
+        step: int,
+        planned: List[Tuple[Buffer, Any]],
+        halfway: Optional[Callable[[], None]] = None,
+        protect: Sequence[int] = (),
+    ) -> None:
         started = time.perf_counter()
         self.seq += 1
         shared = self.buffers[SHARED]
         self.bytes = sum(
-            buffer.write(self.seq, step, self.world_size, layout, halfway if buffer is shared or len(planned) == 1 else None)
+            buffer.write(
+                self.seq, step, self.world_size, layout, halfway if buffer is shared or len(planned) == 1 else None, protect
+            )
             for buffer, layout in planned
         )
         self.seconds = time.perf_counter() - started
+
+    def keep(self, copies: int) -> None:
+        """Fewer copies of each buffer than it was opened with (before the first snapshot)."""
+        self.copies = copies
+        for buffer in self.buffers.values():
+            buffer.slots = buffer.slots[:copies]
 
     @property
     def objects(self) -> Buffer:
@@ -320,15 +359,16 @@ class MemorySnapshots:
 
 
 def open_memory(
-    every: Union[int, str], segment: Optional[str], rank: int, local_rank: int, world_size: int
+    every: Union[int, str], segment: Optional[str], rank: int, local_rank: int, world_size: int, copies: int = 2
 ) -> Tuple[Optional[MemorySnapshots], Optional[str]]:
-    """This rank's snapshots in the launch's private folder, or (None, why not); (None, None): off."""
+    """This rank's snapshots in the launch's private folder, or (None, why not); (None, None): off.
+    `copies`: 4 where the anomaly guard keeps one known healthy and one being agreed besides the two."""
     if every == 0 or not segment:
         return None, None
     if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
         return None, f"{SHM_DIR} is not a writable folder here"
     try:
-        return MemorySnapshots(Segments(segment), rank, local_rank, world_size), None
+        return MemorySnapshots(Segments(segment), rank, local_rank, world_size, copies), None
     except OSError as exc:
         return None, f"the launch's private folder {SHM_DIR / segment} cannot be used ({exc.strerror or exc})"
 
@@ -342,15 +382,16 @@ def announce_off(record: Callable[..., None], why: str) -> None:
     record(Event.SNAPSHOT_UNAVAILABLE, reason=why)
 
 
-def fits(segments: Segments, nbytes: int) -> Optional[str]:
-    """None when two copies of `nbytes` fit in the shared-memory filesystem; else why not."""
+def fits(segments: Segments, nbytes: int, copies: int = 2) -> Optional[str]:
+    """None when `copies` copies of `nbytes` fit in the shared-memory filesystem; else why not."""
     try:
         st = os.fstatvfs(segments.fd)
         used = segments.used_bytes()  # what the launch's snapshots hold now, freed when they are rewritten
     except OSError as exc:
         return f"{SHM_DIR} is not available ({exc.strerror or exc})"
     free = st.f_bavail * st.f_frsize
-    need = 2 * (nbytes + HEADER_BYTES)
+    need = copies * (nbytes + HEADER_BYTES)
     if free + used < need:
-        return f"{SHM_DIR} has {free / 2**20:.0f} MiB free and the snapshots need {need / 2**20:.0f} MiB (two copies)"
+        many = {2: "two", 4: "four"}.get(copies, str(copies))
+        return f"{SHM_DIR} has {free / 2**20:.0f} MiB free and the snapshots need {need / 2**20:.0f} MiB ({many} copies)"
     return None

@@ -22,6 +22,7 @@ from ..contract.events import Event
 from . import fileio
 from . import manifest as mf
 from .codec import Collectives, Loaded
+from .finite import nonfinite
 from .formats import for_manifest
 from .optimizers import optimizer_misfit, param_names
 
@@ -65,7 +66,8 @@ def check_fits(
     """ValueError naming what does not fit, before anything is applied: each object's state against
     its live state (`misfit`), an optimizer's against its live parameters (`optimizer_misfit`; by
     name too where the manifest's `params` names them), and against the object's own `check_state`
-    where it has one (the loop's progress, the RNG states: they refuse a state without setting any of it)."""
+    where it has one (the loop's progress, the RNG states: they refuse a state without setting any of it);
+    then that no parameter or optimizer state holds a NaN or an infinity (checkpoint/finite.py)."""
     own = loaded.own or {}
     live_names = param_names(objects) if params else {}
     for name, obj in [*objects.items(), *(per_rank.items() if loaded.own is not None else [])]:
@@ -79,6 +81,9 @@ def check_fits(
         check = getattr(obj, "check_state", None)
         if check is not None:
             check(state)
+    poisoned = nonfinite(objects, loaded.objects)
+    if poisoned:
+        raise ValueError(f"{poisoned} holds a NaN or an infinity (a poisoned state is never resumed)")
 
 
 def _is_optimizer(obj: Any) -> bool:
@@ -204,10 +209,13 @@ class Resume:
         allow_config_change: bool,
         fresh_start_if_unusable: bool,
         new_rank: Optional[Callable[[int], None]],
+        newest: Optional[int] = None,
     ) -> Optional[Tuple[Path, Dict[str, Any]]]:
-        """(path, manifest) of the checkpoint loaded into the objects, or None for a fresh start."""
+        """(path, manifest) of the checkpoint loaded into the objects, or None for a fresh start
+        (`newest`: of no later step)."""
         comm, chooser = self.comm, self.chooser
         candidates = comm.broadcast_object(chooser.candidates(allow_config_change) if comm.rank == 0 else None)
+        candidates = [c for c in candidates if newest is None or c[1]["step"] <= newest]
         for path_name, manifest, refusal in candidates:
             if refusal is not None:
                 raise CheckpointError(refusal)

@@ -65,6 +65,11 @@ class Progress:
     first_world_size: Optional[int] = None  # workers of the run's first launch (or the elastic job's full size)
     # batches the steps took from each of the run's step-loop sources (run.random_batches, run.stream), in order
     streams: List[int] = field(default_factory=list)
+    # what rollbacks left out of the data (steadfast/health/): [epoch, first sample, samples, first batch,
+    # batches] in that epoch's order as it stood then, in the order they were skipped (data.ResumableSampler)
+    skipped: List[List[int]] = field(default_factory=list)
+    rollbacks: List[int] = field(default_factory=list)  # the step of each anomaly rolled back, oldest first
+    diverged: List[int] = field(default_factory=list)  # each rank named diverged from the others, once per finding
 
     def state_dict(self) -> Dict[str, Any]:
         state = asdict(self)
@@ -94,6 +99,11 @@ class Progress:
             elif key == "first_world_size":
                 if value is not None and not _int_in(value, 1, MAX_WORLD_SIZE):
                     raise ValueError(f"progress {key!r}: must be None or an int from 1 to {MAX_WORLD_SIZE}, not {_show(value)}")
+            elif key in HISTORY:
+                width = 5 if key == "skipped" else None
+                if not _int_list(value, width):
+                    shape = f"lists of {width} ints" if width else "ints"
+                    raise ValueError(f"progress {key!r}: must be a list of at most {MAX_HISTORY} {shape} from 0 to {MAX_COUNT}")
             else:
                 raise ValueError(f"progress: unknown key {_show(key)}")
 
@@ -126,6 +136,8 @@ class RNGState:
 
 
 COUNTS = ("epoch", "batch_in_epoch", "sample_in_epoch", "global_step")
+HISTORY = ("skipped", "rollbacks", "diverged")
+MAX_HISTORY = 100_000  # entries of each history list: far beyond what max_rollbacks lets a run reach
 MAX_COUNT = 2**53  # far beyond any run; well below what a manifest accepts (10**18 steps), so saves after it stay valid
 MAX_WORLD_SIZE = 2**31
 MAX_STREAMS = 1024
@@ -134,6 +146,15 @@ MT_WORDS = 624  # numpy's MT19937 key
 
 def _int_in(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _int_list(value: Any, width: Optional[int]) -> bool:
+    """A list of at most MAX_HISTORY counts, or (`width`) of lists of `width` counts."""
+    if not isinstance(value, list) or len(value) > MAX_HISTORY:
+        return False
+    if width is None:
+        return all(_int_in(v, 0, MAX_COUNT) for v in value)
+    return all(isinstance(v, list) and len(v) == width and all(_int_in(x, 0, MAX_COUNT) for x in v) for v in value)
 
 
 def _show(value: Any) -> str:

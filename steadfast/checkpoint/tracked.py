@@ -21,6 +21,7 @@ from ..contract.failures import recurs_when_disk_full
 from ..telemetry.records import RunRecord
 from . import manifest
 from .codec import Collectives, Loaded
+from .finite import nonfinite
 from .manager import CheckpointError, CheckpointManager, Restored
 from .memory import MemorySnapshots
 from .restore import check_fits
@@ -95,6 +96,9 @@ class Checkpointer:
         self.restored: Optional[Restored] = None
         self.memory = memory  # this rank's snapshots in memory (None: off)
         self.source = "disk"  # where the last restore came from
+        # asked before each save (collective; steadfast/health/): whether the state the run stands at
+        # then is to be committed (an anomaly found may first send it back to a healthy one)
+        self.healthy: Callable[[], bool] = lambda: True
 
     @property
     def folder(self) -> Path:
@@ -136,17 +140,33 @@ class Checkpointer:
         self.restored = restored
         return restored
 
-    def _from_memory(self) -> Optional[Restored]:
+    def roll_back(self, newest: int) -> Optional[Restored]:
+        """Collective: the newest state at or before step `newest` loaded into the tracked objects: a
+        snapshot in memory, or else the newest committed checkpoint at or before it (None: there is
+        neither). Snapshots newer than the state restored are discarded (another timeline)."""
+        self.manager.wait()  # an asynchronous save in flight reads the live state, and may commit a checkpoint
+        restored = self._from_memory(newest)
+        if restored is None:
+            s = self.settings
+            restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, newest=newest)
+            self.source = "disk"
+        if restored is not None and self.memory is not None:
+            self.memory.discard_after(restored.step)
+        return restored
+
+    def _from_memory(self, newest: Optional[int] = None) -> Optional[Restored]:
         """Collective: every rank restores from its node's snapshot when all have the same, verified
-        step and it is newer than the newest committed checkpoint; otherwise nobody does (None)."""
+        step and it is newer than the newest committed checkpoint; otherwise nobody does (None).
+        `newest`: a rollback's, no state after that step."""
         comm = self.comm
-        if self.settings.resume == Resume.never:
+        if self.settings.resume == Resume.never and newest is None:
             return None
         steps = self.memory.steps(self.objects) if self.memory is not None else []
+        steps = [s for s in steps if newest is None or s <= newest]
         disk = -1
         if comm.rank == 0:
-            found = manifest.committed(self.folder)
-            disk = found[0][0] if found else -1
+            found = [step for step, _ in manifest.committed(self.folder) if newest is None or step <= newest]
+            disk = found[0] if found else -1
         # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
         # the middle of a snapshot has the one before, which the others still hold: double buffers)
         lowest, newest_on_disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
@@ -186,8 +206,19 @@ class Checkpointer:
         )
 
     def save(self, progress: Progress) -> float:
-        """Collective: commit the tracked state at the current step; returns the seconds training waited."""
+        """Collective: commit the tracked state at the current step; returns the seconds training waited.
+        A state whose parameters or optimizer state hold a NaN or an infinity on any rank is refused.
+        Nothing is committed when `healthy()` says so (then 0.0)."""
+        if not self.healthy():
+            return 0.0
         started = time.perf_counter()
+        poisoned = nonfinite(self.objects)
+        if self.comm.max_each([1.0 if poisoned else 0.0])[0]:
+            where = poisoned or "another rank's state"
+            raise CheckpointError(
+                f"refusing to commit step {progress.global_step}: {where} holds a NaN or an infinity; "
+                f"the newest committed checkpoint in {self.folder} is kept"
+            )
         with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
             self.manager.save(
                 progress.global_step,

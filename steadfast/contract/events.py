@@ -66,9 +66,11 @@ class Event(str, Enum):
     SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # memory snapshots off for this job
     FAULT_FIRED = "fault_fired"  # any rank
     STRAGGLER = "straggler"  # the slow rank itself: named, and once when it recovers
+    ANOMALY = "anomaly"  # a non-finite value, a loss spike, replicas that diverged: what every rank did about it
     WORKER_FAILED = "worker_failed"  # any rank
     PREEMPTED = "preempted"
     MEMORY_LIMIT = "memory_limit"
+    ANOMALY_STOP = "anomaly_stop"  # stopped: more rollbacks than anomaly.max_rollbacks allows (or no healthy state)
     TRAINING_COMPLETED = "training_completed"  # what summary.json reports
 
     def __str__(self) -> str:
@@ -339,6 +341,7 @@ class FaultFired(Record):
     step: Optional[int] = None
     fails: Optional[bool] = None  # the attempt fails (hangs: see hang_detected)
     path: Optional[str] = None  # the checkpoint a fault damaged
+    tensor: Optional[str] = None  # bitflip: the parameter whose bit it flipped
 
 
 @_kind(Event.STRAGGLER)
@@ -355,6 +358,27 @@ class Straggler(Record):
     windows: Optional[int] = None
     step: Optional[int] = None  # the last step of the deciding window
     recovered: Optional[bool] = None  # False: named; True: no longer slower
+
+
+@_kind(Event.ANOMALY)
+@dataclass(frozen=True)
+class Anomaly(Record):
+    """What every rank agreed it saw (steadfast/health/), at the same step (`agreed_at`), and what they
+    did: went back to `restored_step` skipping `skipped`, or healed the replicas; written by rank 0."""
+
+    anomaly: Optional[str] = None  # nonfinite_loss, loss_spike, nonfinite_grad_norm, divergence
+    step: Optional[int] = None  # the first step that showed it (a divergence: the fingerprints' step)
+    ranks: Optional[List[int]] = None  # the ranks that showed it, the first to first (a divergence: that differ)
+    value: Optional[float] = None  # the loss or gradient norm seen, when finite
+    agreed_at: Optional[int] = None
+    action: Optional[str] = None  # rolled_back, or healed (from `source_rank`: a majority's)
+    restored_step: Optional[int] = None
+    source: Optional[str] = None  # memory or disk; healed: the rank whose parameters were copied
+    skipped: Optional[List[int]] = None  # [epoch, first sample, samples, first batch, batches] of that epoch's order
+    samples: Optional[List[int]] = None  # the dataset indices skipped (the run's loader; the first 64)
+    hosts: Optional[List[str]] = None  # a divergence: the hosts of the ranks that differ
+    tensor: Optional[str] = None  # a divergence: the first parameter that differs
+    suspect: Optional[List[int]] = None  # ranks found diverged twice or more: suspect hardware
 
 
 @_kind(Event.WORKER_FAILED)
@@ -395,6 +419,12 @@ class MemoryLimit(TaskStopped):
     rss_mb: Optional[float] = None
 
 
+@_kind(Event.ANOMALY_STOP)
+@dataclass(frozen=True)
+class AnomalyStop(TaskStopped):
+    """anomaly.max_rollbacks passed (its `anomaly` events are the evidence), or no healthy state to go back to."""
+
+
 @_kind(Event.TRAINING_COMPLETED)
 @dataclass(frozen=True)
 class TrainingCompleted(Record):
@@ -405,7 +435,7 @@ class TrainingCompleted(Record):
 
 assert set(RECORDS) == set(Event), "every kind of event needs its record type"
 # The stop events a task writes when it stopped on purpose (their kind is the summary's status).
-STOP_EVENTS = (Event.PREEMPTED, Event.MEMORY_LIMIT)
+STOP_EVENTS = (Event.PREEMPTED, Event.MEMORY_LIMIT, Event.ANOMALY_STOP)
 LAUNCH_ENDS = (Event.JOB_COMPLETED, Event.JOB_FAILED, Event.JOB_INTERRUPTED, Event.JOB_STOPPED)
 
 

@@ -63,6 +63,7 @@ RULES: Tuple[KeyRule, ...] = (
     KeyRule("restart.", False, False, "the restart policy"),
     KeyRule("cluster.", False, False, "where the job is submitted"),
     KeyRule("logger.", False, False, "what a person sees"),
+    KeyRule("anomaly.", False, False, "what is done about a loss spike or a non-finite value: changes only a run that has one"),
     KeyRule("fault.", True, False, "a rehearsal is a run of its own, but a recovered run ends with the same weights"),
     KeyRule("parallel.param_dtype", True, True, "mixed precision changes the numbers trained"),
     KeyRule("parallel.reduce_dtype", True, True, "mixed precision changes the numbers trained"),

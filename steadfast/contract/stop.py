@@ -27,6 +27,7 @@ class StopReason(str, Enum):
 
     PREEMPTED = "preempted"  # a stop request: the same command continues (exit code EXIT_PREEMPTED)
     MEMORY_LIMIT = "memory_limit"  # trainer.max_rss_mb: not restarted, it would happen again
+    ANOMALY_STOP = "anomaly_stop"  # anomaly.max_rollbacks: not restarted, a person looks first
 
     def __str__(self) -> str:
         return self.value

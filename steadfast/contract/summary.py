@@ -3,7 +3,7 @@
 The launcher writes it once at the end of every launch, from what the launch recorded in
 `events.jsonl`: a task that finished says so with a `training_completed` event carrying its
 result (epochs, steps, losses, `model_sha256`, ...); a task that stopped on purpose writes a stop
-event (`preempted`, `memory_limit`); a failure is the launcher's own knowledge. So the summary
+event (`preempted`, `memory_limit`, `anomaly_stop`); a failure is the launcher's own knowledge. So the summary
 is derived from the event log, and the launchers of a multi-node job agree on it: only the
 launcher that hosted global rank 0 writes a completed run's summary.
 """
@@ -25,6 +25,7 @@ class Status(str, Enum):
     FAILED = "failed"
     PREEMPTED = "preempted"  # stopped on request; the same command continues
     MEMORY_LIMIT = "memory_limit"  # stopped by trainer.max_rss_mb after a checkpoint
+    ANOMALY_STOP = "anomaly_stop"  # stopped by anomaly.max_rollbacks after committing the healthy state it went back to
 
     def __str__(self) -> str:
         return self.value
@@ -37,6 +38,7 @@ _OWN_RECORD: Dict[Status, Type[events.Record]] = {
     Status.COMPLETED: events.TrainingCompleted,
     Status.PREEMPTED: events.Preempted,
     Status.MEMORY_LIMIT: events.MemoryLimit,
+    Status.ANOMALY_STOP: events.AnomalyStop,
 }
 
 
@@ -84,7 +86,7 @@ def write(
         summary.update(stop_step=None, stop_saved=False)
         given = record.fields()
         summary.update({name: given[key] for name, key in _STOP_FIELDS.items() if key in given})
-    elif status in (Status.PREEMPTED, Status.MEMORY_LIMIT):
+    elif status in (Status.PREEMPTED, Status.MEMORY_LIMIT, Status.ANOMALY_STOP):
         summary.update(stop_step=None, stop_saved=False)
     summary.update({k: v for k, v in extra.items() if v is not None and summary.get(k) is None})
     summary["status"] = status.value

@@ -3,8 +3,9 @@
 Each part says what it has to do at a step and the next step at which it may have more than
 counting to do: the metrics window (steadfast/telemetry/metrics.py), the control plane's message and what
 rides it (steadfast/distributed/exchange.py: a stop, a save by time, an asynchronous save's commit, the
-intervals' changes), the checkpoint cadence by steps, a step fault, the snapshot cadence. Before the
-first such step a boundary only counts: the loss into the window, the step's local time, the
+intervals' changes, what the ranks' health guard agreed), the checkpoint cadence by steps, a step
+fault, the snapshot cadence, a fingerprint of the replicas. Before the first such step a boundary
+only counts: the loss into the window and into the anomaly watch, the step's local time, the
 display's clock and the heartbeat (the library's whole per-step cost on most steps,
 bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Run` acts on it.
 """
@@ -12,7 +13,7 @@ bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 from ..checkpoint.tracked import Checkpointer
 from ..contract.heartbeat import Heartbeat
@@ -32,6 +33,18 @@ class Due:
     over_memory: Optional[Tuple[int, float]] = None  # (rank, MB): a rank's peak memory passed max_rss_mb
 
 
+class Guard(Protocol):
+    """What a step boundary asks of the ranks' health guard (steadfast/health/guard.py)."""
+
+    def observe(self, step: int, loss: Loss, grad_norm: Loss) -> None: ...
+
+    def at_step(self, step: int) -> None: ...
+
+    def take(self) -> Optional[object]: ...
+
+    def next_due(self, step: int) -> Optional[int]: ...
+
+
 class StepBoundary:
     def __init__(
         self,
@@ -46,30 +59,42 @@ class StepBoundary:
     ) -> None:
         self.telemetry, self.agreement, self.cadence, self.faults = telemetry, agreement, cadence, faults
         self.checkpointer, self.memory, self.heartbeat, self.time_due = checkpointer, memory, heartbeat, time_due
+        self.guard: Optional[Guard] = None  # the ranks' health guard (steadfast/health/), when anything is watched
+        # what the run does about a finding (steadfast/health/loop.py): True when it went back to an earlier step
+        self.act: Callable[[Any], bool] = lambda finding: False
         self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
 
-    def quiet(self, step: int, epoch: int, loss: Loss) -> bool:
+    def quiet(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> bool:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
         self.telemetry.quiet_step(step, epoch, loss)
+        if self.guard is not None:
+            self.guard.observe(step, loss, grad_norm)
         if self.heartbeat is not None:
             self.heartbeat.beat(step, "train")
         return True
 
-    def due(self, step: int, epoch: int, loss: Loss) -> Due:
+    def due(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
         The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
         self.telemetry.add_loss(loss)
+        if self.guard is not None:
+            self.guard.observe(step, loss, grad_norm)
         over = self.telemetry.after_step(step, epoch)
         if self.heartbeat is not None:
             self.heartbeat.beat(step, "train")
         self.faults.after_step(step)
+        if self.guard is not None:
+            self.guard.at_step(step)
         manager = self.checkpointer.manager
         control = self.agreement.at_step(step, self.time_due, busy=manager.busy())
         written = manager.written_step()
         if written is not None and control.since > written and not control.busy:
             manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
+        found = self.guard.take() if self.guard is not None else None
+        if found is not None and self.act(found):  # this step is no longer trained: only a stop agreed now is due
+            return Due(False, control.stop, over)
         return Due(self.cadence.step_due(step) or control.save_due, control.stop, over)
 
     def after(self, step: int) -> None:
@@ -89,4 +114,6 @@ class StepBoundary:
         due += [self.cadence.next_step_due(step), self.faults.next_due(step)]
         if self.memory is not None:
             due.append(self.memory.next_due(step))
+        if self.guard is not None:
+            due.append(self.guard.next_due(step))
         return min(d for d in due if d is not None)

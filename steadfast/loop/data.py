@@ -3,12 +3,16 @@
 `run.loader(dataset, batch_size)` (steadfast.Run) gives each rank its shard of one global
 permutation per epoch, positioned where the run stands; in-memory tensor datasets are fetched a
 batch at a time by index (no per-sample `__getitem__` and collate).
+
+A rollback (steadfast/health/) moves the position back and may leave data out: what it skipped is in
+the progress (`Progress.skipped`: ranges of an epoch's order), so a resume and a re-run skip the same
+samples; the run's loaders then start again from the restored position (`RunData.rewind`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
@@ -65,8 +69,14 @@ class ResumableSampler(Sampler[int]):
     def start(self, epoch: int, sample: int = 0) -> None:
         self._epoch, self._first = epoch, sample
 
+    def _skips(self, epoch: int) -> List[Tuple[int, int]]:
+        """(first sample, samples) of each range a rollback left out of `epoch`'s order, in order."""
+        p = self.progress
+        return [(s[1], s[2]) for s in p.skipped if s[0] == epoch and s[2]] if p is not None and p.skipped else []
+
     def _per_rank(self, first_sample: int) -> int:
-        return max(0, self.total - first_sample) // self.world_size
+        total = self.total - sum(n for _, n in self._skips(self.epoch))
+        return max(0, total - first_sample) // self.world_size
 
     @property
     def batches_per_epoch(self) -> int:
@@ -82,14 +92,21 @@ class ResumableSampler(Sampler[int]):
         """Samples all ranks consume together in one full step."""
         return self.batch_size * self.world_size
 
-    def order(self) -> torch.Tensor:
-        """This rank's indices for the rest of the current epoch."""
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Every rank's indices of `epoch` together, in order, without what rollbacks left out."""
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed * 100_003 + self.epoch)
-            rest = torch.randperm(self.total, generator=g)[self.first_sample :]
+            g.manual_seed(self.seed * 100_003 + epoch)
+            order = torch.randperm(self.total, generator=g)
         else:
-            rest = torch.arange(self.first_sample, self.total)
+            order = torch.arange(self.total)
+        for first, n in self._skips(epoch):  # each range as it stood when it was skipped: after the ones before it
+            order = torch.cat([order[:first], order[first + n :]])
+        return order
+
+    def order(self) -> torch.Tensor:
+        """This rank's indices for the rest of the current epoch."""
+        rest = self.epoch_order(self.epoch)[self.first_sample :]
         rest = rest[: len(rest) - len(rest) % self.world_size]
         return rest[self.rank :: self.world_size]
 
@@ -170,6 +187,8 @@ class Position:
         self.batches = 0  # batches of this epoch handed out, those before a resume included
         self.samples = 0  # samples of the epoch's order consumed by all ranks together
         self.last = 0  # how many batches this epoch has
+        self.generation = 0  # one more at every rewind: a loader under way starts again from the progress
+        self.at_end: Callable[[], bool] = _no  # a loader's batches are all handed out: True if that rewound
 
     def start(self, batch: int, sample: int, last: int) -> None:
         self.active, self.batches, self.samples, self.last = True, batch, sample, last
@@ -186,29 +205,38 @@ class Position:
         return not self.active or every <= 1 or self.batches % every == 0 or self.batches >= self.last
 
 
+def _no() -> bool:
+    return False
+
+
 class Tracked:
     """A loader over a ResumableSampler whose batches are counted into a Position as they are handed
-    out (anything else is the loader's: len(), its attributes)."""
+    out (anything else is the loader's: len(), its attributes). After a rewind (the batch just handed
+    out was trained on a state rolled back) it starts again from where the progress now stands."""
 
     def __init__(self, loader: Any, sampler: ResumableSampler, batch_size: int, position: Position) -> None:
         self.loader, self.sampler, self.batch_size, self.position = loader, sampler, batch_size, position
         self._length: Optional[int] = None  # batches of the pass under way (the position moves as it goes)
 
     def __iter__(self) -> Iterator[Any]:
-        sampler, size = self.sampler, self.batch_size
+        try:
+            yield from passes(self.position, self._pass)
+        finally:
+            self._length = None
+
+    def _pass(self) -> Iterator[Any]:
+        """The batches left in the epoch, from where the progress stands now."""
+        sampler, size, position = self.sampler, self.batch_size, self.position
         per_rank = len(sampler)  # this rank's samples left in the epoch (the same on every rank)
         first = sampler.progress.batch_in_epoch if sampler.progress is not None else 0
         self._length = len(self.loader)
-        self.position.start(first, sampler.first_sample, first + self._length)
-        consumed, took, world = 0, self.position.took, sampler.world_size
-        try:
-            for batch in self.loader:
-                taken = min(size, per_rank - consumed)
-                consumed += taken
-                took(taken * world)
-                yield batch
-        finally:
-            self._length = None
+        position.start(first, sampler.first_sample, first + self._length)
+        consumed, took, world = 0, position.took, sampler.world_size
+        for batch in self.loader:
+            taken = min(size, per_rank - consumed)
+            consumed += taken
+            took(taken * world)
+            yield batch
 
     def __len__(self) -> int:
         """Batches of this pass over the epoch (from where the run stands when it begins)."""
@@ -231,6 +259,7 @@ class RunData:
         self.samples_per_step = 0
         self.sources = Sources(progress, seed, rank, accumulate)  # a step loop's random batches and iterable data
         self.micro = 0  # batches entered through run.accumulate since the last step (a loop without run.loader)
+        self.in_epoch = False  # run.epochs has begun an epoch and not ended it
 
     @property
     def batches_per_epoch(self) -> int:
@@ -250,24 +279,53 @@ class RunData:
         return Tracked(loader, sampler, batch_size, self.position) if len(self.samplers) == 1 else loader
 
     def begin_epoch(self) -> None:
+        self.in_epoch = True
+        self._seed_generators()
+
+    def _seed_generators(self) -> None:
         for generator in self.generators:
             generator.manual_seed(self.seed * 100_003 + self.progress.epoch)
 
     def skipping(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """A loader that is not the run's, its epoch set and the batches this epoch already trained skipped."""
+        """A loader that is not the run's, its epoch set and the batches this epoch already trained
+        skipped (and those a rollback left out: by their place in the loader's order). After a rewind
+        it starts again from where the progress now stands."""
+        return passes(self.position, lambda: self._foreign_pass(loader))
+
+    def _foreign_pass(self, loader: Iterable[Any]) -> Iterator[Any]:
+        p, position = self.progress, self.position
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.progress.epoch)
-        skip = self.progress.batch_in_epoch
+            sampler.set_epoch(p.epoch)
+        skip, left_out = p.batch_in_epoch, dropped(p.skipped, p.epoch)
         rng = torch.get_rng_state()
         batches = iter(loader)  # a DataLoader without its own generator draws its seed from the global RNG:
         torch.set_rng_state(rng)  # put it back, so a resumed run sees the same random numbers
         total = len(loader) if hasattr(loader, "__len__") else 0  # type: ignore[arg-type]
-        self.position.start(skip, self.progress.sample_in_epoch, total)
+        position.start(skip, p.sample_in_epoch, total - len(left_out))
+        kept = 0
         for i, batch in enumerate(batches):
-            if i >= skip:
-                self.position.took(self.samples_per_step)
+            if i in left_out:
+                continue
+            kept += 1
+            if kept > skip:
+                position.took(self.samples_per_step)
                 yield batch
+
+    def indices(self, skipped: List[int]) -> Optional[List[int]]:
+        """The dataset indices of a skip ([epoch, first sample, samples, ...]) in the run's first
+        sampler's order, as it stands before that skip is recorded (None: no such sampler)."""
+        epoch, first, samples = skipped[:3]
+        if not self.samplers or not samples:
+            return None
+        return [int(i) for i in self.samplers[0].epoch_order(epoch)[first : first + samples].tolist()]
+
+    def rewind(self) -> None:
+        """The progress was moved back (a rollback): the loaders under way start again from it, and
+        the loaders' generators are seeded as at the start of its epoch (a resume's are so)."""
+        self.position.generation += 1
+        self.position.stop()
+        self._seed_generators()
 
     @property
     def counts_micro_batches(self) -> bool:
@@ -333,3 +391,41 @@ class RunData:
         p = self.progress
         p.epoch, p.batch_in_epoch, p.sample_in_epoch = p.epoch + 1, 0, 0
         self.position.stop()
+        self.in_epoch = False
+
+
+def passes(position: Position, one_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The batches of `one_pass()`, started again from the progress after a rewind (a rollback while a
+    batch was out), and once more when the end of its batches rewound (the epoch's end agreed)."""
+    while True:
+        generation = position.generation
+        for batch in one_pass():
+            yield batch
+            if position.generation != generation:
+                break
+        else:
+            if not position.at_end():
+                return
+
+
+def dropped(skipped: List[List[int]], epoch: int) -> Set[int]:
+    """The places in a loader's order of the batches rollbacks left out of `epoch` (each skip's first
+    batch counted among the batches its epoch still had then: after the skips before it)."""
+    out: Set[int] = set()
+    for e, _, _, first, n in skipped:
+        if e != epoch or not n:
+            continue
+        kept = -1
+        place = 0
+        while True:  # the place of the first batch: the first-th one not already left out
+            if place not in out:
+                kept += 1
+                if kept == first:
+                    break
+            place += 1
+        while n:
+            if place not in out:
+                out.add(place)
+                n -= 1
+            place += 1
+    return out

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..checkpoint.memory import MemorySnapshots, announce_off, fits
 from ..contract.events import Event
@@ -17,6 +17,7 @@ from ..distributed.exchange import Exchange
 
 log = logging.getLogger("steadfast.details.snapshots")  # the rank logs only (telemetry.logs.DETAILS)
 
+COPIES = {2: "two", 3: "three", 4: "four"}
 MEMORY_SHARE = 0.02  # snapshot.every_n_steps=auto: a copy per interval costs at most this share of its steps' time
 SMOOTHING = 8  # auto: the least of this many recent measurements (copies, windows of steps) decides
 LOWER_AT = 1 / 4  # auto lowers the interval only when a quarter of it would keep to the budget
@@ -42,7 +43,7 @@ class MemoryCadence:
     do (LOWER_AT), it stays put while the measurements jitter, and every change is a factor of two
     or more: each is recorded (snapshot_interval, as is the attempt's first snapshot) and logged on
     rank 0, so the records always say the interval in force. The first snapshot checks, on every
-    node, that two copies fit in the shared-memory filesystem; if one node has no room, all of them
+    node, that its copies (two; four with the anomaly guard, else two) fit in the shared-memory filesystem; if one node has no room, all of them
     go without.
 
     It is given what it uses: the snapshots, the ranks' exchange (and through it their collectives),
@@ -57,8 +58,10 @@ class MemoryCadence:
         tracked: Tuple[Dict[str, Any], Dict[str, Any]],
         during_snapshot: Callable[[int], None],
         clock: Callable[[], float] = time.perf_counter,
+        protect: Callable[[], Sequence[int]] = tuple,
     ) -> None:
         self.memory, self.record, self.tracked, self.during_snapshot = memory, record, tracked, during_snapshot
+        self.protect = protect  # the steps whose newest snapshot at or before a copy keeps (MemorySnapshots.take)
         self.exchange, self.comm, self.clock = exchange, exchange.comm, clock
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)  # the interval in force
@@ -91,13 +94,18 @@ class MemoryCadence:
         announce = self._first
         if self._first:  # every rank takes the same decision: a node without room turns them off everywhere
             self._first = False
-            problem = fits(memory.segments, sum(layout.size for _, layout in planned)) if memory.writes_objects else None
-            if self.comm.max_each([1.0 if problem else 0.0])[0]:
-                announce_off(self.record, problem or "another node's shared memory is too small for them")
+            size, copies = sum(layout.size for _, layout in planned), memory.copies
+            problems = [fits(memory.segments, size, n) if memory.writes_objects else None for n in (copies, 2)]
+            short = self.comm.max_each([1.0 if problem else 0.0 for problem in problems])
+            if short[1]:
+                announce_off(self.record, problems[1] or "another node's shared memory is too small for them")
                 self.off = True
                 return False
+            if short[0]:  # room for two on every node: snapshots as ever, none kept for the anomaly guard's rollbacks
+                memory.keep(2)
+                log.info("Snapshots in memory: two copies, not %d (%s); a rollback goes back to disk", copies, problems[0])
         try:
-            memory.take(step, planned, lambda: self.during_snapshot(step))
+            memory.take(step, planned, lambda: self.during_snapshot(step), self.protect())
         except OSError as exc:
             announce_off(self.record, f"writing to {memory.folder.parent} failed ({exc.strerror or exc})")
             raise  # the ranks must stop snapshotting together: a failure here is a failure of the step
@@ -107,14 +115,19 @@ class MemoryCadence:
         self._costs.append(memory.seconds)
         if announce and self.comm.rank == 0:
             log.info(
-                "Snapshots in memory: %.1f MB per node (two copies in %s), %s from step %d",
+                "Snapshots in memory: %.1f MB per node (%s copies in %s), %s from step %d",
                 memory.bytes / 1e6,
+                COPIES.get(memory.copies, memory.copies),
                 memory.folder.parent,
                 _every(self.every, self.auto),
                 step,
             )
             self._record(step, memory.seconds)
         return True
+
+    def rewound(self, step: int) -> None:
+        """A rollback restored step `step`: the next snapshot is due counting from it."""
+        self._last, self._mark = step, (step, self.clock())
 
     def retune(self, step: int, at_once: bool = False) -> None:
         """auto, the exchange's rider: the step time since the last exchange into the measurements, and

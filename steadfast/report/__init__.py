@@ -15,6 +15,7 @@ themselves, verified against their manifests. Times are wall-clock times of one 
   records      what is read, validated into plain values (the analysis's input; no file I/O)
   checkpoints  the committed checkpoints, listed and verified
   analysis     pure: records -> launches, attempts, lost steps, time breakdown, goodput (model.RunReport)
+  anomalies    the rollbacks, skipped data and replica divergences of a run, from its anomaly events
   model        what the report says about a run (the analysis's output)
   text, plot   the words and the picture (matplotlib only in plot, imported when drawing)
   cli          the command (`main`)

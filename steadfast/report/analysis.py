@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from ..config import FaultKind
 from ..contract.events import LAUNCH_ENDS, Event
 from ..contract.summary import Status
+from .anomalies import handled
 from .model import DISK, Attempt, Fault, Launch, Outcome, RunReport, SlowRank, TimeBreakdown, Unusable
 from .records import MetricRow, RunRecords, Summary, integer, number, text
 
@@ -123,6 +124,9 @@ def _attempt_event(a: Attempt, kind: Event, e: Mapping[str, Any], t: float, rela
         a.reached(step)
     elif kind is Event.MEMORY_LIMIT:
         a.ends(Outcome.STOPPED, f"memory limit at step {step} {_saved(e)}")
+        a.reached(step)
+    elif kind is Event.ANOMALY_STOP:
+        a.ends(Outcome.STOPPED, f"anomalies: stopped at step {step} {_saved(e)}")
         a.reached(step)
     elif kind is Event.ATTEMPT_FAILED and text(e.get("cause"), 300):
         # the launcher's diagnosis of the first failure: over what any rank recorded before it
@@ -273,6 +277,12 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
                     restart=integer(e.get("restart")),
                 )
             )
+    anomalies = handled(events)
+    times = breakdown(attempts, launches, events)
+    step_time = statistics.median([a.step_time for a in attempts if a.step_time] or [0.0])
+    # the steps a rollback gave up were trained on top of those the attempt reached: time the rest held
+    given_up = min(times.other, sum(h.redone for h in anomalies) * step_time)
+    times.other, times.redone = times.other - given_up, times.redone + given_up
     return RunReport(
         folder=records.folder,
         status=status(records.summary, launches),
@@ -280,7 +290,7 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
         metrics=records.metrics,
         launches=launches,
         attempts=attempts,
-        breakdown=breakdown(attempts, launches, events),
+        breakdown=times,
         checkpoints_saved=saved,
         checkpoint_dir=records.checkpoint_dir,
         checkpoints_on_disk=records.checkpoints,
@@ -288,6 +298,7 @@ def analyse(records: RunRecords, relative_to: Optional[str] = None) -> RunReport
         faults=faults,
         problems=list(records.problems),
         slow_ranks=slow_ranks(events),
+        anomalies=anomalies,
     )
 
 

@@ -6,7 +6,8 @@ memory) and the steps it lost: those it reached beyond where the next attempt re
 
 The time breakdown of a run (all launches of the same run folder together):
   useful       steps that are part of the final model, at the measured time per step
-  redone       steps trained and then lost to a failure (trained again after the resume)
+  redone       steps trained and then lost to a failure (trained again after the resume), or given
+               up by a rollback (an anomaly: trained again or skipped)
   checkpoint   time training waited for checkpoints (the whole save when synchronous, the
                snapshot when asynchronous)
   startup      from a launch or a failure to the first step of the next attempt: process start,
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..contract.events import Event
+from .anomalies import Handled
 from .records import CheckpointCheck, MetricRow, Summary
 
 # Where an attempt resumed from: the `source` of its `resumed` event (absent in older records: disk).
@@ -160,6 +162,7 @@ class RunReport:
     faults: List[Fault]
     problems: List[str]
     slow_ranks: List[SlowRank] = field(default_factory=list)
+    anomalies: List[Handled] = field(default_factory=list)  # what the anomaly guard found and did
 
     @property
     def name(self) -> str:

@@ -58,17 +58,18 @@ def _compressed_times(r: RunReport) -> Tuple[Callable[[float], float], List[Tupl
 
 
 def _loss(ax: Any, r: RunReport) -> None:
-    """Loss against step, one colour per attempt; what a failure threw away is shaded."""
+    """Loss against step, one colour per attempt; what a failure threw away is shaded, and so is what a
+    rollback gave up (an anomaly: its step marked)."""
     for a in r.attempts:
         mine = attempt_rows(a, r.metrics)
-        if mine:
+        for i, part in enumerate(_forward(mine)):  # after a rollback the steps start again from an earlier one
             ax.plot(
-                [m.step for m in mine],
-                [m.loss for m in mine],
+                [m.step for m in part],
+                [m.loss for m in part],
                 "-",
                 lw=1.4,
                 color=COLORS[a.index % len(COLORS)],
-                label=f"attempt {a.index} (train loss)",
+                label=f"attempt {a.index} (train loss)" if i == 0 else None,
             )
     val = sorted((m.step, m.val_loss) for m in r.metrics if m.val_loss is not None)
     if val:
@@ -84,18 +85,9 @@ def _loss(ax: Any, r: RunReport) -> None:
             ax.axvline(a.last_step, color=color, ls="--", lw=1.3)
             short = a.cause.split(" (")[0] if a.outcome is Outcome.FAILED else a.cause.split(" at step")[0]
             label = f"{short}" + (f"\n{a.lost_steps} step(s) redone" if a.lost_steps else "\nno step lost")
-            ax.annotate(
-                label,
-                (a.last_step, 0.97 - 0.14 * (marked % 3)),
-                xycoords=("data", "axes fraction"),
-                xytext=(4, 0),
-                textcoords="offset points",
-                va="top",
-                fontsize=8,
-                color=color,
-                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8),
-            )
+            _note(ax, label, a.last_step, 0.97 - 0.14 * (marked % 3), color)
             marked += 1
+    _anomalies(ax, r)
     ckpts = sorted({step for a in r.attempts for _, step in a.checkpoints})
     if ckpts:
         ax.plot(
@@ -116,6 +108,44 @@ def _loss(ax: Any, r: RunReport) -> None:
         ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, ncol=6, frameon=False)
+
+
+def _forward(rows: Sequence[Any]) -> List[List[Any]]:
+    """Rows in time order cut where the step goes back (a rollback), each part going forward."""
+    parts: List[List[Any]] = []
+    for row in rows:
+        if not parts or row.step <= parts[-1][-1].step:
+            parts.append([])
+        parts[-1].append(row)
+    return parts
+
+
+def _anomalies(ax: Any, r: RunReport) -> None:
+    """Each anomaly's step (a dotted line), and what a rollback gave up shaded (restored step to agreed step)."""
+    for i, h in enumerate(r.anomalies):
+        if h.step is None:
+            continue
+        if h.redone and h.restored_step is not None and h.agreed_at is not None:
+            ax.axvspan(h.restored_step, h.agreed_at, color="#9467bd", alpha=0.12, lw=0)
+        ax.axvline(h.step, color="#9467bd", ls=":", lw=1.3, label="anomaly (rolled back or healed)" if i == 0 else None)
+        skipped = f", {h.samples_skipped} samples skipped" if h.samples_skipped else ""
+        label = f"{h.anomaly}\n" + (f"back to {h.restored_step}{skipped}" if h.action == "rolled_back" else "healed")
+        _note(ax, label, h.step, 0.55 - 0.14 * (i % 3), "#9467bd")
+
+
+def _note(ax: Any, label: str, step: float, height: float, color: str) -> None:
+    """A small label at `step` on the loss plot, `height` up the axes."""
+    ax.annotate(
+        label,
+        (step, height),
+        xycoords=("data", "axes fraction"),
+        xytext=(4, 0),
+        textcoords="offset points",
+        va="top",
+        fontsize=8,
+        color=color,
+        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8),
+    )
 
 
 def _timeline(tl: Any, r: RunReport) -> None:

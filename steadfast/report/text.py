@@ -99,6 +99,7 @@ def format_run(r: RunReport) -> str:
     for f in r.faults:
         lines.append(f"  fault fired: {f.fault} on rank {_dash(f.rank)} at step {_dash(f.step)} (restart {_dash(f.restart)})")
     lines += [_slow_rank(w) for w in r.slow_ranks]
+    lines += [f"  anomaly: {h.describe()}" for h in r.anomalies]
     return "\n".join(lines)
 
 

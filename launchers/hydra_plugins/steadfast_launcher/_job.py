@@ -50,7 +50,11 @@ log = logging.getLogger(__name__)
 details = logging.getLogger(DETAILS)  # train.log only
 
 PAYLOAD_PREFIX = "steadfast-job-"  # the job's private folder under the system's temporary folder
-_STATUS_OF: Dict[StopReason, Status] = {StopReason.PREEMPTED: Status.PREEMPTED, StopReason.MEMORY_LIMIT: Status.MEMORY_LIMIT}
+_STATUS_OF: Dict[StopReason, Status] = {
+    StopReason.PREEMPTED: Status.PREEMPTED,
+    StopReason.MEMORY_LIMIT: Status.MEMORY_LIMIT,
+    StopReason.ANOMALY_STOP: Status.ANOMALY_STOP,
+}
 
 
 def run_one(hydra_context: HydraContext, task_function: TaskFunction, job: Job) -> JobReturn:
