@@ -175,14 +175,13 @@ class MlflowSink(Sink):
             saved = None
         run = self._find(client, saved)
         if run is None:
-            key = uuid.uuid4().hex
-            mlflow_run.write(self.run_dir, SavedRun(key, None, self.shown))  # before the run: found by its tag if stopped here
+            saved = SavedRun(uuid.uuid4().hex, None, self.shown)
+            mlflow_run.write(self.run_dir, saved)  # before the run: found by its tag if stopped in between
             run = client.create_run(
                 self._experiment(client),
                 run_name=self.run_dir.name,
-                tags={RUN_KEY_TAG: key, "steadfast.run_name": self.run_dir.name},
+                tags={RUN_KEY_TAG: saved.key, "steadfast.run_name": self.run_dir.name},
             )
-            mlflow_run.write(self.run_dir, SavedRun(key, run.info.run_id, self.shown))
             log.info("MLflow: run %s on %s", run.info.run_id, self.shown)
         else:
             self._top = {m.key: int(m.step) for m in getattr(run.data, "_metric_objs", [])}
@@ -195,9 +194,17 @@ class MlflowSink(Sink):
                 max(self._top.values(), default="-"),
             )
         self.run_id = run.info.run_id
+        if saved is not None and saved.run_id != self.run_id:
+            mlflow_run.write(self.run_dir, SavedRun(saved.key, self.run_id, self.shown))
         self._params(client, run.data.params)
-        self._send_tags(client, {"steadfast.run_dir": str(self.run_dir), "steadfast.restart": str(self.restart)})
-        self._send_tags(client, {"steadfast.world_size": str(self.world_size)})
+        self._send_tags(
+            client,
+            {
+                "steadfast.run_dir": str(self.run_dir),
+                "steadfast.restart": str(self.restart),
+                "steadfast.world_size": str(self.world_size),
+            },
+        )
         return client
 
     def _find(self, client: Any, saved: Optional[SavedRun]) -> Any:
