@@ -14,7 +14,7 @@ GROUP_HELP: Dict[str, str] = {
     "data": "the dataset; data._target_ plugs in your own",
     "task": "what is optimised and measured (the loss); task._target_ plugs in your own",
     "fault": "fault injection, to rehearse recovery",
-    "logger": "progress display and TensorBoard logging (logger=tensorboard)",
+    "logger": "progress display, and metrics also to TensorBoard, metrics.csv or MLflow (logger=tensorboard, csv, mlflow; several: logger.sinks=[csv,mlflow])",
     "cluster": "where jobs run: here (none) or submitted to Slurm",
     "experiment": "committed presets (pipeline/conf/experiment/)",
 }
