@@ -26,6 +26,7 @@ SCHEMAS: List[type] = [
     sconf.CheckpointConf,
     sconf.FaultConf,
     sconf.LoggerConf,
+    sconf.MlflowConf,
     sconf.SnapshotConf,
     pconf.TrainerConfig,
     *pconf.MODEL_SCHEMAS.values(),

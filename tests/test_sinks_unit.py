@@ -197,6 +197,12 @@ def test_the_tracking_uri_recorded_has_no_credentials(uri: str, shown: str, secr
     assert mlflow_run.redacted(uri) == shown and mlflow_run.credentials_in(uri) is secret
 
 
+def test_an_error_message_is_scrubbed_of_the_uris_secrets() -> None:
+    uri = "https://bob:hunter2@host:5000/x?token=abc"
+    text = f"API request to {uri}/api/2.0/runs failed; auth bob:hunter2; query token=abc"
+    assert mlflow_run.scrub(text, uri) == "API request to https://host:5000/x/api/2.0/runs failed; auth ***; query ***"
+
+
 def test_the_run_file_is_validated_on_read(tmp_path: Path) -> None:
     assert mlflow_run.read(tmp_path) == (None, None)
     saved = SavedRun("0123456789abcdef0123456789abcdef", "f00d", "http://u:p@host:5000")

@@ -113,7 +113,7 @@ class MlflowSink(Sink):
         if sys.exc_info()[0] is not None:
             return
         wait = self.conf.timeout_s if self._completing else min(self.conf.timeout_s, STOPPED_WAIT_S)
-        self._thread.join(wait)
+        self._thread.join(min(wait, threading.TIMEOUT_MAX))
         if self._thread.is_alive():
             log.warning(
                 "logger.sinks: mlflow (%s) had not sent everything after %g s: left (metrics.jsonl has every row%s)",
@@ -143,9 +143,7 @@ class MlflowSink(Sink):
                     return
         except Exception as exc:  # noqa: BLE001 - MLflow must never stop training
             self._failed.set()
-            text = (str(exc).splitlines() or [""])[0]
-            if self.uri:
-                text = text.replace(self.uri, self.shown)
+            text = mlflow_run.scrub((str(exc).splitlines() or [""])[0], self.uri)
             log.warning(
                 "logger.sinks: mlflow (%s) failed: %s: %.300s; MLflow gets nothing more this attempt (a restart tries "
                 "again), metrics.jsonl has every row",

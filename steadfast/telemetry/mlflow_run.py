@@ -49,6 +49,17 @@ def redacted(uri: str) -> str:
     return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
 
 
+def scrub(text: str, uri: str) -> str:
+    """`text` (an error's message) with the URI's user, password and query replaced."""
+    text = text.replace(uri, redacted(uri)) if uri else text
+    userinfo = uri.partition("://")[2].partition("/")[0].rpartition("@")[0]
+    query = uri.partition("#")[0].partition("?")[2]
+    for secret in (userinfo, query):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 def credentials_in(uri: str) -> bool:
     """Whether the URI carries a user, a password or a secret-looking query parameter."""
     head = uri.partition("#")[0]
