@@ -9,6 +9,8 @@ import csv
 import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional
@@ -328,3 +330,13 @@ def test_an_unreachable_server_costs_one_warning_and_no_wait(
     assert len(warnings) == 1 and f"mlflow (http://127.0.0.1:{port}) failed" in warnings[0], warnings
     assert "hunter2" not in caplog.text
     assert not any("hunter2" in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_the_library_and_the_pre_flight_import_no_sink_package() -> None:
+    """mlflow, sqlalchemy and tensorboard are imported by their sink, when it opens on rank 0."""
+    code = (
+        "import sys, steadfast, steadfast.run, steadfast.preflight, steadfast.telemetry.sinks\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlflow', 'sqlalchemy', 'tensorboard'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
