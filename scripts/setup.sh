@@ -6,8 +6,9 @@
 #   TORCH_SPEC=...   the torch requirement, installed first and explicitly (default torch==2.13.0)
 #   STEADFAST_WITHOUT_HOROVOD=1   skip the Horovod build (backend=horovod then says how to add it)
 #   STEADFAST_EXTENDED=1          also what only the extended tests need (make test-all): the Optuna
-#                                 sweeper and the etcd rendezvous (python-etcd, and etcd-server when
-#                                 root with apt); make run and make test do without them (about 40 s)
+#                                 sweeper, the etcd rendezvous (python-etcd, and etcd-server when
+#                                 root with apt) and the MLflow client (mlflow-skinny with sqlalchemy:
+#                                 ~30 s more); make run and make test do without them (about 70 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,7 +52,7 @@ extended() {
   [ -f "$stamp" ] && return 0
   local start
   start=$(date +%s)
-  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,optuna,etcd]" --config-settings editable_mode=compat
+  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,optuna,etcd,mlflow]" --config-settings editable_mode=compat
   # An etcd server for the etcd rendezvous tests (best effort: only as root with a working apt;
   # the tests skip with the reason when /usr/bin/etcd is missing).
   if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -164,13 +164,33 @@ class FaultConf:
     bit: int = 12  # bitflip: the bit flipped (0: the lowest) in the first element of the first parameter
 
 
+class SinkKind(Enum):
+    """Where rank 0's metrics rows go besides metrics.jsonl (steadfast/telemetry/sinks.py)."""
+
+    tensorboard = "tensorboard"  # event files under <run folder>/tensorboard
+    csv = "csv"  # <run folder>/metrics.csv: one row per step, one column per metric
+    mlflow = "mlflow"  # an MLflow run (logger.mlflow): params, metrics by step, the final weights
+
+
+@dataclass
+class MlflowConf:
+    """The MLflow run a run logs to (logger.sinks has mlflow). Credentials come from MLflow's own
+    environment variables (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN), never from here."""
+
+    tracking_uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else MLflow's own default
+    experiment: Optional[str] = None  # default: MLFLOW_EXPERIMENT_NAME, else MLflow's "Default"
+    log_model: bool = True  # upload model.safetensors as an artifact when the run completes
+    timeout_s: float = 120.0  # the most the end of an attempt waits for what is not yet sent
+
+
 @dataclass
 class LoggerConf:
-    """What a person sees: the progress display on rank 0, and optional TensorBoard logging."""
+    """What a person sees: the progress display on rank 0, and where metrics go besides metrics.jsonl."""
 
     progress: ProgressMode = ProgressMode.auto
     progress_every_s: float = 10.0  # seconds between plain progress lines (and lines in the log file)
-    tensorboard: bool = False  # also write metrics as TensorBoard events under <run folder>/tensorboard
+    sinks: List[SinkKind] = field(default_factory=list)  # any of tensorboard, csv, mlflow
+    mlflow: MlflowConf = field(default_factory=MlflowConf)
     # name a rank whose local work per step (loading, forward) exceeds the other ranks' median by more
     # than this fraction (and by 2 ms) for straggler_windows logging windows in a row; 0 or null: off
     straggler_margin: Optional[float] = 0.25

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Dict, List, Optional, cast
 
@@ -21,6 +20,7 @@ from .config import FaultKind, Resume, Settings, settings_from
 from .contract import backends
 from .contract.schemas import bad, bounded, positive
 from .faults import WRITER_KINDS
+from .telemetry import sinks
 
 
 def resolved(job_cfg: DictConfig) -> DictConfig:
@@ -116,11 +116,7 @@ def check(job_cfg: DictConfig) -> List[str]:
         )
     if s.logger.straggler_windows < 1:
         out.append(bad("logger.straggler_windows", s.logger.straggler_windows, "an integer >= 1 (logging windows in a row)"))
-    if s.logger.tensorboard and find_spec("tensorboard") is None:
-        out.append(
-            "logger.tensorboard=true: the tensorboard package is not installed. Install it with "
-            "`pip install tensorboard` (or `pip install -e .[tensorboard]`), or choose logger=none"
-        )
+    out += sinks.problems(s.logger)
     out += app_keys.problems(job_cfg, cfg)
     return out + _resume_problems(job_cfg, cfg, s)
 

@@ -59,6 +59,7 @@ from .loop.shape import LoopShape
 from .telemetry.logs import setup_logging
 from .telemetry.metrics import Loss, Telemetry
 from .telemetry.records import RunRecord
+from .telemetry.sinks import open_sinks
 
 log = logging.getLogger("steadfast")
 
@@ -130,7 +131,7 @@ class Run:
             log_every_n_steps,
             self.started,
             self.restarts,
-            self.dir / "tensorboard" if lg.tensorboard else None,
+            open_sinks(lg, self.dir, resolved, self.comm.rank, self.restarts, self.comm.world_size),
             max_rss_mb,
             lg.straggler_margin,
             lg.straggler_windows,
@@ -444,6 +445,7 @@ class Run:
 
             export_model(unwrap(self.model).state_dict(), self.dir / MODEL_FILE, writes=self.rank == 0)
             out["model_file"] = MODEL_FILE
+        self.telemetry.sinks.completed(out, self.dir / MODEL_FILE if "model_file" in out else None)
         self.record.event(
             Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out
         )
@@ -553,7 +555,7 @@ class Run:
 
     def _close(self) -> None:
         self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank
-        self.telemetry.close()
+        self.telemetry.close(sinks=True)  # the sinks too: after the last rows and the result (MLflow's uploads wait here)
         self.record.close()
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import json
 import os
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,3 +179,26 @@ def restores(folder: Path) -> List[Dict[str, Any]]:
             out.append({**e, "reached": reached})
             reached = None
     return out
+
+
+def first_values(folder: Path) -> Dict[Tuple[int, str], float]:
+    """Each (step, metric) number of metrics.jsonl with its first value (a step trained again after a
+    resume is logged again, with its restart): what metrics.csv and an MLflow run hold, once each."""
+    out: Dict[Tuple[int, str], float] = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key not in ("time", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.setdefault((row["step"], key), float(value))
+    return out
+
+
+def assert_metrics_csv_matches(folder: Path) -> None:
+    """metrics.csv (logger.sinks has csv): one row per step, in order, and every number of
+    metrics.jsonl in it, its first value, exactly."""
+    with open(folder / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    assert steps and steps == sorted(set(steps)), steps
+    cells = {(int(r["step"]), k): float(v) for r in rows for k, v in r.items() if k not in ("step", "time") and v != ""}
+    assert cells == first_values(folder)

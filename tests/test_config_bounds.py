@@ -27,6 +27,7 @@ SCHEMAS: List[type] = [
     sconf.CheckpointConf,
     sconf.FaultConf,
     sconf.LoggerConf,
+    sconf.MlflowConf,
     sconf.SnapshotConf,
     sconf.AnomalyConf,
     pconf.TrainerConfig,

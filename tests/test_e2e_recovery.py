@@ -13,7 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUICK, committed_steps, event_of, events, run_dir, run_train, start_train, stop, summary, wait_for
+from helpers import (
+    QUICK,
+    assert_metrics_csv_matches,
+    committed_steps,
+    event_of,
+    events,
+    run_dir,
+    run_train,
+    start_train,
+    stop,
+    summary,
+    wait_for,
+)
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
 
@@ -45,13 +57,19 @@ def assert_same_weights(folder: Path, baseline: dict) -> None:
 def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: dict) -> None:
     # torchrun only: the commit protocol is the same code on every backend; a Horovod worker killed
     # mid-step is test_kill_right_after_a_save_and_again_in_the_first_step_after_resume[horovod]
-    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", check=True)
+    # logger=csv, and the control plane's message every step: step 20's metrics row is written before the
+    # crash at 24, and again after the resume from 18 (metrics.csv must hold it once)
+    csv = ["logger=csv", "trainer.stop_check_every_n_steps=1"]
+    run_train(tmp_path, *QUICK, *STEPS, "run.name=r", "fault=crash_in_save", "fault.at_step=20", *csv, check=True)
     folder = run_dir(tmp_path, "r")
     fired = event_of(folder, "fault_fired")
     resumed = event_of(folder, "resumed")
     assert fired["step"] == 24 and resumed["step"] == 18  # the partial step 24 was invisible to resume
     assert not event_of(folder, "checkpoint_invalid")
     assert_same_weights(folder, baseline)
+    logged = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert logged.count(20) == 2  # trained and logged again after the resume
+    assert_metrics_csv_matches(folder)  # once in metrics.csv (tests/test_sinks_unit.py: the cases)
 
 
 @pytest.mark.extended

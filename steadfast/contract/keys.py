@@ -27,7 +27,8 @@ GROUPS: Dict[str, str] = {
     "snapshot": "copies in shared memory between checkpoints",
     "parallel": "how run.setup spreads the model over the ranks: ddp, fsdp, none",
     "fault": "fault injection, to rehearse recovery",
-    "logger": "progress display and TensorBoard logging (logger=tensorboard)",
+    "logger": "progress display, and metrics also to TensorBoard, metrics.csv or MLflow (logger=tensorboard, csv, mlflow; several: logger.sinks=[csv,mlflow])",
+    "anomaly": "non-finite losses and loss spikes rolled back, replicas' divergence found (anomaly=default, spikes, off)",
     "cluster": "where jobs run: here (none) or submitted to Slurm",
 }
 LIBRARY_KEYS: Tuple[str, ...] = (*GROUPS, "run", "resume", "hydra")

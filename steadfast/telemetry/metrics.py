@@ -1,5 +1,5 @@
-"""What a person sees of the loop: the loss and memory of every rank in metrics.jsonl, the progress
-display, TensorBoard; and the memory guard.
+"""What a person sees of the loop: the loss and memory of every rank in metrics.jsonl (and the sinks
+of logger.sinks: TensorBoard, CSV, MLflow), the progress display; and the memory guard.
 
 The loss is summed on the device as the steps go (no host sync per step). Every
 `log_every_n_steps` steps a window closes: its loss sum and count, and this rank's peak memory and local time per step (steadfast/telemetry/_stragglers.py) in its own slot. Windows travel
@@ -21,8 +21,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -31,11 +30,9 @@ from ..contract.events import Event
 from ..distributed.comm import Comm
 from ..distributed.exchange import Exchange
 from ._progress import ProgressDisplay
+from ._sink import Sinks
 from ._stragglers import StepTimer, StragglerRule
 from .records import RunRecord
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger("steadfast")
 
@@ -78,7 +75,7 @@ class Telemetry:
         log_every_n_steps: int,
         started: float,
         restarts: int,
-        tensorboard_dir: Optional[Path] = None,
+        sinks: Optional[Sinks] = None,
         max_rss_mb: Optional[float] = None,
         straggler_margin: Optional[float] = None,
         straggler_windows: int = 1,
@@ -101,8 +98,7 @@ class Telemetry:
         self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's reduced windows
         self.last_loss: Optional[float] = None  # the mean loss of the last reduced window (all ranks)
         self.display = ProgressDisplay(progress_mode, progress_every_s, 0, 0, enabled=comm.rank == 0)
-        self._tb_dir = tensorboard_dir
-        self._tb: Optional[SummaryWriter] = None
+        self.sinks = sinks if sinks is not None else Sinks()
         self.lr: Optional[float] = None
         self.by_epochs = True  # rows say their epoch (a loop of steps, plan(n, 0), has none)
         self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
@@ -319,32 +315,18 @@ class Telemetry:
         self._epoch = [float(state["epoch_sum"]), int(state["epoch_batches"])]
 
     def metrics(self, **row: Any) -> None:
-        """A row of metrics.jsonl (rank 0), and the same numbers to TensorBoard when it is on."""
-        self.record.metrics(**row)
-        if self.comm.rank != 0 or self._tb_dir is None:
-            return
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+        """A row of metrics.jsonl (rank 0), and the same row to the sinks of logger.sinks."""
+        written = self.record.metrics(**row)
+        if written is not None and self.sinks:
+            self.sinks.write(written)
 
-            self._tb = SummaryWriter(str(self._tb_dir))
-        step = row.get("step", 0)
-        for key, value in row.items():
-            if key in ("time", "step", "epoch", "wall") or isinstance(value, bool):
-                continue
-            if isinstance(value, (int, float)):
-                section = "train" if key == "loss" else "epoch" if key.startswith(("train_", "val_")) else "system"
-                self._tb.add_scalar(f"{section}/{key}", value, step)
-            elif isinstance(value, list) and key.endswith("_per_rank"):
-                for r, v in enumerate(value):
-                    self._tb.add_scalar(f"system/{key[:-9]}/rank{r}", v, step)
-
-    def close(self) -> None:
+    def close(self, sinks: bool = False) -> None:
         """The last windows' rows (every rank, at the same step), unless an error is unwinding: then a
-        peer may be gone and what is in flight is left."""
+        peer may be gone and what is in flight is left. `sinks`: the sinks' end too (the attempt's end,
+        after run.finish gave them the result)."""
         if sys.exc_info()[0] is None and (self._closed or self._sent):
             self.exchange.flush(self._last)
         self._closed, self._sent = [], []
         self.display.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if sinks:
+            self.sinks.close()

@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Dict, Iterator, Optional, TextIO
 
 from ..contract import events
 from ..contract.env import restart_count
@@ -26,14 +26,17 @@ class RunRecord:
         if self.enabled:
             events.append(self.run_dir, kind, restart=restart_count(), **fields)
 
-    def metrics(self, **row: Any) -> None:
-        if self.enabled:
-            row = {"time": round(time.time(), 3), **row}
-            if self._metrics is None:
-                self._metrics = open(self.run_dir / METRICS_FILE, "a")
-            self._metrics.write(json.dumps(row) + "\n")
-            if not self._holding:
-                self._metrics.flush()  # whole rows for a reader (the benchmarks, a person's tail -f)
+    def metrics(self, **row: Any) -> Optional[Dict[str, Any]]:
+        """Write a row (its `time` now unless given); returns the row written (None on other ranks)."""
+        if not self.enabled:
+            return None
+        row = {"time": round(time.time(), 3), **row}
+        if self._metrics is None:
+            self._metrics = open(self.run_dir / METRICS_FILE, "a")
+        self._metrics.write(json.dumps(row) + "\n")
+        if not self._holding:
+            self._metrics.flush()  # whole rows for a reader (the benchmarks, a person's tail -f)
+        return row
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
