@@ -34,7 +34,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import distributed as comms
-from .checkpoint.manifest import step_dir_name
 from .checkpoint.memory import announce_off, open_memory
 from .checkpoint.shared_folder import check_shared_run_dir
 from .checkpoint.state import Progress, model_sha256, seed_everything, unwrap
@@ -43,9 +42,7 @@ from .config import settings_from
 from .contract import events
 from .contract.env import LaunchEnv
 from .contract.events import Event
-from .contract.exits import EXIT_PREEMPTED
 from .contract.heartbeat import DONE_PHASE, heartbeat
-from .contract.stop import PREEMPTED, StopRun, signal_name, stop_requested_at
 from .distributed import library_mode, parallel
 from .distributed.exchange import Exchange
 from .faults import FaultInjector
@@ -56,6 +53,7 @@ from .loop.cadence import Cadence, history
 from .loop.data import ResumableSampler, RunData
 from .loop.memory_cadence import MemoryCadence
 from .loop.shape import LoopShape
+from .loop.stop import Stops
 from .telemetry.logs import setup_logging
 from .telemetry.metrics import Loss, Telemetry
 from .telemetry.records import RunRecord
@@ -196,11 +194,22 @@ class Run:
                 self.record.event, self.resumed_from, self.saved_world_size, self.world_size_notes
             ),
         )
+        self.stops = Stops(  # a stop on purpose: every rank at the same step, committed, recorded
+            self.progress,
+            self.agreement,
+            self.checkpointer,
+            self.telemetry,
+            self.record,
+            self.shape,
+            self.save,
+            self.result,
+            self._close,
+        )
         self._first_step = True
         self._finished = False
         self._result: Dict[str, Any] = {}
         self._epoch_loss_of = (-1, 0)  # the epoch (and the data's generation: a rollback's) whose mean loss train_loss holds
-        self.health = RunHealth(self, self._stop)  # the anomaly guard (steadfast/health/): watch, agreement, rollbacks
+        self.health = RunHealth(self, self.stops.stop)  # the anomaly guard (steadfast/health/): watch, agreement, rollbacks
         self.record.event(Event.ATTEMPT_STARTED, world_size=self.comm.world_size, device=str(self.comm.device))
 
     # ---- who and where ------------------------------------------------------------------------
@@ -378,10 +387,10 @@ class Run:
             self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
         due = self.boundary.due(p.global_step, p.epoch, loss, grad_norm)
         if due.stop is not None:
-            self._preempt(due.stop)
+            self.stops.preempt(due.stop)
         if due.over_memory is not None:
             rank, mb = due.over_memory
-            self._stop(
+            self.stops.stop(
                 "memory_limit",
                 None,
                 1,
@@ -438,7 +447,7 @@ class Run:
         run's result (summary.json: these fields, the loop's position, the final weights' sha256)."""
         if self._finished:
             return {**self._result, **result}
-        self._commit_last()
+        self.stops.commit_last()
         out = self.result(status="completed", **result)
         if self.model is not None:  # the final weights, for any safetensors reader (a sharded model gathered a tensor at a time)
             from .checkpoint.export import export_model
@@ -504,54 +513,7 @@ class Run:
         if p.epoch < max_epochs:  # a stop requested during validation or a save: act now
             signum = self.agreement.now(p.global_step)
             if signum is not None:
-                self._preempt(signum)
-
-    def _preempt(self, signum: int) -> None:
-        where = self.shape.where()
-        self._stop(
-            PREEMPTED,
-            signum,
-            EXIT_PREEMPTED,
-            f"{signal_name(signum)}: stopped at step {self.progress.global_step}"
-            + ("" if where.startswith("step") else f" ({where})")
-            + ", checkpoint committed. Run the same command again to continue.",
-        )
-
-    def _commit_last(self, commit: bool = True) -> None:
-        """Every rank: the step it stands at committed (unless `commit` is False: a state not known
-        healthy; an asynchronous save's too, before anyone reports it), the last metrics windows sent."""
-        self.agreement.drain(self.progress.global_step)
-        if commit and self.checkpointer.last_saved_step != self.progress.global_step:
-            self.save()
-        self.checkpointer.close()
-        self.telemetry.close()
-
-    def _stop(self, reason: str, signum: Optional[int], exit_code: int, message: str, commit: bool = True, **fields: Any) -> None:
-        """Every rank, at the same step: commit it (unless `commit` is False: a state not known healthy),
-        record the stop, and end the task with StopRun. (The step committed is the healthy one an
-        anomaly found at this save sent the run back to.)"""
-        self._commit_last(commit)
-        p = self.progress
-        fields.update(
-            step=p.global_step,
-            epoch=p.epoch,
-            batch_in_epoch=p.batch_in_epoch,
-            saved=self.checkpointer.last_saved_step == p.global_step,
-            message=message,
-            checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step))
-            if self.checkpointer.last_saved_step == p.global_step
-            else None,
-            result=self.result(),
-        )
-        if reason == PREEMPTED:
-            asked = stop_requested_at()
-            fields.update(signal=signal_name(signum), signal_number=signum)
-            if asked is not None:
-                fields["signal_to_commit_s"] = round(time.time() - asked, 3)
-        self.record.event(Event(reason), **fields)
-        log.warning("%s", message)
-        self._close()
-        raise StopRun(reason, p.global_step, fields["saved"], message, exit_code, signum)
+                self.stops.preempt(signum)
 
     def _close(self) -> None:
         self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank

@@ -8,6 +8,7 @@ nothing of ours and no torch:
   env        the launch environment, as a typed `LaunchEnv` (run folder, attempt, launch id,
              the collective library to initialise, the backend's rank variables, timeouts)
   events     the event vocabulary of `events.jsonl`: a record type per kind, one writer, one reader
+             (_record: the kinds and the base record; _worker_events: the workers' record types)
   summary    `summary.json`: derived from the events by its one writer, the launcher
   exits      exit codes (EXIT_PREEMPTED: stopped on request, run the same command to continue;
              EXIT_PLATFORM_PREEMPTED in library mode)

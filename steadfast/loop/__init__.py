@@ -9,4 +9,5 @@ data            ResumableSampler, RunData: data that resumes exactly, for any wo
 streams         Sources: a loop of steps' random batches and iterable data, positioned by what
                 the steps took (a batch fetched ahead of the step is drawn again after a resume)
 shape           LoopShape: epochs or steps, the loop's bound and where it stands in its own terms
+stop            Stops: a stop on purpose, every rank at the same step: committed, recorded, StopRun
 """
