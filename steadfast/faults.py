@@ -37,12 +37,13 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import FaultConf, FaultKind
 from .contract.events import Event
+
+if TYPE_CHECKING:  # the launcher's pre-flight imports this module (WRITER_KINDS): no torch at import
+    import torch
 
 # The kinds (steadfast.config.FaultKind, their one definition) by how and where they fire.
 KILLING = frozenset({FaultKind.kill, FaultKind.crash_in_save, FaultKind.crash_in_snapshot})  # SIGKILL: no last word
@@ -85,6 +86,8 @@ class FaultInjector:
         """A forward hook's: step `step`'s output made NaN (nan_loss), or `factor` times standard normal
         noise added to it (loss_spike: a loss far above its range whatever the loss function), in every
         training forward pass of that step (each micro-batch); None leaves the output as it is."""
+        import torch
+
         if not (self.active and module.training and isinstance(output, torch.Tensor)):
             return None
         if step != self.cfg.at_step:
@@ -195,6 +198,8 @@ class FaultInjector:
 
 def flip_bit(param: torch.Tensor, bit: int) -> None:
     """Flip bit `bit` (0: the lowest; modulo the element's width) of the first element of `param`."""
+    import torch
+
     width = 8 * param.element_size()
     ints = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
     bit %= width

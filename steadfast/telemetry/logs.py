@@ -41,7 +41,9 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Handler:
         console.setFormatter(fmt)
         root.addHandler(console)
     for handler in root.handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+        # a console: a plain StreamHandler (ours, Hydra's); not a file, nor a subclass that captures
+        # records for a program (pytest's caplog handler lives for a whole session)
+        if type(handler) is logging.StreamHandler:
             if not any(isinstance(f, _FilesOnly) for f in handler.filters):
                 handler.addFilter(_FilesOnly())
     root.setLevel(logging.INFO)
