@@ -353,7 +353,9 @@ def _mismatches(c: TrainConfig) -> List[str]:
         logged = ["train_loss", *validated, "best_val_loss"]  # what trainer.py gives run.log after each epoch
         monitor = c.checkpoint.monitor
         if monitor is not None and monitor not in logged:
-            out.append(bad("checkpoint.monitor", monitor, f"a metric the trainer logs with {_name('task', task)}: {', '.join(logged)}"))
+            out.append(
+                bad("checkpoint.monitor", monitor, f"a metric the trainer logs with {_name('task', task)}: {', '.join(logged)}")
+            )
     return out
 
 
