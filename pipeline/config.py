@@ -325,8 +325,9 @@ def _fits(schemas: Mapping[str, type], attr: str, value: str, group: str) -> str
 
 
 def _mismatches(c: TrainConfig) -> List[str]:
-    """A model, data and task that cannot work together, and an objective the task does not report
-    (built-in choices only: a `_target_` node's inputs and metrics are its own business)."""
+    """A model, data and task that cannot work together, an objective the task does not report, and a
+    checkpoint.monitor the trainer does not log (built-in choices only: a `_target_` node's inputs and
+    metrics are its own business)."""
     out: List[str] = []
     model = c.model if isinstance(c.model, ModelConfig) else None
     data = c.data if isinstance(c.data, DataConfig) else None
@@ -342,12 +343,19 @@ def _mismatches(c: TrainConfig) -> List[str]:
             f"{INPUTS[data.inputs]}: choose {_fits(MODEL_SCHEMAS, 'inputs', data.inputs, 'model')}"
         )
     if task is not None:
-        reported = ["val_loss", *(f"val_{m}" for m in task.metrics), "best_val_loss", "final_loss"]
+        validated = ["val_loss", *(f"val_{m}" for m in task.metrics)]
+        reported = [*validated, "best_val_loss", "final_loss"]
         objective = c.trainer.objective.value
         if objective not in reported:
             owners = [n for n, sch in TASK_SCHEMAS.items() if objective in (f"val_{m}" for m in sch.metrics)]
             only = f" ({objective} is reported by task={' or task='.join(owners)} only)" if owners else ""
             out.append(bad("trainer.objective", objective, f"{_name('task', task)} reports {', '.join(reported)}{only}"))
+        logged = ["train_loss", *validated, "best_val_loss"]  # what trainer.py gives run.log after each epoch
+        monitor = c.checkpoint.monitor
+        if monitor is not None and monitor not in logged:
+            out.append(
+                bad("checkpoint.monitor", monitor, f"a metric the trainer logs with {_name('task', task)}: {', '.join(logged)}")
+            )
     return out
 
 

@@ -49,6 +49,11 @@ class ProgressMode(Enum):
     none = "none"
 
 
+class MonitorMode(Enum):
+    min = "min"  # the lowest value is the best (a loss)
+    max = "max"  # the highest value is the best (an accuracy)
+
+
 @dataclass
 class CheckpointConf:
     every_n_epochs: Optional[int] = 10
@@ -58,6 +63,11 @@ class CheckpointConf:
     every_n_seconds: Any = None
     keep_last: int = 3
     keep_every_n_epochs: Optional[int] = None  # permanent milestones, never removed by retention
+    # also keep the keep_best best checkpoints by `monitor`, a metric given to run.log (the built-in
+    # trainer's val_loss): each checkpoint records the value logged since the save before it
+    keep_best: int = 0
+    monitor: Optional[str] = None
+    mode: MonitorMode = MonitorMode.min
     async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
     dir: Optional[str] = None  # default: <run folder>/checkpoints
 

@@ -83,6 +83,7 @@ def check(job_cfg: DictConfig) -> List[str]:
             )
         )
     out += positive("checkpoint.keep_every_n_epochs", ck.keep_every_n_epochs, allow_none=True)
+    out += _best_problems(s)
     f = s.fault
     if f.kind.value != "none":
         if f.at_step < 1:
@@ -119,6 +120,23 @@ def check(job_cfg: DictConfig) -> List[str]:
     out += sinks.problems(s.logger)
     out += app_keys.problems(job_cfg, cfg)
     return out + _resume_problems(job_cfg, cfg, s)
+
+
+def _best_problems(s: Settings) -> List[str]:
+    ck, out = s.checkpoint, []
+    if ck.keep_best < 0:
+        out.append(bad("checkpoint.keep_best", ck.keep_best, "an integer >= 0: the best checkpoints by checkpoint.monitor kept"))
+    if ck.monitor is not None and not manifest.METRIC_NAME.fullmatch(ck.monitor):
+        out.append(bad("checkpoint.monitor", ck.monitor, "the name of a metric given to run.log (e.g. val_loss), or null"))
+    elif ck.keep_best > 0 and ck.monitor is None:
+        out.append(
+            bad(
+                "checkpoint.keep_best",
+                ck.keep_best,
+                "0 without checkpoint.monitor: set checkpoint.monitor to the metric given to run.log to rank by (e.g. val_loss)",
+            )
+        )
+    return out
 
 
 def _anomaly_problems(s: Settings) -> List[str]:

@@ -416,6 +416,7 @@ class Run:
     def log(self, **metrics: Any) -> None:
         """A row of metrics.jsonl (rank 0 writes what it is given: reduce first, e.g. with run.mean)."""
         self.latest.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        self.checkpointer.logged(metrics, self.progress.global_step)  # checkpoint.monitor's value, for the next save
         self.telemetry.metrics(
             **self.shape.row(),
             **metrics,
@@ -480,6 +481,7 @@ class Run:
             "world_size": self.world_size,
             "wall_seconds": round(time.time() - self.started, 3),
             "run_dir": str(self.dir),
+            **self.checkpointer.best(),
         }
         if self.model is not None:
             out["model_sha256"] = model_sha256(unwrap(self.model))

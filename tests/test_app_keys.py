@@ -48,7 +48,7 @@ def test_help_of_an_own_loop_app_lists_the_real_options_of_every_group(project: 
     assert "schema" not in groups, groups  # the old help: backend: schema_horovod, schema_local, schema_torchrun
     for needle in (
         "backend: horovod, local, torchrun (default)",
-        "checkpoint: every_10_epochs, every_epoch (default)",
+        "checkpoint: best_val_loss, every_10_epochs, every_epoch (default)",
         "restart: default, none (default)",
     ):
         assert needle in groups, (needle, groups)

@@ -50,7 +50,7 @@ def test_defaults_compose_and_pass_preflight() -> None:
     [
         ("backend", ["torchrun", "local"]),
         ("restart", ["default", "none"]),
-        ("checkpoint", ["every_10_epochs", "every_epoch", "every_n_steps"]),
+        ("checkpoint", ["every_10_epochs", "every_epoch", "every_n_steps", "best_val_loss"]),
         ("model", ["mlp", "cnn"]),
         ("data", ["digits", "synthetic"]),
         ("fault", ["none", "kill_rank", "hang_rank", "exception"]),
@@ -68,6 +68,10 @@ def test_every_preset_composes(group: str, options: list[str]) -> None:
         ("restart.max_restarts=-1", "restart.max_restarts"),
         ("checkpoint.every_n_epochs=0", "checkpoint.every_n_epochs"),
         ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+        ("checkpoint.keep_best=-1", "checkpoint.keep_best"),
+        ("checkpoint.keep_best=2", "checkpoint.keep_best"),  # without checkpoint.monitor
+        ("checkpoint.monitor=", "checkpoint.monitor"),
+        ("checkpoint.monitor=val_los", "checkpoint.monitor"),  # not a metric the trainer logs
         ("backend.nproc_per_node=0", "backend.nproc_per_node"),
         ("backend.nnodes=2:1", "backend.nnodes"),
         ("data.val_fraction=1.5", "data.val_fraction"),
@@ -95,6 +99,7 @@ def test_out_of_range_values_are_named(override: str, key: str) -> None:
         ("trainer.objective=loss", "trainer.objective", "val_accuracy"),
         ("trainer.on_world_size_change=grow", "trainer.on_world_size_change", "keep_global_batch"),
         ("logger.progress=fancy", "logger.progress", "lines"),
+        ("checkpoint.mode=median", "checkpoint.mode", "max"),
         ("fault.kind=meteor", "fault.kind", "corrupt_checkpoint"),
     ],
 )

@@ -21,6 +21,7 @@ from steadfast.checkpoint import piecetable as pt
 from steadfast.checkpoint import sharded
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.optimizers import optimizer_misfit, param_names
+from steadfast.checkpoint.retention import Policy
 from steadfast.checkpoint.sources import BufferSource
 from steadfast.checkpoint.tensorformat import TensorFileError
 from steadfast.distributed.comm import Comm
@@ -123,8 +124,8 @@ def test_expendable_keeps_the_newest_by_step_the_resume_pick_and_milestones(tmp_
         return mf.Listed(step, tmp_path / mf.step_dir_name(step), {"commit": commit, "epoch": epoch, "batch_in_epoch": 0})
 
     order = [listed(100, 9), listed(300, 3, epoch=4), listed(200, 2), listed(150, 1)]  # scan's order: by commit
-    assert mf.expendable(order, 1, None, []) == [order[2].path, order[3].path]  # 300 (by step) and 100 (by commit) kept
-    assert mf.expendable(order, 1, 2, [order[3].path]) == [order[2].path]  # 150 kept as asked; 300 also a milestone
+    assert mf.expendable(order, Policy(1), []) == [order[2].path, order[3].path]  # 300 (by step) and 100 (by commit) kept
+    assert mf.expendable(order, Policy(1, 2), [order[3].path]) == [order[2].path]  # 150 kept as asked; 300 also a milestone
 
 
 # ---- a rank file's own table of pieces, and coverage ---------------------------------------------

@@ -2,6 +2,7 @@
 
 The commit protocol and the resume:
   manager        CheckpointManager: save (synchronous or in the background), restore, retention
+  retention      which checkpoints retention keeps (the newest, the best by a metric, ...): a pure rule
   restore        which checkpoint a resume uses; every check that makes a bad one "unusable, fall back"
   manifest       what makes a checkpoint committed, listing them, which config changes a resume
                  accepts (cheap, no torch: the launcher's pre-flight uses it)

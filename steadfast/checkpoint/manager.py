@@ -11,8 +11,9 @@ sharded one, every rank writes its own file). The protocol is the same for both:
   3. checks the launcher is still there (an orphaned worker never commits), renames the folder to
      `step_N` (atomic); a committed `step_N` already there is moved aside first, never deleted;
   4. fsyncs the parent (the rename durable), reads the new checkpoint back and verifies it, and only
-     then applies retention, which ranks by step and never removes the checkpoint just committed,
-     the newest by step, nor the one a resume would pick (manifest.expendable).
+     then applies retention, which ranks by step (and by a monitored metric the manifests record) and
+     never removes the checkpoint just committed, the newest by step, nor the one a resume would pick
+     (the rule: retention.kept; the folders it leaves out: manifest.expendable).
 Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
 raises its failure. A power loss before it leaves the new checkpoint committed or invisible (the
 rename is atomic; its files were durable before it) and every older one in place. Resume
@@ -44,6 +45,7 @@ from .codec import Codec, Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
+from .retention import Policy
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,14 @@ class CheckpointManager:
         full_config: Optional[Dict[str, Any]] = None,
         hooks: Optional[SaveHooks] = None,
         defer_optimizer_copy: bool = True,
+        keep_best: int = 0,
+        monitor: Optional[str] = None,
+        mode: str = "min",
     ) -> None:
         self.folder, self.comm, self.keep_last = Path(folder), comm, max(1, keep_last)
         self.training_config, self.on_event = training_config, on_event
         self.keep_every_n_epochs = keep_every_n_epochs
+        self.retention = Policy(self.keep_last, keep_every_n_epochs, keep_best, monitor, mode)
         self.full_config = full_config or {}
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
@@ -347,7 +353,7 @@ class CheckpointManager:
         return final
 
     def _apply_retention(self, just_committed: Path) -> None:
-        for path in mf.expendable(mf.scan(self.folder), self.keep_last, self.keep_every_n_epochs, [just_committed]):
+        for path in mf.expendable(mf.scan(self.folder), self.retention, [just_committed]):
             self._discard(path)
         self._remove_leftovers(only_trash=True)
 

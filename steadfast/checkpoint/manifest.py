@@ -12,7 +12,9 @@ than any run makes), so a manifest crafted with a larger one is unusable rather 
 next commit always validates: at MAX_COMMIT itself (reachable only by a crafted manifest) the
 sequence stays there and equal commits are ordered by step. Unusable checkpoints are moved aside to
 `.unusable-step_<N>-<reason>-<id>`, which nothing lists. Retention ranks by step, the folder's name
-(`expendable`): a commit that a flipped bit raised cannot make it remove the newest work.
+(`expendable`): a commit that a flipped bit raised cannot make it remove the newest work. With
+`checkpoint.monitor` a manifest also records that metric's value (`metric`), which retention ranks
+by too (retention.py): retention reads nothing but the manifests.
 
 A manifest checks itself (`seal`, `parse`): its first line holds `digest`, the xxh3-128 of every byte
 after that line, checked before anything in it is parsed or used. A manifest without one was written
@@ -28,6 +30,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import numbers
 import os
 import re
 import stat
@@ -40,6 +43,7 @@ import xxhash
 
 from ..contract.keys import checked_on_resume
 from . import fileio
+from . import retention as rt
 from .dtypes import TORCH_NAMES
 
 FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
@@ -66,6 +70,10 @@ MAX_STEP = 10**18 - 1  # what a folder name holds (18 digits); the loop's own co
 DIGEST = "digest"  # the manifest's own checksum, on its first line (seal)
 PARAMS = "params"  # optimizer name -> its param groups' parameters, by name (optimizers.manifest_fields)
 MAX_PARAMS = 1 << 20  # parameter names in all, over every optimizer and group
+# the monitored metric at the save: {"name", "value": the value given to run.log since the save
+# before (null: none, or not a finite number), "step": the step it was logged at (null with it)}
+METRIC = "metric"
+METRIC_NAME = re.compile(r"[^\x00-\x1f]{1,200}")
 RESERVED = frozenset(
     {"format", "step", "commit", "world_size", "created", "files", "config", "full_config", DIGEST, PARAMS, "tensors"}
 )
@@ -177,11 +185,44 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
         raise bad(f"'{DIGEST}' must be {fileio.CHECKSUM}:<32 hex digits>")
     if PARAMS in data and not _param_names_ok(data[PARAMS]):
         raise bad(f"'{PARAMS}' must map optimizer names to lists of param groups, each a list of parameter names or nulls")
+    if METRIC in data:
+        problem = _metric_problem(data[METRIC], data["step"])
+        if problem:
+            raise bad(f"'{METRIC}': {problem}")
     if data["format"] == SHARDED_FORMAT:
         problem = tensor_table_problem(data.get("tensors"), files)
         if problem:
             raise bad(f"'tensors': {problem}")
     return data
+
+
+def finite(value: Any) -> Optional[float]:
+    """`value` as a float if it is a finite real number (not a bool); else None. Never raises."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def metric_field(name: str, value: Any, step: Optional[int]) -> Dict[str, Any]:
+    """The manifest's `metric`: `name`'s `value`, logged at `step` (a value that is not a finite number, or none: null)."""
+    number = finite(value)
+    return {"name": name, "value": number, "step": step if number is not None else None}
+
+
+def _metric_problem(field: Any, step: int) -> Optional[str]:
+    if not isinstance(field, dict) or set(field) != {"name", "value", "step"}:
+        return "must be an object of exactly name, value and step"
+    if not isinstance(field["name"], str) or not METRIC_NAME.fullmatch(field["name"]):
+        return "'name' must be a metric's name (1 to 200 characters)"
+    if field["value"] is None and field["step"] is None:
+        return None
+    if finite(field["value"]) is None or not _int(field["step"], 0, step):
+        return f"'value' must be a finite number and 'step' the step it was logged at (0 to {step}), or both null"
+    return None
 
 
 def _param_names_ok(params: Any) -> bool:
@@ -326,22 +367,32 @@ def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
     return None
 
 
-def expendable(listed: List[Listed], keep_last: int, keep_every_n_epochs: Optional[int], keep: Iterable[Path]) -> List[Path]:
-    """The committed checkpoints of `listed` (scan's order) that retention removes: of those whose
-    manifest is valid, every one but the newest `keep_last` (at least 1) by step, the one a resume
-    picks first (the newest by commit), the end of every `keep_every_n_epochs`-th epoch, and `keep`.
-    By step, the folder's name: a commit raised by a flipped bit (in a manifest without a digest)
-    cannot make the newest work go."""
+def recorded(c: Listed) -> rt.Saved:
+    """What retention knows of a listed checkpoint whose manifest is valid."""
+    m = c.manifest or {}
+    metric = m.get(METRIC) or {}
+    return rt.Saved(c.step, c.commit, m.get("epoch", 0), m.get("batch_in_epoch", 0), metric.get("name"), metric.get("value"))
+
+
+def expendable(listed: List[Listed], policy: rt.Policy, keep: Iterable[Path]) -> List[Path]:
+    """The committed checkpoints of `listed` (scan's order) whose manifest is valid and that
+    retention.kept does not keep, nor `keep`. By step, the folder's name: a commit raised by a
+    flipped bit (in a manifest without a digest) cannot make the newest work go; a manifest that
+    cannot be read is never removed here."""
+    usable, asked = [c for c in listed if c.manifest is not None], set(keep)
+    pinned = {c.step for c in usable if c.path in asked}
+    kept = rt.kept([recorded(c) for c in usable], policy, pinned)
+    return [c.path for c in usable if c.step not in kept]
+
+
+def best(listed: List[Listed], policy: rt.Policy) -> Optional[Tuple[Listed, float]]:
+    """The best checkpoint of `listed` by `policy.monitor`, and its value (None: none has a value)."""
     usable = [c for c in listed if c.manifest is not None]
-    kept = {c.path for c in sorted(usable, key=lambda c: (c.step, c.commit), reverse=True)[: max(1, keep_last)]}
-    kept.update([*keep, *(c.path for c in usable[:1])])
-    out = []
+    top = rt.ranked([recorded(c) for c in usable], policy)[:1]
     for c in usable:
-        assert c.manifest is not None
-        epoch, n = c.manifest.get("epoch", 0), keep_every_n_epochs
-        if c.path not in kept and not (n and epoch and epoch % n == 0 and not c.manifest.get("batch_in_epoch")):
-            out.append(c.path)
-    return out
+        if top and c.step == top[0].step and c.commit == top[0].commit:
+            return c, float(top[0].value or 0.0)
+    return None
 
 
 def next_commit(folder: Path) -> int:

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
 
 from ..config import Resume, Settings
 from ..contract.env import LaunchEnv
@@ -90,7 +90,14 @@ class Checkpointer:
             keep_every_n_epochs=ck.keep_every_n_epochs,
             full_config=dict(manifest.flatten(resolved_cfg)),
             hooks=_SaveHooks(faults, beat, launch),
+            keep_best=ck.keep_best,
+            monitor=ck.monitor,
+            mode=ck.mode.value,
         )
+        self.monitor = ck.monitor
+        # the monitored metric's value given to run.log since the last save, and the step it was logged at:
+        # the next save records it (so a value is recorded by one checkpoint at most: the first at or after it)
+        self._monitored: Optional[Tuple[Any, int]] = None
         self.objects: Dict[str, Any] = {}
         self.per_rank: Dict[str, Any] = {"rng": RNGState()}
         self.restored: Optional[Restored] = None
@@ -120,8 +127,27 @@ class Checkpointer:
             (self.per_rank if is_per_rank(obj) else self.objects)[name] = unwrap(obj)
         self.objects["progress"] = progress
 
+    def logged(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Metrics given to run.log at `step`: the monitored one is kept for the next save's manifest."""
+        if self.monitor is not None and self.monitor in metrics:
+            self._monitored = (metrics[self.monitor], step)
+
+    def best(self) -> Dict[str, Any]:
+        """summary.json's fields naming the best committed checkpoint by checkpoint.monitor, and its value
+        (null: none has a value yet); {} without a monitor, and on every rank but 0 (it reads the manifests)."""
+        if self.monitor is None or self.comm.rank != 0:
+            return {}
+        found = manifest.best(manifest.scan(self.folder), self.manager.retention)
+        listed, value = found if found is not None else (None, None)
+        return {
+            "best_checkpoint": str(listed.path) if listed is not None else None,
+            "best_checkpoint_step": listed.step if listed is not None else None,
+            "best_checkpoint_value": value,
+        }
+
     def restore(self, new_rank: Optional[Callable[[int], None]]) -> Optional[Restored]:
         """Collective: the newest checkpoint that verifies, loaded into the tracked objects (None: a fresh start)."""
+        self._monitored = None  # a value logged before describes other weights
         s = self.settings
         if s.resume == Resume.never:
             if manifest.committed(self.folder):
@@ -145,6 +171,7 @@ class Checkpointer:
         snapshot in memory, or else the newest committed checkpoint at or before it (None: there is
         neither). Snapshots newer than the state restored are discarded (another timeline)."""
         self.manager.wait()  # an asynchronous save in flight reads the live state, and may commit a checkpoint
+        self._monitored = None  # logged on the timeline left behind
         restored = self._from_memory(newest)
         if restored is None:
             s = self.settings
@@ -219,18 +246,17 @@ class Checkpointer:
                 f"refusing to commit step {progress.global_step}: {where} holds a NaN or an infinity; "
                 f"the newest committed checkpoint in {self.folder} is kept"
             )
+        meta: Dict[str, Any] = {
+            "epoch": progress.epoch,
+            "batch_in_epoch": progress.batch_in_epoch,
+            "global_step": progress.global_step,
+            "sample_in_epoch": progress.sample_in_epoch,
+        }
+        if self.monitor is not None:
+            meta[manifest.METRIC] = manifest.metric_field(self.monitor, *(self._monitored or (None, None)))
         with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
-            self.manager.save(
-                progress.global_step,
-                self.objects,
-                self.per_rank,
-                {
-                    "epoch": progress.epoch,
-                    "batch_in_epoch": progress.batch_in_epoch,
-                    "global_step": progress.global_step,
-                    "sample_in_epoch": progress.sample_in_epoch,
-                },
-            )
+            self.manager.save(progress.global_step, self.objects, self.per_rank, meta)
+        self._monitored = None
         return time.perf_counter() - started
 
     def close(self) -> None:
