@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 from test_docs import GUIDE, marked_files
 
-from helpers import committed_steps, env, events, run_dir, summary, wait_for
+from helpers import committed_steps, env, events, run_dir, slurm_answers, summary, wait_for
 from steadfast.contract import platforms
 from steadfast.contract.exits import EXIT_PLATFORM_PREEMPTED, RETRIED_BY_KUBEFLOW, exit_code
 from steadfast.contract.heartbeat import read_heartbeats
@@ -264,6 +264,60 @@ def test_plain_torchrun_with_kills_and_a_preemption_ends_with_the_launchers_weig
     assert stopped["restarts"] == 2 and len(stopped["failures"]) == 2, stopped
     assert all(f.startswith("rank 1 ") and "killed by a signal" in f for f in stopped["failures"]), stopped["failures"]
     assert code != 0, out[-2000:]  # torchrun's own code after a SIGTERM (1): the workers exited 143
+    assert_restored_from_memory(folder, reached)
+
+    again = subprocess.run(command, cwd=app, env=env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    done = summary(folder)
+    assert done["status"] == "completed" and done["resumed_from_step"] == stopped["stop_step"], done
+    assert done["model_sha256"] == reference["model_sha256"], (done, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weights(tmp_path: Path, reference: Dict[str, Any]) -> None:
+    """`srun --ntasks=2 python train.py` in a real Slurm job (a single-node Slurm: scripts/local_slurm.sh).
+    Nothing restarts a task: rank 1 SIGKILLed at step 30 ends the step, and the same command again
+    resumes from the snapshot in memory; `scancel --signal=TERM` (what Slurm sends at a preemption,
+    and before the time limit with --signal) stops every task at an agreed, committed step, exit 143;
+    the same command again finishes the run."""
+    if not slurm_answers():
+        pytest.skip("no Slurm controller answers `scontrol ping` here (bash scripts/local_slurm.sh starts one, as root)")
+    app = make_app(tmp_path)
+    folder = run_dir(app, "own_default")
+    name = f"steadfast-{tmp_path.name}"  # scancel finds the job by it
+    command = ["srun", "--ntasks=2", f"--job-name={name}", sys.executable, "train.py", *APP]
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            command, cwd=app, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+    try:
+        proc = start()
+        try:
+            beat = wait_for(lambda: beat_of(folder, 1, 0, 30), 120, "rank 1 past step 30", proc)
+            reached = [kill(folder, beat["pid"])]
+            killed = proc.wait(timeout=120)  # srun ends the step: rank 0 lost its peer and exits 143
+        finally:
+            out = output(proc)
+        assert killed != 0 and summary(folder)["status"] == "failed", out[-3000:]
+
+        proc = start()  # the same command: an incarnation of the same launch, restart 1
+        try:
+            wait_for(lambda: beat_of(folder, 0, 1, 100), 120, "rank 0 past step 100 in the second srun", proc)
+            subprocess.run(["scancel", "--signal=TERM", f"--name={name}"], check=True, timeout=30)
+            code = proc.wait(timeout=120)
+        finally:
+            out = output(proc)
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30)
+    assert code == 143, out[-3000:]  # every task's restart.preemption_exit_code
+    stopped = summary(folder)
+    assert stopped["status"] == "preempted" and stopped["stop_saved"] is True, (stopped, out[-3000:])
+    assert stopped["stop_step"] in committed_steps(folder) and stopped["stop_step"] >= 100, stopped
+    assert stopped["restarts"] == 1 and len(stopped["failures"]) == 1, stopped
+    assert stopped["failures"][0].startswith("rank 1 ") and "killed by a signal" in stopped["failures"][0], stopped
     assert_restored_from_memory(folder, reached)
 
     again = subprocess.run(command, cwd=app, env=env(), capture_output=True, text=True, timeout=300)

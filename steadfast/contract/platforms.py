@@ -92,8 +92,9 @@ TORCH_ELASTIC = Platform(
 SLURM = Platform(
     name="slurm",
     title="srun",
-    restarts="nothing (Slurm requeues the whole job: --requeue)",
-    rank_env=replace(TORCH_DISTRIBUTED, restart_count="SLURM_RESTART_COUNT", run_id="SLURM_JOB_ID"),  # after torch_env
+    restarts="the same srun command again, or a requeue of the job (--requeue)",  # nothing restarts a task
+    # run again or requeued, each start is an incarnation of the launch: they count its restarts (after torch_env)
+    rank_env=replace(TORCH_DISTRIBUTED, restart_count="", run_id="SLURM_JOB_ID"),
     recognises=lambda env: bool(env.get("SLURM_STEP_ID")) and bool(env.get("SLURM_PROCID")) and _int(env, "SLURM_NTASKS") > 1,
     job=lambda env: f"{_get(env, 'SLURM_JOB_ID')}.{_get(env, 'SLURM_STEP_ID')}",
     node=lambda env: _get(env, "SLURM_NODEID") or "0",
