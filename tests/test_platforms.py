@@ -16,8 +16,9 @@ import subprocess
 import sys
 import threading
 from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from test_docs import GUIDE, marked_files
@@ -123,6 +124,10 @@ def test_each_platform_is_recognised_from_its_variables_and_ours_never() -> None
         "MASTER_PORT": "20077",
     }
     assert platforms.detect({**srun, **torchrun}).name == "torchelastic"  # type: ignore[union-attr]  # torchrun under srun
+    ray = {"RAY_JOB_ID": "01000000", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41000"}
+    found = platforms.detect({**ray, "NODE_RANK": "1", "LOCAL_RANK": "0", "RAY_RAYLET_PID": "9"})
+    assert found is not None and found.name == "ray" and (found.rank, found.world_size, found.node) == (1, 2, "1")
+    assert found.job == "ray 01000000@10.0.0.5:41000" and found.torch_environ() == {}
     pod = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2", "PET_NNODES": "3"}
     found = platforms.detect(pod)
     assert found is not None and found.name == "torch-env" and found.node == "2" and found.job == "torch-env job-master-0:23456"
@@ -182,29 +187,59 @@ def test_a_restarted_group_meets_in_a_namespace_nobody_used(monkeypatch: pytest.
     assert not server.check([group_store.ASKS])  # every request answered and cleared
 
 
+def test_a_process_group_the_platform_initialised_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Train initialises the default group before the training function runs: the library uses it
+    (a second one would meet on the same port), destroys only its own control group, and refuses a
+    group that is not the rank the variables say."""
+    import torch.distributed as dist
+
+    from steadfast.distributed.comm import TorchDistComm
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = TorchDistComm(timeout_s=30)
+        assert comm.owns_group is False and comm.max_each([1.0, 2.0]) == [1.0, 2.0]
+        comm.shutdown()
+        assert dist.is_initialized() and dist.get_world_size() == 1  # still the platform's
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(RuntimeError, match="rank 0 of 1, but RANK=0 and WORLD_SIZE=2"):
+            TorchDistComm(timeout_s=30)
+    finally:
+        dist.destroy_process_group()
+
+
 WATCHED = """
-import sys, time
+import sys, threading, time
 from pathlib import Path
 from steadfast.contract.heartbeat import start_heartbeat
 from steadfast.contract.schemas import RestartConf
 from hydra_plugins.steadfast_launcher._selfwatch import SelfWatch
 
 run = Path(sys.argv[1])
-start_heartbeat(run, 1).beat(5, "train")
-SelfWatch(run, 1, RestartConf(hang_timeout_s=1.0, startup_timeout_s=1.0)).start()
 
 
 def stuck_in_the_loop():
     time.sleep(120)
 
 
-stuck_in_the_loop()
+def task():  # in a thread of its own, as Ray Train runs the training function
+    start_heartbeat(run, 1).beat(5, "train")
+    SelfWatch(run, 1, RestartConf(hang_timeout_s=1.0, startup_timeout_s=1.0)).start()
+    stuck_in_the_loop()
+
+
+thread = threading.Thread(target=task)
+thread.start()
+thread.join()
 """
 
 
 def test_a_worker_without_progress_writes_its_stacks_and_ends_itself(tmp_path: Path) -> None:
     """Library mode's watchdog lives in the worker: no progress for restart.hang_timeout_s, and the
-    worker records where it was and kills itself with SIGKILL for its platform to restart it."""
+    worker records where its task was (in the task's thread, which under Ray Train is not the main
+    one) and kills itself with SIGKILL for its platform to restart it."""
     proc = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "no progress for" in proc.stderr and "ending this worker (SIGKILL)" in proc.stderr, proc.stderr
@@ -327,42 +362,59 @@ def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weight
     assert done["model_sha256"] == reference["model_sha256"], (done, reference)
 
 
+K8S_GUIDE = GUIDE.with_name("kubernetes.md")
+
+
+def manifest(name: str) -> Dict[str, Any]:
+    """One of docs/kubernetes.md's manifests, with the pod template's parts every manifest there must
+    have checked: one container whose command is the app's, /dev/shm a memory emptyDir, the run folder
+    on a claim under the working directory."""
+    import yaml
+
+    found = yaml.safe_load(marked_files(K8S_GUIDE)[name])
+    templates = [s["template"] for s in found["spec"].get("pytorchReplicaSpecs", {}).values()]
+    templates += [j["template"]["spec"]["template"] for j in found["spec"].get("replicatedJobs", [])]
+    for pod in templates:
+        (container,) = pod["spec"]["containers"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+        assert container["command"] == ["python", "train.py"], container
+        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory", mounts
+        assert "persistentVolumeClaim" in mounts[container["workingDir"] + "/outputs"], mounts
+    return found
+
+
 class Operator:
-    """Kubeflow's training operator for a PyTorchJob of one process per pod, restartPolicy ExitCode: a pod
-    whose container exits with a code it retries is started again (same variables), any other failure
+    """Kubernetes' part for pods of one worker each, all on this machine: every pod starts with the
+    variables it gets and an emptyDir of its own for /dev/shm (STEADFAST_SHM_DIR). A pod that exits with
+    a code in `retried` is recreated, with a fresh emptyDir (`restart_all`: every pod is stopped with
+    SIGTERM, as a pod's deletion does, and all are recreated, as a JobSet restarts); any other failure
     fails the job."""
 
-    def __init__(self, app: Path, world_size: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.app, self.world_size = app, world_size
+    def __init__(
+        self, app: Path, world_size: int, variables: Any, retried: Any, restart_all: bool = False, port: Optional[int] = None
+    ) -> None:
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.app, self.world_size, self.port = app, world_size, port
+        self.variables, self.retried, self.restart_all = variables, set(retried), restart_all
         self.pods: Dict[int, subprocess.Popen] = {}
         self.restarts: List[int] = []
         self.logs: Dict[int, List[str]] = {r: [] for r in range(world_size)}
+        self.created = 0
         for rank in range(world_size):
             self._start(rank)
 
-    def variables(self, rank: int) -> Dict[str, str]:
-        """What the operator sets in the pod of `rank` (its envvar.go; MASTER_ADDR is the master pod's service)."""
-        return {
-            "PYTHONUNBUFFERED": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.port),
-            "WORLD_SIZE": str(self.world_size),
-            "RANK": str(rank),
-            "PET_NNODES": str(self.world_size),
-            "PET_NPROC_PER_NODE": "1",
-            "PET_NODE_RANK": str(rank),
-            "PET_MASTER_ADDR": "127.0.0.1",
-            "PET_MASTER_PORT": str(self.port),
-        }
-
     def _start(self, rank: int) -> None:
+        self.created += 1
+        empty_dir = self.app / "emptydirs" / f"pod{rank}-{self.created}"
+        empty_dir.mkdir(parents=True)
         self.pods[rank] = subprocess.Popen(
-            [sys.executable, "train.py", *APP],
+            [sys.executable, "train.py", *APP],  # the manifests' command, with the test's overrides
             cwd=self.app,
-            env={**env(), **self.variables(rank)},
+            env={**env(), **self.variables(self.port, rank), "PYTHONUNBUFFERED": "1", "STEADFAST_SHM_DIR": str(empty_dir)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -370,16 +422,29 @@ class Operator:
         )
 
     def step(self) -> Optional[bool]:
-        """Restart what the operator restarts; True once every pod succeeded (the job did)."""
+        """Recreate what the policy recreates; True once every pod succeeded (the job did)."""
         for rank, pod in list(self.pods.items()):
             if pod.poll() is None or pod.returncode == 0:
                 continue
             code = pod.returncode if pod.returncode > 0 else 128 - pod.returncode  # a container's exit code
             self.logs[rank].append(output(pod))
-            if code not in RETRIED_BY_KUBEFLOW or len(self.restarts) >= 8:
+            if code not in self.retried or len(self.restarts) >= 8:
                 raise AssertionError(f"pod {rank} failed with exit code {code}: the job fails\n{self.logs[rank][-1][-3000:]}")
             self.restarts.append(code)
-            self._start(rank)
+            if not self.restart_all:
+                self._start(rank)
+                continue
+            for other, left in self.pods.items():
+                if left.poll() is None:
+                    os.killpg(left.pid, signal.SIGTERM)  # the pod deleted: SIGTERM, then SIGKILL after its grace period
+                    try:
+                        left.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    self.logs[other].append(output(left))
+            for other in range(self.world_size):
+                self._start(other)
+            return None
         return all(p.poll() == 0 for p in self.pods.values()) or None
 
     def stop(self) -> None:
@@ -387,30 +452,132 @@ class Operator:
             output(pod)
 
 
-@pytest.mark.slow
-@pytest.mark.alone
-def test_a_pytorchjob_with_a_pod_killed_restarts_and_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
-) -> None:
-    app = make_app(tmp_path)
+def pytorchjob_variables(port: int, rank: int) -> Dict[str, str]:
+    """What the training operator sets in the pod of `rank` (its envvar.go; MASTER_ADDR is the master pod's service)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_NODE_RANK": str(rank),
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+    }
+
+
+def run_operator(app: Path, operator_of: Any) -> Tuple[Operator, List[int]]:
+    """The job on `operator_of(app)`, rank 1's pod SIGKILLed once it passes step 50, until the job succeeds."""
     folder = run_dir(app, "own_default")
-    operator = Operator(app, 2)
+    operator = operator_of(app)
     try:
 
-        def past(step: int = 30) -> Any:
+        def past(step: int = 50) -> Any:
             operator.step()
             return beat_of(folder, 1, 0, step)
 
-        beat = wait_for(past, 120, "rank 1 past step 30")
+        beat = wait_for(past, 120, "rank 1 past step 50")
         reached = [kill(folder, beat["pid"])]
         wait_for(operator.step, 240, "the job to succeed")
     finally:
         operator.stop()
-    assert 137 in operator.restarts and set(operator.restarts) <= set(RETRIED_BY_KUBEFLOW), operator.restarts
+    return operator, reached
+
+
+def assert_resumed_from_disk_exact(folder: Path, reached: List[int], reference: Dict[str, Any]) -> None:
+    """Recreated pods have fresh emptyDirs: the run resumed from its newest checkpoint on disk, ends exact."""
     done = summary(folder)
     assert done["status"] == "completed" and done["model_sha256"] == reference["model_sha256"], (done, reference)
     assert done["restarts"] >= 1 and done["failures"][0].startswith("rank 1 (pid "), done
     assert "killed by a signal" in done["failures"][0] and "rank(s) 0 failed as a consequence" in done["failures"][0], done
     first, *later = [e for e in events(folder) if e["event"] == "resumed"]
-    assert first["source"] == "memory" and 0 <= reached[0] - first["step"] <= 1, (reached, first)
-    assert all(e["step"] >= first["step"] for e in later), later  # a pod restarted again resumes where the run stood
+    assert first["source"] == "disk" and 40 <= first["step"] <= reached[0], (reached, first)
+    assert all(e["step"] >= first["step"] for e in later), later  # a pod recreated again resumes where the run stood
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_a_pytorchjob_with_a_pod_killed_restarts_and_ends_with_the_launchers_weights(
+    tmp_path: Path, reference: Dict[str, Any]
+) -> None:
+    """docs/kubernetes.md's PyTorchJob: two pods of `python train.py` with the operator's variables,
+    restartPolicy ExitCode (a pod exiting with a code IsRetryableExitCode retries is recreated)."""
+    specs = manifest("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]
+    assert {s["restartPolicy"] for s in specs.values()} == {"ExitCode"} and sum(s["replicas"] for s in specs.values()) == 2
+    app = make_app(tmp_path)
+    operator, reached = run_operator(app, lambda app: Operator(app, 2, pytorchjob_variables, RETRIED_BY_KUBEFLOW))
+    assert 137 in operator.restarts and set(operator.restarts) <= set(RETRIED_BY_KUBEFLOW), operator.restarts
+    assert_resumed_from_disk_exact(run_dir(app, "own_default"), reached, reference)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.alone
+def test_a_jobset_with_a_pod_killed_restarts_every_pod_and_ends_with_the_launchers_weights(
+    tmp_path: Path, reference: Dict[str, Any]
+) -> None:
+    """docs/kubernetes.md's JobSet: the variables its pod template sets (RANK: the completion index),
+    its pod failure policy (FailJob on any exit but the retryable ones) and its restart of every pod."""
+    jobset = manifest("jobset.yaml")["spec"]
+    assert jobset["failurePolicy"]["rules"] == [{"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
+    (workers,) = jobset["replicatedJobs"]
+    job = workers["template"]["spec"]
+    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    (rule,) = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn", rule
+    given = {e["name"]: e for e in job["template"]["spec"]["containers"][0]["env"]}
+    assert set(given) == {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"}, given
+    assert given["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    world = job["parallelism"]
+    assert given["WORLD_SIZE"]["value"] == str(world) == "2"
+
+    def variables(port: int, rank: int) -> Dict[str, str]:  # the manifest's; its MASTER_ADDR is pod 0's name there
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": given["WORLD_SIZE"]["value"], "RANK": str(rank)}
+
+    app = make_app(tmp_path)
+    operator, reached = run_operator(
+        app, lambda app: Operator(app, world, variables, rule["onExitCodes"]["values"], restart_all=True)
+    )
+    assert operator.restarts[0] in (137, 143), operator.restarts
+    assert_resumed_from_disk_exact(run_dir(app, "own_default"), reached, reference)
+
+
+RAY_GUIDE = GUIDE.with_name("ray.md")
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.alone
+def test_ray_train_with_a_worker_killed_ends_with_the_launchers_weights(tmp_path: Path, reference: Dict[str, Any]) -> None:
+    """docs/ray.md's driver, `python ray_train.py ...`: a local Ray (its own ray.init()), a TorchTrainer
+    of 2 workers each running the app as its rank, FailureConfig(max_failures=3); rank 1's worker
+    SIGKILLed: Ray restarts both, the run resumes from the snapshot in memory and ends exact."""
+    if find_spec("ray") is None:
+        pytest.skip("Ray is not installed: pip install 'steadfast[ray]' (scripts/setup.sh's extended tier does)")
+    app = make_app(tmp_path)
+    for path, text in marked_files(RAY_GUIDE).items():
+        (app / path).write_text(text)
+    folder = run_dir(app, "own_default")
+    proc = subprocess.Popen(
+        [sys.executable, "ray_train.py", *APP],
+        cwd=app,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        beat = wait_for(lambda: beat_of(folder, 1, 0, 30), 240, "rank 1 past step 30 (Ray starts in 20-40 s here)", proc)
+        reached = [kill(folder, beat["pid"])]
+        code = proc.wait(timeout=300)
+    finally:
+        out = output(proc)
+    assert code == 0, out[-5000:]
+    done = summary(folder)
+    assert done["status"] == "completed" and done["model_sha256"] == reference["model_sha256"], (done, reference)
+    assert done["restarts"] == 1 and done["failures"][0].startswith("rank 1 (pid "), done
+    assert "killed by a signal" in done["failures"][0], done
+    assert events(folder)[0]["platform"] == "ray", events(folder)[0]
+    assert_restored_from_memory(folder, reached)
