@@ -32,7 +32,7 @@ def run_app(script: str, overrides: Sequence[str], cwd: str) -> None:
     """One worker: the script's command in this process, as its rank. Raises when it did not complete
     (its exit code in the message); puts back the process's arguments, folder and environment after."""
     argv, path, here, environ = list(sys.argv), list(sys.path), os.getcwd(), dict(os.environ)
-    sys.argv = [script, *overrides]
+    sys.argv[:] = [script, *overrides]  # what Hydra parses
     sys.path.insert(0, os.path.dirname(script))  # as `python script` has it
     os.chdir(cwd)
     try:

@@ -1,10 +1,10 @@
 """Library mode (docs/platforms.md): the own-loop app of docs/own-loop.md, unchanged, as one rank of a
-job that another platform started: a plain `torchrun --max-restarts=3`, and processes started with
-exactly the variables a Kubeflow PyTorchJob sets, restarted when they exit with a code its training
-operator retries (a pod restart, emulated). In each a worker is SIGKILLed and the run ends with the
-same weights as the app under the steadfast launcher with a worker killed; a SIGTERM under torchrun
-ends at an agreed, committed step and the same command continues. Kubernetes itself cannot run here:
-the operator's part is the small loop below (which exit codes it retries: its IsRetryableExitCode).
+job that another platform started: how each platform is recognised, its exit codes, a group the
+platform initialised, the watchdog in the worker; then real jobs: a plain `torchrun --max-restarts=3`
+and `srun` in a real Slurm job (skipped where no Slurm controller answers). In each a worker is
+SIGKILLed and the run ends with the same weights as the app under the steadfast launcher with a worker
+killed; a SIGTERM ends at an agreed, committed step and the same command continues. Kubernetes:
+test_kubernetes.py; Ray Train: test_ray.py.
 """
 
 from __future__ import annotations
@@ -16,85 +16,16 @@ import subprocess
 import sys
 import threading
 from datetime import timedelta
-from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import pytest
-from test_docs import GUIDE, marked_files
+from platform_runs import APP, assert_restored_from_memory, beat_of, kill, make_app, output, torchrun_cmd
 
 from helpers import committed_steps, env, events, run_dir, slurm_answers, summary, wait_for
 from steadfast.contract import platforms
 from steadfast.contract.exits import EXIT_PLATFORM_PREEMPTED, RETRIED_BY_KUBEFLOW, exit_code
-from steadfast.contract.heartbeat import read_heartbeats
-from steadfast.contract.pids import alive
 from steadfast.contract.schemas import RestartConf
-
-# 192 steps, a snapshot in memory at every step, a checkpoint every 40 steps. The run is still
-# outputs/own_default: epochs is in the app's run.safe_to_change, snapshot.* and checkpoint.* never
-# name a run.
-APP = ["epochs=6", "snapshot.every_n_steps=1", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40"]
-
-
-def make_app(folder: Path) -> Path:
-    for path, text in marked_files(GUIDE).items():
-        (folder / path).parent.mkdir(parents=True, exist_ok=True)
-        (folder / path).write_text(text)
-    return folder
-
-
-def torchrun_cmd(*args: str) -> List[str]:
-    script = Path(sys.executable).with_name("torchrun")
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return [*head, *args]
-
-
-def output(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
-    return out or ""
-
-
-def beat_of(folder: Path, rank: int, restart: int, step: int) -> Any:
-    beat = read_heartbeats(folder).get(rank)
-    ok = beat and beat.get("restart") == restart and beat.get("phase") == "train" and beat["step"] >= step
-    return beat if ok else None
-
-
-def kill(folder: Path, pid: int) -> int:
-    """SIGKILL `pid`; once it is gone, the furthest step any rank's heartbeat shows (its restart
-    starts seconds later: imports)."""
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not alive(pid), 10, f"pid {pid} gone")
-    return max(b["step"] for b in read_heartbeats(folder).values())
-
-
-def assert_restored_from_memory(folder: Path, reached: List[int]) -> None:
-    """Each restart restored the newest snapshot in memory: at most one step (the interval) behind
-    the furthest step reached (from disk only when the kill landed on a checkpoint's step)."""
-    restored = [e for e in events(folder) if e["event"] == "resumed"]
-    assert len(restored) == len(reached), restored
-    for got, furthest in zip(restored, reached):
-        assert got["source"] == "memory" or got["step"] % 40 == 0, restored
-        assert 0 <= furthest - got["step"] <= 1, (reached, restored)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: Any) -> Dict[str, Any]:
-    """The app under the steadfast launcher (`python train.py`), rank 1 killed at step 50 by the
-    library's rehearsal: its summary."""
-    app = make_app(tmp_path_factory.mktemp("reference"))
-    fault = ["fault=kill_rank", "fault.rank=1", "fault.at_step=50"]
-    proc = subprocess.run(
-        [sys.executable, "train.py", *APP, *fault], cwd=app, env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (found,) = (app / "outputs").glob("*/summary.json")
-    result = summary(found.parent)
-    assert result["status"] == "completed" and result["restarts"] == 1, result
-    return result
-
 
 # ---- recognising a platform, exit codes (no processes) --------------------------------------------
 
@@ -272,7 +203,7 @@ def test_a_sweep_inside_a_platform_job_is_refused_in_one_line(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.alone
 def test_plain_torchrun_with_kills_and_a_preemption_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
+    tmp_path: Path, platform_reference: Dict[str, Any]
 ) -> None:
     """`torchrun --nproc-per-node=2 --max-restarts=3 train.py`: rank 1 SIGKILLed twice (torch elastic
     restarts the group; each restart restores the snapshot in memory), then SIGTERM to torchrun
@@ -305,12 +236,14 @@ def test_plain_torchrun_with_kills_and_a_preemption_ends_with_the_launchers_weig
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     done = summary(folder)
     assert done["status"] == "completed" and done["resumed_from_step"] == stopped["stop_step"], done
-    assert done["model_sha256"] == reference["model_sha256"], (done, reference)
+    assert done["model_sha256"] == platform_reference["model_sha256"], (done, platform_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.alone
-def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weights(tmp_path: Path, reference: Dict[str, Any]) -> None:
+def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weights(
+    tmp_path: Path, platform_reference: Dict[str, Any]
+) -> None:
     """`srun --ntasks=2 python train.py` in a real Slurm job (a single-node Slurm: scripts/local_slurm.sh).
     Nothing restarts a task: rank 1 SIGKILLed at step 30 ends the step, and the same command again
     resumes from the snapshot in memory; `scancel --signal=TERM` (what Slurm sends at a preemption,
@@ -359,225 +292,4 @@ def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weight
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     done = summary(folder)
     assert done["status"] == "completed" and done["resumed_from_step"] == stopped["stop_step"], done
-    assert done["model_sha256"] == reference["model_sha256"], (done, reference)
-
-
-K8S_GUIDE = GUIDE.with_name("kubernetes.md")
-
-
-def manifest(name: str) -> Dict[str, Any]:
-    """One of docs/kubernetes.md's manifests, with the pod template's parts every manifest there must
-    have checked: one container whose command is the app's, /dev/shm a memory emptyDir, the run folder
-    on a claim under the working directory."""
-    import yaml
-
-    found = yaml.safe_load(marked_files(K8S_GUIDE)[name])
-    templates = [s["template"] for s in found["spec"].get("pytorchReplicaSpecs", {}).values()]
-    templates += [j["template"]["spec"]["template"] for j in found["spec"].get("replicatedJobs", [])]
-    for pod in templates:
-        (container,) = pod["spec"]["containers"]
-        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-        mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
-        assert container["command"] == ["python", "train.py"], container
-        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory", mounts
-        assert "persistentVolumeClaim" in mounts[container["workingDir"] + "/outputs"], mounts
-    return found
-
-
-class Operator:
-    """Kubernetes' part for pods of one worker each, all on this machine: every pod starts with the
-    variables it gets and an emptyDir of its own for /dev/shm (STEADFAST_SHM_DIR). A pod that exits with
-    a code in `retried` is recreated, with a fresh emptyDir (`restart_all`: every pod is stopped with
-    SIGTERM, as a pod's deletion does, and all are recreated, as a JobSet restarts); any other failure
-    fails the job."""
-
-    def __init__(
-        self, app: Path, world_size: int, variables: Any, retried: Any, restart_all: bool = False, port: Optional[int] = None
-    ) -> None:
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.app, self.world_size, self.port = app, world_size, port
-        self.variables, self.retried, self.restart_all = variables, set(retried), restart_all
-        self.pods: Dict[int, subprocess.Popen] = {}
-        self.restarts: List[int] = []
-        self.logs: Dict[int, List[str]] = {r: [] for r in range(world_size)}
-        self.created = 0
-        for rank in range(world_size):
-            self._start(rank)
-
-    def _start(self, rank: int) -> None:
-        self.created += 1
-        empty_dir = self.app / "emptydirs" / f"pod{rank}-{self.created}"
-        empty_dir.mkdir(parents=True)
-        self.pods[rank] = subprocess.Popen(
-            [sys.executable, "train.py", *APP],  # the manifests' command, with the test's overrides
-            cwd=self.app,
-            env={**env(), **self.variables(self.port, rank), "PYTHONUNBUFFERED": "1", "STEADFAST_SHM_DIR": str(empty_dir)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-
-    def step(self) -> Optional[bool]:
-        """Recreate what the policy recreates; True once every pod succeeded (the job did)."""
-        for rank, pod in list(self.pods.items()):
-            if pod.poll() is None or pod.returncode == 0:
-                continue
-            code = pod.returncode if pod.returncode > 0 else 128 - pod.returncode  # a container's exit code
-            self.logs[rank].append(output(pod))
-            if code not in self.retried or len(self.restarts) >= 8:
-                raise AssertionError(f"pod {rank} failed with exit code {code}: the job fails\n{self.logs[rank][-1][-3000:]}")
-            self.restarts.append(code)
-            if not self.restart_all:
-                self._start(rank)
-                continue
-            for other, left in self.pods.items():
-                if left.poll() is None:
-                    os.killpg(left.pid, signal.SIGTERM)  # the pod deleted: SIGTERM, then SIGKILL after its grace period
-                    try:
-                        left.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    self.logs[other].append(output(left))
-            for other in range(self.world_size):
-                self._start(other)
-            return None
-        return all(p.poll() == 0 for p in self.pods.values()) or None
-
-    def stop(self) -> None:
-        for pod in self.pods.values():
-            output(pod)
-
-
-def pytorchjob_variables(port: int, rank: int) -> Dict[str, str]:
-    """What the training operator sets in the pod of `rank` (its envvar.go; MASTER_ADDR is the master pod's service)."""
-    return {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": "2",
-        "RANK": str(rank),
-        "PET_NNODES": "2",
-        "PET_NPROC_PER_NODE": "1",
-        "PET_NODE_RANK": str(rank),
-        "PET_MASTER_ADDR": "127.0.0.1",
-        "PET_MASTER_PORT": str(port),
-    }
-
-
-def run_operator(app: Path, operator_of: Any) -> Tuple[Operator, List[int]]:
-    """The job on `operator_of(app)`, rank 1's pod SIGKILLed once it passes step 50, until the job succeeds."""
-    folder = run_dir(app, "own_default")
-    operator = operator_of(app)
-    try:
-
-        def past(step: int = 50) -> Any:
-            operator.step()
-            return beat_of(folder, 1, 0, step)
-
-        beat = wait_for(past, 120, "rank 1 past step 50")
-        reached = [kill(folder, beat["pid"])]
-        wait_for(operator.step, 240, "the job to succeed")
-    finally:
-        operator.stop()
-    return operator, reached
-
-
-def assert_resumed_from_disk_exact(folder: Path, reached: List[int], reference: Dict[str, Any]) -> None:
-    """Recreated pods have fresh emptyDirs: the run resumed from its newest checkpoint on disk, ends exact."""
-    done = summary(folder)
-    assert done["status"] == "completed" and done["model_sha256"] == reference["model_sha256"], (done, reference)
-    assert done["restarts"] >= 1 and done["failures"][0].startswith("rank 1 (pid "), done
-    assert "killed by a signal" in done["failures"][0] and "rank(s) 0 failed as a consequence" in done["failures"][0], done
-    first, *later = [e for e in events(folder) if e["event"] == "resumed"]
-    assert first["source"] == "disk" and 40 <= first["step"] <= reached[0], (reached, first)
-    assert all(e["step"] >= first["step"] for e in later), later  # a pod recreated again resumes where the run stood
-
-
-@pytest.mark.slow
-@pytest.mark.alone
-def test_a_pytorchjob_with_a_pod_killed_restarts_and_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
-) -> None:
-    """docs/kubernetes.md's PyTorchJob: two pods of `python train.py` with the operator's variables,
-    restartPolicy ExitCode (a pod exiting with a code IsRetryableExitCode retries is recreated)."""
-    specs = manifest("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]
-    assert {s["restartPolicy"] for s in specs.values()} == {"ExitCode"} and sum(s["replicas"] for s in specs.values()) == 2
-    app = make_app(tmp_path)
-    operator, reached = run_operator(app, lambda app: Operator(app, 2, pytorchjob_variables, RETRIED_BY_KUBEFLOW))
-    assert 137 in operator.restarts and set(operator.restarts) <= set(RETRIED_BY_KUBEFLOW), operator.restarts
-    assert_resumed_from_disk_exact(run_dir(app, "own_default"), reached, reference)
-
-
-@pytest.mark.extended
-@pytest.mark.slow
-@pytest.mark.alone
-def test_a_jobset_with_a_pod_killed_restarts_every_pod_and_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
-) -> None:
-    """docs/kubernetes.md's JobSet: the variables its pod template sets (RANK: the completion index),
-    its pod failure policy (FailJob on any exit but the retryable ones) and its restart of every pod."""
-    jobset = manifest("jobset.yaml")["spec"]
-    assert jobset["failurePolicy"]["rules"] == [{"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
-    (workers,) = jobset["replicatedJobs"]
-    job = workers["template"]["spec"]
-    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
-    (rule,) = job["podFailurePolicy"]["rules"]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn", rule
-    given = {e["name"]: e for e in job["template"]["spec"]["containers"][0]["env"]}
-    assert set(given) == {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"}, given
-    assert given["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    world = job["parallelism"]
-    assert given["WORLD_SIZE"]["value"] == str(world) == "2"
-
-    def variables(port: int, rank: int) -> Dict[str, str]:  # the manifest's; its MASTER_ADDR is pod 0's name there
-        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": given["WORLD_SIZE"]["value"], "RANK": str(rank)}
-
-    app = make_app(tmp_path)
-    operator, reached = run_operator(
-        app, lambda app: Operator(app, world, variables, rule["onExitCodes"]["values"], restart_all=True)
-    )
-    assert operator.restarts[0] in (137, 143), operator.restarts
-    assert_resumed_from_disk_exact(run_dir(app, "own_default"), reached, reference)
-
-
-RAY_GUIDE = GUIDE.with_name("ray.md")
-
-
-@pytest.mark.extended
-@pytest.mark.slow
-@pytest.mark.alone
-def test_ray_train_with_a_worker_killed_ends_with_the_launchers_weights(tmp_path: Path, reference: Dict[str, Any]) -> None:
-    """docs/ray.md's driver, `python ray_train.py ...`: a local Ray (its own ray.init()), a TorchTrainer
-    of 2 workers each running the app as its rank, FailureConfig(max_failures=3); rank 1's worker
-    SIGKILLed: Ray restarts both, the run resumes from the snapshot in memory and ends exact."""
-    if find_spec("ray") is None:
-        pytest.skip("Ray is not installed: pip install 'steadfast[ray]' (scripts/setup.sh's extended tier does)")
-    app = make_app(tmp_path)
-    for path, text in marked_files(RAY_GUIDE).items():
-        (app / path).write_text(text)
-    folder = run_dir(app, "own_default")
-    proc = subprocess.Popen(
-        [sys.executable, "ray_train.py", *APP],
-        cwd=app,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        beat = wait_for(lambda: beat_of(folder, 1, 0, 30), 240, "rank 1 past step 30 (Ray starts in 20-40 s here)", proc)
-        reached = [kill(folder, beat["pid"])]
-        code = proc.wait(timeout=300)
-    finally:
-        out = output(proc)
-    assert code == 0, out[-5000:]
-    done = summary(folder)
-    assert done["status"] == "completed" and done["model_sha256"] == reference["model_sha256"], (done, reference)
-    assert done["restarts"] == 1 and done["failures"][0].startswith("rank 1 (pid "), done
-    assert "killed by a signal" in done["failures"][0], done
-    assert events(folder)[0]["platform"] == "ray", events(folder)[0]
-    assert_restored_from_memory(folder, reached)
+    assert done["model_sha256"] == platform_reference["model_sha256"], (done, platform_reference)
