@@ -6,6 +6,7 @@ under the steadfast launcher.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -19,6 +20,12 @@ from test_docs import GUIDE, marked_files
 from helpers import env, events, run_dir, summary, wait_for
 
 RAY_GUIDE = GUIDE.with_name("ray.md")
+pytestmark = [
+    pytest.mark.skipif(
+        find_spec("ray") is None, reason="Ray is not installed: pip install 'steadfast[ray]' (setup.sh's extended tier)"
+    ),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the TorchTrainer's 2 workers take a CPU each"),
+]
 
 
 @pytest.mark.extended
@@ -30,8 +37,6 @@ def test_ray_train_with_a_worker_killed_ends_with_the_launchers_weights(
     """docs/ray.md's driver, `python ray_train.py ...`: a local Ray (its own ray.init()), a TorchTrainer
     of 2 workers each running the app as its rank, FailureConfig(max_failures=3); rank 1's worker
     SIGKILLed: Ray restarts both, the run resumes from the snapshot in memory and ends exact."""
-    if find_spec("ray") is None:
-        pytest.skip("Ray is not installed: pip install 'steadfast[ray]' (scripts/setup.sh's extended tier does)")
     app = make_app(tmp_path)
     for path, text in marked_files(RAY_GUIDE).items():
         (app / path).write_text(text)
