@@ -7,8 +7,9 @@
 #   STEADFAST_WITHOUT_HOROVOD=1   skip the Horovod build (backend=horovod then says how to add it)
 #   STEADFAST_EXTENDED=1          also what only the extended tests need (make test-all): the Optuna
 #                                 sweeper, the etcd rendezvous (python-etcd, and etcd-server when
-#                                 root with apt) and the MLflow client (mlflow-skinny with sqlalchemy:
-#                                 ~30 s more); make run and make test do without them (about 70 s)
+#                                 root with apt), the MLflow client (mlflow-skinny with sqlalchemy:
+#                                 ~30 s more) and Ray Train (ray[train]: ~20 s, ~510 MB more); make
+#                                 run and make test do without them (about 70 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,7 +53,7 @@ extended() {
   [ -f "$stamp" ] && return 0
   local start
   start=$(date +%s)
-  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,optuna,etcd,mlflow]" --config-settings editable_mode=compat
+  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,optuna,etcd,mlflow,ray]" --config-settings editable_mode=compat
   # An etcd server for the etcd rendezvous tests (best effort: only as root with a working apt;
   # the tests skip with the reason when /usr/bin/etcd is missing).
   if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -21,6 +21,7 @@ launcher imports at Hydra's start-up) never imports torch.
   help             `--help`'s config groups: every group's real options for any app
   report           `python -m pipeline.report`: what happened in a run, from its records
   verify_recovery  `steadfast-verify`: an app killed and resumed against the same app uninterrupted
+  ray_train        the app's own command as Ray Train's train_loop_per_worker (docs/ray.md; imports no Ray)
 """
 
 from __future__ import annotations

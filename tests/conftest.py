@@ -10,13 +10,22 @@ for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from helpers import QUICK, reference_run  # noqa: E402
+from helpers import QUICK, made_once, reference_run  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One uninterrupted 2-worker run of the QUICK job: the reference every recovery must reproduce."""
     return reference_run(tmp_path_factory, "baseline", *QUICK)
+
+
+@pytest.fixture(scope="session")
+def platform_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The own-loop app under the steadfast launcher, rank 1 killed at step 50: the summary whose
+    model_sha256 the app must end with under every platform (tests/platform_runs.py)."""
+    from platform_runs import reference_summary
+
+    return made_once(tmp_path_factory, "platform_reference", reference_summary)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

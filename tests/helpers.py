@@ -6,6 +6,7 @@ import csv
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def start_train(cwd: Path, *overrides: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+    )
+
+
+def slurm_answers() -> bool:
+    """A Slurm controller answers here (.ci/run starts a single-node one: scripts/local_slurm.sh)."""
+    return bool(
+        shutil.which("sbatch")
+        and shutil.which("scontrol")
+        and subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30).stdout.count("UP")
     )
 
 

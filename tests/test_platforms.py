@@ -1,10 +1,10 @@
 """Library mode (docs/platforms.md): the own-loop app of docs/own-loop.md, unchanged, as one rank of a
-job that another platform started: a plain `torchrun --max-restarts=3`, and processes started with
-exactly the variables a Kubeflow PyTorchJob sets, restarted when they exit with a code its training
-operator retries (a pod restart, emulated). In each a worker is SIGKILLed and the run ends with the
-same weights as the app under the steadfast launcher with a worker killed; a SIGTERM under torchrun
-ends at an agreed, committed step and the same command continues. Kubernetes itself cannot run here:
-the operator's part is the small loop below (which exit codes it retries: its IsRetryableExitCode).
+job that another platform started: how each platform is recognised, its exit codes, a group the
+platform initialised, the watchdog in the worker; then real jobs: a plain `torchrun --max-restarts=3`
+and `srun` in a real Slurm job (skipped where no Slurm controller answers). In each a worker is
+SIGKILLed and the run ends with the same weights as the app under the steadfast launcher with a worker
+killed; a SIGTERM ends at an agreed, committed step and the same command continues. Kubernetes:
+test_kubernetes.py; Ray Train: test_ray.py.
 """
 
 from __future__ import annotations
@@ -20,80 +20,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
-from test_docs import GUIDE, marked_files
+from platform_runs import APP, assert_restored_from_memory, beat_of, kill, make_app, output, torchrun_cmd
 
-from helpers import committed_steps, env, events, run_dir, summary, wait_for
+from helpers import committed_steps, env, events, run_dir, slurm_answers, summary, wait_for
 from steadfast.contract import platforms
 from steadfast.contract.exits import EXIT_PLATFORM_PREEMPTED, RETRIED_BY_KUBEFLOW, exit_code
-from steadfast.contract.heartbeat import read_heartbeats
-from steadfast.contract.pids import alive
 from steadfast.contract.schemas import RestartConf
-
-# 192 steps, a snapshot in memory at every step, a checkpoint every 40 steps. The run is still
-# outputs/own_default: epochs is in the app's run.safe_to_change, snapshot.* and checkpoint.* never
-# name a run.
-APP = ["epochs=6", "snapshot.every_n_steps=1", "checkpoint=every_n_steps", "checkpoint.every_n_steps=40"]
-
-
-def make_app(folder: Path) -> Path:
-    for path, text in marked_files(GUIDE).items():
-        (folder / path).parent.mkdir(parents=True, exist_ok=True)
-        (folder / path).write_text(text)
-    return folder
-
-
-def torchrun_cmd(*args: str) -> List[str]:
-    script = Path(sys.executable).with_name("torchrun")
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return [*head, *args]
-
-
-def output(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
-    return out or ""
-
-
-def beat_of(folder: Path, rank: int, restart: int, step: int) -> Any:
-    beat = read_heartbeats(folder).get(rank)
-    ok = beat and beat.get("restart") == restart and beat.get("phase") == "train" and beat["step"] >= step
-    return beat if ok else None
-
-
-def kill(folder: Path, pid: int) -> int:
-    """SIGKILL `pid`; once it is gone, the furthest step any rank's heartbeat shows (its restart
-    starts seconds later: imports)."""
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not alive(pid), 10, f"pid {pid} gone")
-    return max(b["step"] for b in read_heartbeats(folder).values())
-
-
-def assert_restored_from_memory(folder: Path, reached: List[int]) -> None:
-    """Each restart restored the newest snapshot in memory: at most one step (the interval) behind
-    the furthest step reached (from disk only when the kill landed on a checkpoint's step)."""
-    restored = [e for e in events(folder) if e["event"] == "resumed"]
-    assert len(restored) == len(reached), restored
-    for got, furthest in zip(restored, reached):
-        assert got["source"] == "memory" or got["step"] % 40 == 0, restored
-        assert 0 <= furthest - got["step"] <= 1, (reached, restored)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: Any) -> Dict[str, Any]:
-    """The app under the steadfast launcher (`python train.py`), rank 1 killed at step 50 by the
-    library's rehearsal: its summary."""
-    app = make_app(tmp_path_factory.mktemp("reference"))
-    fault = ["fault=kill_rank", "fault.rank=1", "fault.at_step=50"]
-    proc = subprocess.run(
-        [sys.executable, "train.py", *APP, *fault], cwd=app, env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (found,) = (app / "outputs").glob("*/summary.json")
-    result = summary(found.parent)
-    assert result["status"] == "completed" and result["restarts"] == 1, result
-    return result
-
 
 # ---- recognising a platform, exit codes (no processes) --------------------------------------------
 
@@ -123,6 +55,10 @@ def test_each_platform_is_recognised_from_its_variables_and_ours_never() -> None
         "MASTER_PORT": "20077",
     }
     assert platforms.detect({**srun, **torchrun}).name == "torchelastic"  # type: ignore[union-attr]  # torchrun under srun
+    ray = {"RAY_JOB_ID": "01000000", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41000"}
+    found = platforms.detect({**ray, "NODE_RANK": "1", "LOCAL_RANK": "0", "RAY_RAYLET_PID": "9"})
+    assert found is not None and found.name == "ray" and (found.rank, found.world_size, found.node) == (1, 2, "1")
+    assert found.job == "ray 01000000@10.0.0.5:41000" and found.torch_environ() == {}
     pod = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2", "PET_NNODES": "3"}
     found = platforms.detect(pod)
     assert found is not None and found.name == "torch-env" and found.node == "2" and found.job == "torch-env job-master-0:23456"
@@ -182,29 +118,59 @@ def test_a_restarted_group_meets_in_a_namespace_nobody_used(monkeypatch: pytest.
     assert not server.check([group_store.ASKS])  # every request answered and cleared
 
 
+def test_a_process_group_the_platform_initialised_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Train initialises the default group before the training function runs: the library uses it
+    (a second one would meet on the same port), destroys only its own control group, and refuses a
+    group that is not the rank the variables say."""
+    import torch.distributed as dist
+
+    from steadfast.distributed.comm import TorchDistComm
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = TorchDistComm(timeout_s=30)
+        assert comm.owns_group is False and comm.max_each([1.0, 2.0]) == [1.0, 2.0]
+        comm.shutdown()
+        assert dist.is_initialized() and dist.get_world_size() == 1  # still the platform's
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(RuntimeError, match="rank 0 of 1, but RANK=0 and WORLD_SIZE=2"):
+            TorchDistComm(timeout_s=30)
+    finally:
+        dist.destroy_process_group()
+
+
 WATCHED = """
-import sys, time
+import sys, threading, time
 from pathlib import Path
 from steadfast.contract.heartbeat import start_heartbeat
 from steadfast.contract.schemas import RestartConf
 from hydra_plugins.steadfast_launcher._selfwatch import SelfWatch
 
 run = Path(sys.argv[1])
-start_heartbeat(run, 1).beat(5, "train")
-SelfWatch(run, 1, RestartConf(hang_timeout_s=1.0, startup_timeout_s=1.0)).start()
 
 
 def stuck_in_the_loop():
     time.sleep(120)
 
 
-stuck_in_the_loop()
+def task():  # in a thread of its own, as Ray Train runs the training function
+    start_heartbeat(run, 1).beat(5, "train")
+    SelfWatch(run, 1, RestartConf(hang_timeout_s=1.0, startup_timeout_s=1.0)).start()
+    stuck_in_the_loop()
+
+
+thread = threading.Thread(target=task)
+thread.start()
+thread.join()
 """
 
 
 def test_a_worker_without_progress_writes_its_stacks_and_ends_itself(tmp_path: Path) -> None:
     """Library mode's watchdog lives in the worker: no progress for restart.hang_timeout_s, and the
-    worker records where it was and kills itself with SIGKILL for its platform to restart it."""
+    worker records where its task was (in the task's thread, which under Ray Train is not the main
+    one) and kills itself with SIGKILL for its platform to restart it."""
     proc = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "no progress for" in proc.stderr and "ending this worker (SIGKILL)" in proc.stderr, proc.stderr
@@ -237,7 +203,7 @@ def test_a_sweep_inside_a_platform_job_is_refused_in_one_line(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.alone
 def test_plain_torchrun_with_kills_and_a_preemption_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
+    tmp_path: Path, platform_reference: Dict[str, Any]
 ) -> None:
     """`torchrun --nproc-per-node=2 --max-restarts=3 train.py`: rank 1 SIGKILLed twice (torch elastic
     restarts the group; each restart restores the snapshot in memory), then SIGTERM to torchrun
@@ -270,93 +236,60 @@ def test_plain_torchrun_with_kills_and_a_preemption_ends_with_the_launchers_weig
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     done = summary(folder)
     assert done["status"] == "completed" and done["resumed_from_step"] == stopped["stop_step"], done
-    assert done["model_sha256"] == reference["model_sha256"], (done, reference)
-
-
-class Operator:
-    """Kubeflow's training operator for a PyTorchJob of one process per pod, restartPolicy ExitCode: a pod
-    whose container exits with a code it retries is started again (same variables), any other failure
-    fails the job."""
-
-    def __init__(self, app: Path, world_size: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.app, self.world_size = app, world_size
-        self.pods: Dict[int, subprocess.Popen] = {}
-        self.restarts: List[int] = []
-        self.logs: Dict[int, List[str]] = {r: [] for r in range(world_size)}
-        for rank in range(world_size):
-            self._start(rank)
-
-    def variables(self, rank: int) -> Dict[str, str]:
-        """What the operator sets in the pod of `rank` (its envvar.go; MASTER_ADDR is the master pod's service)."""
-        return {
-            "PYTHONUNBUFFERED": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.port),
-            "WORLD_SIZE": str(self.world_size),
-            "RANK": str(rank),
-            "PET_NNODES": str(self.world_size),
-            "PET_NPROC_PER_NODE": "1",
-            "PET_NODE_RANK": str(rank),
-            "PET_MASTER_ADDR": "127.0.0.1",
-            "PET_MASTER_PORT": str(self.port),
-        }
-
-    def _start(self, rank: int) -> None:
-        self.pods[rank] = subprocess.Popen(
-            [sys.executable, "train.py", *APP],
-            cwd=self.app,
-            env={**env(), **self.variables(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-
-    def step(self) -> Optional[bool]:
-        """Restart what the operator restarts; True once every pod succeeded (the job did)."""
-        for rank, pod in list(self.pods.items()):
-            if pod.poll() is None or pod.returncode == 0:
-                continue
-            code = pod.returncode if pod.returncode > 0 else 128 - pod.returncode  # a container's exit code
-            self.logs[rank].append(output(pod))
-            if code not in RETRIED_BY_KUBEFLOW or len(self.restarts) >= 8:
-                raise AssertionError(f"pod {rank} failed with exit code {code}: the job fails\n{self.logs[rank][-1][-3000:]}")
-            self.restarts.append(code)
-            self._start(rank)
-        return all(p.poll() == 0 for p in self.pods.values()) or None
-
-    def stop(self) -> None:
-        for pod in self.pods.values():
-            output(pod)
+    assert done["model_sha256"] == platform_reference["model_sha256"], (done, platform_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.alone
-def test_a_pytorchjob_with_a_pod_killed_restarts_and_ends_with_the_launchers_weights(
-    tmp_path: Path, reference: Dict[str, Any]
+def test_srun_with_a_task_killed_and_a_preemption_ends_with_the_launchers_weights(
+    tmp_path: Path, platform_reference: Dict[str, Any]
 ) -> None:
+    """`srun --ntasks=2 python train.py` in a real Slurm job (a single-node Slurm: scripts/local_slurm.sh).
+    Nothing restarts a task: rank 1 SIGKILLed at step 30 ends the step, and the same command again
+    resumes from the snapshot in memory; `scancel --signal=TERM` (what Slurm sends at a preemption,
+    and before the time limit with --signal) stops every task at an agreed, committed step, exit 143;
+    the same command again finishes the run."""
+    if not slurm_answers():
+        pytest.skip("no Slurm controller answers `scontrol ping` here (bash scripts/local_slurm.sh starts one, as root)")
     app = make_app(tmp_path)
     folder = run_dir(app, "own_default")
-    operator = Operator(app, 2)
+    name = f"steadfast-{tmp_path.name}"  # scancel finds the job by it
+    command = ["srun", "--ntasks=2", f"--job-name={name}", sys.executable, "train.py", *APP]
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            command, cwd=app, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
     try:
+        proc = start()
+        try:
+            beat = wait_for(lambda: beat_of(folder, 1, 0, 30), 120, "rank 1 past step 30", proc)
+            reached = [kill(folder, beat["pid"])]
+            killed = proc.wait(timeout=120)  # srun ends the step: rank 0 lost its peer and exits 143
+        finally:
+            out = output(proc)
+        assert killed != 0 and summary(folder)["status"] == "failed", out[-3000:]
 
-        def past(step: int = 30) -> Any:
-            operator.step()
-            return beat_of(folder, 1, 0, step)
-
-        beat = wait_for(past, 120, "rank 1 past step 30")
-        reached = [kill(folder, beat["pid"])]
-        wait_for(operator.step, 240, "the job to succeed")
+        proc = start()  # the same command: an incarnation of the same launch, restart 1
+        try:
+            wait_for(lambda: beat_of(folder, 0, 1, 100), 120, "rank 0 past step 100 in the second srun", proc)
+            subprocess.run(["scancel", "--signal=TERM", f"--name={name}"], check=True, timeout=30)
+            code = proc.wait(timeout=120)
+        finally:
+            out = output(proc)
     finally:
-        operator.stop()
-    assert 137 in operator.restarts and set(operator.restarts) <= set(RETRIED_BY_KUBEFLOW), operator.restarts
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30)
+    assert code == 143, out[-3000:]  # every task's restart.preemption_exit_code
+    stopped = summary(folder)
+    assert stopped["status"] == "preempted" and stopped["stop_saved"] is True, (stopped, out[-3000:])
+    assert stopped["stop_step"] in committed_steps(folder) and stopped["stop_step"] >= 100, stopped
+    assert stopped["restarts"] == 1 and len(stopped["failures"]) == 1, stopped
+    assert stopped["failures"][0].startswith("rank 1 ") and "killed by a signal" in stopped["failures"][0], stopped
+    assert_restored_from_memory(folder, reached)
+
+    again = subprocess.run(command, cwd=app, env=env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     done = summary(folder)
-    assert done["status"] == "completed" and done["model_sha256"] == reference["model_sha256"], (done, reference)
-    assert done["restarts"] >= 1 and done["failures"][0].startswith("rank 1 (pid "), done
-    assert "killed by a signal" in done["failures"][0] and "rank(s) 0 failed as a consequence" in done["failures"][0], done
-    first, *later = [e for e in events(folder) if e["event"] == "resumed"]
-    assert first["source"] == "memory" and 0 <= reached[0] - first["step"] <= 1, (reached, first)
-    assert all(e["step"] >= first["step"] for e in later), later  # a pod restarted again resumes where the run stood
+    assert done["status"] == "completed" and done["resumed_from_step"] == stopped["stop_step"], done
+    assert done["model_sha256"] == platform_reference["model_sha256"], (done, platform_reference)

@@ -9,13 +9,12 @@ was given.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import event_of, run_dir, run_train
+from helpers import event_of, run_dir, run_train, slurm_answers
 
 
 def _fake_sbatch(tmp_path: Path) -> Path:
@@ -69,7 +68,7 @@ def test_script_has_one_agent_per_node_the_head_node_endpoint_requeue_and_signal
 
 
 def test_slurm_accepts_the_script_with_test_only(tmp_path: Path) -> None:
-    if not _controller():
+    if not slurm_answers():
         pytest.skip("no Slurm controller answers `scontrol ping` here, so `sbatch --test-only` cannot run")
     proc = run_train(
         tmp_path, "cluster=slurm", "cluster.nodes=1", "cluster.time_min=5", "cluster.submit=false", "run.name=t", timeout=60
@@ -107,19 +106,11 @@ def test_bad_cluster_values_are_refused_before_anything_is_written(tmp_path: Pat
     assert not (run_dir(tmp_path, "x") / "slurm").exists()
 
 
-def _controller() -> bool:
-    return bool(
-        shutil.which("sbatch")
-        and shutil.which("scontrol")
-        and subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP")
-    )
-
-
 @pytest.mark.slow
 def test_a_real_slurm_job_runs_the_training_to_completion(tmp_path: Path) -> None:
     """Needs a Slurm controller and a node that can read tmp_path (a single-node Slurm on localhost
     does: slurm-wlm + munge; see docs/multi-node.md, "Slurm")."""
-    if not _controller():
+    if not slurm_answers():
         pytest.skip("no Slurm controller answers `scontrol ping` here (a single-node slurmctld + slurmd + munge can provide one)")
     from helpers import QUICK, summary, wait_for
 

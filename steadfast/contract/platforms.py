@@ -1,7 +1,8 @@
 """Platforms that start the workers themselves, and how a worker recognises one (library mode).
 
 A steadfast app started by torch elastic (`torchrun`, and what runs it: a PyTorchJob's pods,
-TorchX's `dist.ddp`), by Slurm's `srun` with one task per worker, or by any platform that sets
+TorchX's `dist.ddp`), by Slurm's `srun` with one task per worker, in a Ray Train worker
+(steadfast/ray_train.py runs it there), or by any platform that sets
 torch's own variables (a PyTorchJob without torchrun) is one rank of a job that platform owns. The
 launcher then runs the job's task in that process instead of starting workers of its own (library
 mode, docs/platforms.md). This table says, per platform, how it is recognised, where a worker finds
@@ -92,12 +93,23 @@ TORCH_ELASTIC = Platform(
 SLURM = Platform(
     name="slurm",
     title="srun",
-    restarts="nothing (Slurm requeues the whole job: --requeue)",
-    rank_env=replace(TORCH_DISTRIBUTED, restart_count="SLURM_RESTART_COUNT", run_id="SLURM_JOB_ID"),  # after torch_env
+    restarts="the same srun command again, or a requeue of the job (--requeue)",  # nothing restarts a task
+    # run again or requeued, each start is an incarnation of the launch: they count its restarts (after torch_env)
+    rank_env=replace(TORCH_DISTRIBUTED, restart_count="", run_id="SLURM_JOB_ID"),
     recognises=lambda env: bool(env.get("SLURM_STEP_ID")) and bool(env.get("SLURM_PROCID")) and _int(env, "SLURM_NTASKS") > 1,
     job=lambda env: f"{_get(env, 'SLURM_JOB_ID')}.{_get(env, 'SLURM_STEP_ID')}",
     node=lambda env: _get(env, "SLURM_NODEID") or "0",
     torch_env=_slurm_torch_env,
+)
+
+RAY = Platform(  # a Ray Train TorchTrainer's worker: Ray sets torch's variables and initialises the group itself
+    name="ray",
+    title="Ray Train",
+    restarts="Ray Train (RunConfig(failure_config=FailureConfig(max_failures=...)))",
+    rank_env=replace(TORCH_DISTRIBUTED, restart_count="", run_id="RAY_JOB_ID"),  # a restart is a new group: incarnations
+    recognises=lambda env: all(env.get(k) for k in ("RAY_JOB_ID", "RANK", "WORLD_SIZE")),
+    job=lambda env: f"{_get(env, 'RAY_JOB_ID')}@{_torch_job(env)}",  # a restarted group meets on a new port
+    node=lambda env: _get(env, "NODE_RANK") or "0",
 )
 
 TORCH_ENV = Platform(  # a PyTorchJob's pods without torchrun, and any launcher that sets only torch's variables
@@ -111,7 +123,7 @@ TORCH_ENV = Platform(  # a PyTorchJob's pods without torchrun, and any launcher 
     node=lambda env: str(_int(env, "RANK") // max(1, _int(env, "LOCAL_WORLD_SIZE", 1))),
 )
 
-PLATFORMS: Tuple[Platform, ...] = (TORCH_ELASTIC, SLURM, TORCH_ENV)
+PLATFORMS: Tuple[Platform, ...] = (TORCH_ELASTIC, SLURM, RAY, TORCH_ENV)
 
 
 @dataclass(frozen=True)

@@ -119,12 +119,22 @@ class TorchDistComm(Comm):
         kwargs: Dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this rank's GPU
-        store = group_store.fresh_store(self.rank, self.world_size, timeout_s)
-        if store is not None:  # torch elastic's shared store (a plain torchrun): this incarnation's own namespace
-            kwargs.update(store=store, rank=self.rank, world_size=self.world_size)
-        elif self.rank != 0:
-            await_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s)
-        dist.init_process_group(**kwargs)
+        # A platform that initialises the group itself (Ray Train's workers): the process's one default
+        # group is used as it is; a second one would meet on the same address and port.
+        self.owns_group = not dist.is_initialized()
+        if not self.owns_group:
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+                raise RuntimeError(
+                    f"steadfast: this process's process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                    f"but RANK={self.rank} and WORLD_SIZE={self.world_size}: initialise it with torch's variables, or not at all"
+                )
+        else:
+            store = group_store.fresh_store(self.rank, self.world_size, timeout_s)
+            if store is not None:  # torch elastic's shared store (a plain torchrun): this incarnation's own namespace
+                kwargs.update(store=store, rank=self.rank, world_size=self.world_size)
+            elif self.rank != 0:
+                await_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s)
+            dist.init_process_group(**kwargs)
         # the control plane (module doc): its own Gloo group, even when training runs on Gloo too
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
@@ -185,6 +195,10 @@ class TorchDistComm(Comm):
         is destroyed only when the interpreter ends, through the binding that releases the GIL (a
         worker forked from the forkserver ends with os._exit and never runs that destructor)."""
         if not self.dist.is_initialized():
+            return
+        if not self.owns_group:  # the platform's group is the platform's to destroy: only the control plane's goes
+            _RETIRED.append(self.control)
+            self.dist.destroy_process_group(self.control)
             return
         _RETIRED.extend(g for g in (self.dist.group.WORLD, self.control) if g is not None)
         self.dist.destroy_process_group()

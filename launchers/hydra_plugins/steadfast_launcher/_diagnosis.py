@@ -260,16 +260,28 @@ def recurrence(ends: Sequence[RankEnd], before: Optional[Sequence[Mapping[str, A
 
 
 # ---- the Python stacks a worker wrote (faulthandler) ---------------------------------------------
-def main_thread_frames(dump: str) -> List[Tuple[str, int, str]]:
-    """The frames (innermost first) of the main thread in one faulthandler dump."""
-    blocks: List[List[Tuple[str, int, str]]] = []
+def _thread_blocks(dump: str) -> List[Tuple[str, List[Tuple[str, int, str]]]]:
+    """Each thread's header line and frames (innermost first), in one faulthandler dump."""
+    blocks: List[Tuple[str, List[Tuple[str, int, str]]]] = []
     for line in dump.splitlines():
         if "(most recent call first)" in line:
-            blocks.append([])
+            blocks.append((line, []))
         elif blocks:
             m = _FRAME.match(line)
             if m:
-                blocks[-1].append((m.group(1), int(m.group(2)), m.group(3)))
+                blocks[-1][1].append((m.group(1), int(m.group(2)), m.group(3)))
+    return blocks
+
+
+def thread_frames(dump: str, ident: int) -> List[Tuple[str, int, str]]:
+    """The frames of the thread `ident` (threading.get_ident()) in one dump; else the main thread's."""
+    named = f"hread 0x{ident:016x} "  # faulthandler's "Thread 0x..." and "Current thread 0x..."
+    return next((frames for header, frames in _thread_blocks(dump) if named in header), None) or main_thread_frames(dump)
+
+
+def main_thread_frames(dump: str) -> List[Tuple[str, int, str]]:
+    """The frames (innermost first) of the main thread in one faulthandler dump."""
+    blocks = [frames for _, frames in _thread_blocks(dump)]
     for frames in reversed(blocks):  # the main thread started first: usually listed last
         if frames and not (frames[-1][0].endswith("threading.py") and frames[-1][2].startswith("_bootstrap")):
             return frames

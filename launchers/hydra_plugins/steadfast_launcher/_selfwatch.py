@@ -28,7 +28,7 @@ from steadfast.contract import events
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, heartbeat
 from steadfast.contract.schemas import RestartConf
 
-from ._diagnosis import describe_frame, main_thread_frames
+from ._diagnosis import describe_frame, thread_frames
 from ._watchdog import stacks_file
 
 BACKSTOP_S = 30.0  # faulthandler's timer fires this long after the watchdog thread should have acted
@@ -41,6 +41,7 @@ class SelfWatch:
         self.poll = min(5.0, (self.hang or 1.0) / 10)
         self._stop = threading.Event()
         self._stacks: Optional[TextIO] = None
+        self._task = threading.get_ident()  # the task's thread: the main thread, or Ray Train's training thread
 
     def start(self) -> "SelfWatch":
         if self.hang:
@@ -79,7 +80,7 @@ class SelfWatch:
             start = self._stacks.tell()
             faulthandler.dump_traceback(file=self._stacks, all_threads=True)
             self._stacks.flush()
-            where = describe_frame(next(iter(main_thread_frames(_read_from(self._stacks.name, start))), None))
+            where = describe_frame(next(iter(thread_frames(_read_from(self._stacks.name, start), self._task)), None))
         try:
             events.write(
                 self.run_dir,
