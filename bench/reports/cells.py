@@ -22,6 +22,15 @@ def f(x: Any, digits: int = 2, unit: str = "") -> str:
     return str(x)
 
 
+# The first columns of a table of runs' speeds: the run, its steps/s (spread()), its CPU time per step
+SPEED_COLUMNS = ["run", "steps/s (median)", "min", "max", "CPU ms per step (all processes)"]
+
+
+def spread(figure: Dict[str, Any], digits: int = 2) -> List[str]:
+    """A figure's median, min and max (a bench.common.spread), as three cells."""
+    return [f(figure.get(k), digits) for k in ("median", "min", "max")]
+
+
 def status(value: Optional[float], op: str, goal: float) -> str:
     if value is None:
         return "not measured"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, foreign_note, reported, table, target
+from .cells import SPEED_COLUMNS, f, foreign_note, reported, spread, table, target
 
 
 def rows(hot: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -70,11 +70,7 @@ def section(hot: Optional[Dict[str, Any]]) -> List[str]:
 
         lines += table(
             [
-                "run",
-                "steps/s (median)",
-                "min",
-                "max",
-                "CPU ms per step (all processes)",
+                *SPEED_COLUMNS,
                 "launcher's share of a core",
                 "other tenants' share of the machine",
                 "time to first step (s)",
@@ -82,9 +78,7 @@ def section(hot: Optional[Dict[str, Any]]) -> List[str]:
             [
                 [
                     k,
-                    f(v["median"], 1),
-                    f(v["min"], 1),
-                    f(v["max"], 1),
+                    *spread(v, 1),
                     ms(k, "total_cpu_s_per_step"),
                     f((cpu.get(k, {}).get("launcher_cpu_share") or {}).get("median"), 3),
                     f((hot.get("foreign_load", {}).get(k) or {}).get("median"), 2),

@@ -31,6 +31,20 @@ def rows(sc: Optional[Dict[str, Any]]) -> List[List[str]]:
     return rows
 
 
+def _case(label: str, v: Dict[str, Any], speed_digits: int) -> List[str]:
+    """A case's row: steps/s and time to first step, ours and the baseline's, and their ratios."""
+    speed, ttfs = v["steps_per_s"], v["ttfs_s"]
+    return [
+        label,
+        f(speed["ours"]["median"], speed_digits),
+        f(speed["baseline"]["median"], speed_digits),
+        f(v["ours/baseline steps_per_s"], 3),
+        f(ttfs["ours"]["median"], 2),
+        f(ttfs["baseline"]["median"], 2),
+        f(v["ours/baseline ttfs"], 2),
+    ]
+
+
 def section(sc: Optional[Dict[str, Any]]) -> List[str]:
     lines: List[str] = []
     if sc:
@@ -41,31 +55,8 @@ def section(sc: Optional[Dict[str, Any]]) -> List[str]:
             " 4 workers on 2 cores are oversubscribed (2 processes per core): that row shows the cost under contention.",
             "",
         ]
-        rows = []
-        for k, v in sc.get("workers", {}).items():
-            rows.append(
-                [
-                    f"{k} worker(s), hot-loop job",
-                    f(v["steps_per_s"]["ours"]["median"], 1),
-                    f(v["steps_per_s"]["baseline"]["median"], 1),
-                    f(v["ours/baseline steps_per_s"], 3),
-                    f(v["ttfs_s"]["ours"]["median"], 2),
-                    f(v["ttfs_s"]["baseline"]["median"], 2),
-                    f(v["ours/baseline ttfs"], 2),
-                ]
-            )
-        for k, v in sc.get("model_size", {}).items():
-            rows.append(
-                [
-                    f"{k} model, {v['job']['parameter_MB']} MB",
-                    f(v["steps_per_s"]["ours"]["median"], 2),
-                    f(v["steps_per_s"]["baseline"]["median"], 2),
-                    f(v["ours/baseline steps_per_s"], 3),
-                    f(v["ttfs_s"]["ours"]["median"], 2),
-                    f(v["ttfs_s"]["baseline"]["median"], 2),
-                    f(v["ours/baseline ttfs"], 2),
-                ]
-            )
+        rows = [_case(f"{k} worker(s), hot-loop job", v, 1) for k, v in sc.get("workers", {}).items()]
+        rows += [_case(f"{k} model, {v['job']['parameter_MB']} MB", v, 2) for k, v in sc.get("model_size", {}).items()]
         lines += table(["case", "ours steps/s", "baseline steps/s", "ratio", "ours ttfs (s)", "baseline ttfs (s)", "ratio"], rows)
         bc = sc.get("big_checkpoint_and_recovery")
         if bc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, reported, table, target
+from .cells import SPEED_COLUMNS, f, reported, spread, table, target
 
 SECTION = "9"
 
@@ -165,20 +165,14 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
     ]
     lines += table(
         [
-            "run",
-            "steps/s (median)",
-            "min",
-            "max",
-            "CPU ms per step (all processes)",
+            *SPEED_COLUMNS,
             "other tenants' share",
             "time to first step (s)",
         ],
         [
             [
                 k,
-                f(v["median"], 1),
-                f(v["min"], 1),
-                f(v["max"], 1),
+                *spread(v, 1),
                 f(hot["cpu_ms_per_step"][k]["median"], 1),
                 f((hot["foreign_load"].get(k) or {}).get("median")),
                 f(hot["ttfs_s"][k]["median"]),

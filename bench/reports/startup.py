@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, foreign_note, reported, table, target
+from .cells import f, foreign_note, reported, spread, table, target
 
 
 def rows(st: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -47,9 +47,7 @@ def section(st: Optional[Dict[str, Any]]) -> List[str]:
             [
                 [
                     k,
-                    f(v["median"], 2),
-                    f(v["min"], 2),
-                    f(v["max"], 2),
+                    *spread(v, 2),
                     f(st["ratios"].get(f"{k}/baseline ttfs"), 2) if k != "baseline" else "1",
                 ]
                 for k, v in st["ttfs_s"].items()
