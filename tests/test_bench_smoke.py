@@ -283,26 +283,24 @@ def test_fsdp_hot_variants_probe_smoke(tmp_path: Path) -> None:
         assert re.search(rf"^{name} round 0: ok steps/s \d", out, re.M), (name, out)
 
 
-# torch.compile's eager backend: Dynamo captures the graphs as under Inductor, without its code
-# generation (minutes on this machine); what the probes do around the compile is all there
+def _compiled_probe(tmp_path: Path, name: str, *args: str) -> dict:
+    """One round under torch.compile's eager backend: Dynamo captures the graphs as under Inductor,
+    without its code generation (minutes on this machine); what the probe does around the compile is all there."""
+    out = tmp_path / "result.json"
+    _run_probe(tmp_path, name, "--rounds", "1", "--compiler", "eager", *args, "--json", str(out), timeout=600)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_compile_hot_loop_probe_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    _run_probe(
-        tmp_path, "compile_hot_loop", "--rounds", "1", "--steps", "101", "--compiler", "eager", "--json", str(out), timeout=600
-    )
-    result = json.loads(out.read_text())
+    result = _compiled_probe(tmp_path, "compile_hot_loop", "--steps", "101")
     assert all(_positive(v) for v in result["median_steps_per_s"].values()) and _positive(result["ratio"]), result
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 def test_compile_recovery_probe_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    _run_probe(
-        tmp_path, "compile_recovery", "--rounds", "1", "--nproc", "1", "--compiler", "eager", "--json", str(out), timeout=600
-    )
-    medians = json.loads(out.read_text())["median_s"]
+    medians = _compiled_probe(tmp_path, "compile_recovery", "--nproc", "1")["median_s"]
     assert set(medians) == {"warm", "cold"}, medians
     assert all(_positive(v) for m in medians.values() for v in m.values()), medians
