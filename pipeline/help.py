@@ -9,6 +9,6 @@ GROUP_HELP.update(
         "model": "the network; model._target_=my.module.MyNet plugs in your own",
         "data": "the dataset; data._target_ plugs in your own",
         "task": "what is optimised and measured (the loss); task._target_ plugs in your own",
-        "experiment": "committed presets (pipeline/conf/experiment/)",
+        "experiment": "committed presets (conf/experiment/)",
     }
 )

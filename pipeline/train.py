@@ -6,6 +6,7 @@ and calls `main` on every worker rank.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -22,7 +23,16 @@ def main(cfg: DictConfig) -> Any:
     return result[str(cfg.trainer.get("objective") or "val_loss")]
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def config_path() -> str:
+    """The trainer's config groups and presets: the repository's top-level conf/ in a checkout; a
+    wheel installs that folder as the package pipeline.conf (setup.py), found as pkg://pipeline/conf."""
+    here = Path(__file__).resolve().parent
+    if (here / "conf" / "train.yaml").is_file():
+        return "conf"  # installed: beside this module, so Hydra reads it as package data
+    return str(here.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
 def cli(cfg: DictConfig) -> Any:
     return main(cfg)
 

@@ -19,7 +19,7 @@ if [ -z "${PYTHON:-}" ]; then
   PYTHON=$(command -v python3.11 || command -v python3)
 fi
 
-key=$( { echo "$TORCH_SPEC ${STEADFAST_WITHOUT_HOROVOD:-0}"; cat pyproject.toml scripts/setup.sh scripts/install_horovod.sh; } | sha256sum | cut -c1-16)
+key=$( { echo "$TORCH_SPEC ${STEADFAST_WITHOUT_HOROVOD:-0}"; cat pyproject.toml setup.py scripts/setup.sh scripts/install_horovod.sh; } | sha256sum | cut -c1-16)
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 base() {

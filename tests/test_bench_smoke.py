@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -215,3 +217,90 @@ def test_report_renders_from_the_smoke_results(tmp_path: Path) -> None:
     out = write_report(tmp_path, tmp_path / "BENCHMARKS.md")
     text = out.read_text()
     assert "| 2 | time to first step" in text and "**missed**" in text
+
+
+# ---- the development probes (bench/probes/: their figures are quoted in bench/NOTES.md), each once
+# in a tiny form, so that a change of what they import or call breaks a test rather than the probe
+def _run_probe(tmp_path: Path, name: str, *args: str, timeout: float = 300, **environ: str) -> str:
+    cmd = [sys.executable, str(ROOT / "bench" / "probes" / f"{name}.py"), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**env(), **environ}, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _figures(line: str) -> List[float]:
+    return [float(x) for x in re.findall(r"\d+\.\d+", line)]
+
+
+@pytest.mark.extended
+def test_store_race_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "store_race")
+    lines = [line for line in out.splitlines() if line.startswith("delays ")]
+    assert len(lines) == 4 and all("rank0: start" in line and "rank1: start" in line for line in lines), out
+
+
+@pytest.mark.extended
+def test_run_step_cost_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "run_step_cost", "--steps", "80", "--skip", "20")
+    assert "1 rank(s), 60 steps timed" in out, out
+    for name in ("run.step", "a batch", "the forward"):
+        (line,) = [line for line in out.splitlines() if line.startswith(f"{name}: median")]
+        assert all(_positive(x) for x in _figures(line)), line
+    assert list(tmp_path.iterdir()) == []  # its run folder was a scratch folder
+
+
+@pytest.mark.extended
+def test_sharded_save_parts_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "sharded_save_parts", "64", "2", REPEATS="1")
+    assert "rank file" in out, out
+    for name in ("sharded_save", "save_no_readback", "raw", "write_file", "write+verify", "plan"):
+        assert re.search(rf"^  {re.escape(name)} +median +\d+\.\d ms", out, re.M), (name, out)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_fsdp_step_cost_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "fsdp_step_cost", "1", "2")
+    for config in ("bare", "state_dict", "plan", "snapshot", "snapshot@8"):
+        (line,) = [line for line in out.splitlines() if line.split()[:1] == [config]]
+        assert "ms/step" in line and _positive(_figures(line)[0]), line
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_thread_cpu_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "thread_cpu", "--tiny", "smoke", "torchrun")
+    found = re.search(r"^smoke: (\d+) steps in ", out, re.M)
+    assert found and int(found.group(1)) > 0, out
+    assert any("ms/step" in line and "% core" in line for line in out.splitlines()), out
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_fsdp_hot_variants_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "fsdp_hot_variants", "--tiny", "snap_off", "snapshot=off", ROUNDS="1", timeout=600)
+    for name in ("baseline", "snap_off"):
+        assert re.search(rf"^{name} round 0: ok steps/s \d", out, re.M), (name, out)
+
+
+def _compiled_probe(tmp_path: Path, name: str, *args: str) -> dict:
+    """One round under torch.compile's eager backend: Dynamo captures the graphs as under Inductor,
+    without its code generation (minutes on this machine); what the probe does around the compile is all there."""
+    out = tmp_path / "result.json"
+    _run_probe(tmp_path, name, "--rounds", "1", "--compiler", "eager", *args, "--json", str(out), timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_compile_hot_loop_probe_smoke(tmp_path: Path) -> None:
+    result = _compiled_probe(tmp_path, "compile_hot_loop", "--steps", "101")
+    assert all(_positive(v) for v in result["median_steps_per_s"].values()) and _positive(result["ratio"]), result
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_compile_recovery_probe_smoke(tmp_path: Path) -> None:
+    medians = _compiled_probe(tmp_path, "compile_recovery", "--nproc", "1")["median_s"]
+    assert set(medians) == {"warm", "cold"}, medians
+    assert all(_positive(v) for m in medians.values() for v in m.values()), medians

@@ -17,9 +17,9 @@ from steadfast import preflight as library
 from steadfast.contract import naming
 from steadfast.contract.schemas import RestartConf
 
-SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "pipeline" / "conf" / "train.yaml").run.safe_to_change)
+SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "train.yaml").run.safe_to_change)
 
-CONF = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def composed(*overrides: str):

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import ROOT, env
 
-PRESETS = tuple(sorted(p.stem for p in (ROOT / "pipeline" / "conf" / "experiment").glob("*.yaml")))
+PRESETS = tuple(sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
 
 
 def cli(cwd: Path, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from helpers import ROOT, run_train, summary
 from pipeline import config as schema  # registers the schemas in the ConfigStore (at import, once)
 from steadfast import preflight as library
 
-PRESETS = sorted(p.stem for p in (ROOT / "pipeline" / "conf" / "experiment").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 EXPECTED = {  # what each preset is for
     "digits_quick": {
         "backend.name": "torchrun",
@@ -42,7 +42,7 @@ def test_the_required_presets_exist() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_passes_preflight(preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # pre-flight probes the (relative) run folder
-    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={preset}"], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
         for key, value in EXPECTED.get(preset, {}).items():

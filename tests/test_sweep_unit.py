@@ -16,8 +16,8 @@ from hydra_plugins.steadfast_launcher import _ledger, _packing, _sweep
 from steadfast.contract.exits import exit_code
 from steadfast.contract.naming import is_sweep, run_name, sweep_dir, sweep_name
 
-# the built-in trainer's own neutral keys (pipeline/conf/train.yaml, run.safe_to_change)
-SAFE = list(__import__("omegaconf").OmegaConf.load(ROOT / "pipeline" / "conf" / "train.yaml").run.safe_to_change)
+# the built-in trainer's own neutral keys (conf/train.yaml, run.safe_to_change)
+SAFE = list(__import__("omegaconf").OmegaConf.load(ROOT / "conf" / "train.yaml").run.safe_to_change)
 
 
 @pytest.mark.parametrize(

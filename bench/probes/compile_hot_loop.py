@@ -1,6 +1,6 @@
 """A compiled model's hot loop: an own loop on steadfast against the same loop hand-written.
 
-    .venv/bin/python bench/probes/compile_hot_loop.py [--rounds 3] [--steps 600] [--json PATH]
+    .venv/bin/python bench/probes/compile_hot_loop.py [--rounds 3] [--steps 600] [--compiler inductor] [--json PATH]
 
 Both sides train the same model under `torch.compile` (Inductor), compiled before DDP (nanoGPT's
 order), on 2 workers over Gloo, one torch thread each: an MLP 256-512-512-4 on in-memory random
@@ -13,7 +13,8 @@ model and data code (below):
 
 Figure: rank 0's steps per second from step 100 (compiled, warm) to the last step, timed in the loop
 itself on both sides; the runs alternate in a rotated order each round, medians reported. The machine
-is shared: read the ratio with the spread of the rounds.
+is shared: read the ratio with the spread of the rounds. `--compiler`: torch.compile's backend (its
+smoke test: eager, Dynamo's capture without Inductor's code generation).
 A development probe: its figures are quoted in BENCHMARKS.md with the command and the machine.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import env  # noqa: E402
+
 WARM = 100  # steps before the timed window: the compile and the first epoch's start
 
 SHARED = """
@@ -43,6 +47,7 @@ from torch.utils.data import TensorDataset
 
 WARM = {warm}
 STEPS = {steps}
+COMPILER = {compiler!r}
 
 
 def build():
@@ -66,7 +71,7 @@ import steadfast as sf
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg):
     with sf.Run(cfg, seed=0) as run:
-        model = torch.compile(build())
+        model = torch.compile(build(), backend=COMPILER)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         model, optimizer = run.setup(model, optimizer)
         loader = run.loader(dataset(run.world_size), batch_size=64)
@@ -115,7 +120,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(torch.compile(build()))
+    model = DDP(torch.compile(build(), backend=COMPILER))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = dataset(world)
     x_all, y_all = data.tensors
@@ -144,14 +149,12 @@ if __name__ == "__main__":
 
 
 def one(kind: str, folder: Path) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "launchers"), env.get("PYTHONPATH", "")])
     if kind == "ours":
         shutil.rmtree(folder / "outputs", ignore_errors=True)
         cmd = [sys.executable, "train.py"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "baseline.py", "out.json"]
-    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, cwd=folder, env=env(extra={"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{kind}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     found = folder / ("outputs/ours/summary.json" if kind == "ours" else "out.json")
@@ -162,9 +165,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--compiler", default="inductor", help="torch.compile's backend")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    shared = SHARED.format(warm=WARM, steps=args.steps)
+    if args.steps <= WARM:
+        p.error(f"--steps must be over {WARM}: the steps before the timed window")
+    shared = SHARED.format(warm=WARM, steps=args.steps, compiler=args.compiler)
     rates: Dict[str, List[float]] = {"ours": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -1,7 +1,7 @@
 """Recovery of a compiled model: a restart with the run's compile cache (warm) against one that
 compiles again from nothing (cold).
 
-    .venv/bin/python bench/probes/compile_recovery.py [--rounds 3] [--nproc 2] [--json PATH]
+    .venv/bin/python bench/probes/compile_recovery.py [--rounds 3] [--nproc 2] [--compiler inductor] [--json PATH]
 
 The app is tests/apps/compiled (an MLP 20-32-4 under `torch.compile` with Inductor, then DDP through
 `run.setup`), on `--nproc` torchrun workers, rank 0 killed (SIGKILL) after step 3 and restarted once.
@@ -13,7 +13,8 @@ Each round runs it twice in a fresh run folder (so a fresh compile cache), in a 
 
 Figures, from the run's events.jsonl: `recovery` is the failure (attempt_failed) to the restart's
 first step (first_step of restart 1); `start` is an attempt's attempt_started to its first step
-(attempt 0 of warm is a cold compile too). Medians over the rounds.
+(attempt 0 of warm is a cold compile too). Medians over the rounds. `--compiler`: torch.compile's backend
+(its smoke test: eager, Dynamo's capture without Inductor's code generation).
 A development probe: its figures are quoted in BENCHMARKS.md with the command and the machine.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,18 +33,24 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import env  # noqa: E402
 from steadfast.contract import compile_cache  # noqa: E402
 
 APP = ROOT / "tests" / "apps" / "compiled"
 
 
-def one(cwd: Path, name: str, nproc: int, cold: bool) -> Dict[str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "launchers"), env.get("PYTHONPATH", "")])
-    if cold:
-        env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-    overrides = ["fault=kill_rank", "fault.at_step=3", f"backend.nproc_per_node={nproc}", f"run.name={name}"]
-    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+def one(cwd: Path, name: str, nproc: int, cold: bool, compiler: str) -> Dict[str, float]:
+    extra = {"OMP_NUM_THREADS": "1", **({"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"} if cold else {})}
+    overrides = [
+        "fault=kill_rank",
+        "fault.at_step=3",
+        f"backend.nproc_per_node={nproc}",
+        f"backend_compiler={compiler}",
+        f"run.name={name}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *overrides], cwd=cwd, env=env(extra=extra), capture_output=True, text=True, timeout=900
+    )
     folder = cwd / "outputs" / name
     shutil.rmtree(compile_cache.folder(folder), ignore_errors=True)
     if proc.returncode != 0:
@@ -65,6 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--compiler", default="inductor", help="torch.compile's backend")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     found: Dict[str, List[Dict[str, float]]] = {"warm": [], "cold": []}
@@ -73,7 +80,7 @@ def main() -> None:
         shutil.copytree(APP, cwd)
         for r in range(args.rounds):
             for kind in ("warm", "cold") if r % 2 == 0 else ("cold", "warm"):
-                found[kind].append(one(cwd, f"{kind}{r}", args.nproc, kind == "cold"))
+                found[kind].append(one(cwd, f"{kind}{r}", args.nproc, kind == "cold", args.compiler))
                 print(kind, r, {k: round(v, 2) for k, v in found[kind][-1].items()}, flush=True)
     medians = {kind: {k: round(statistics.median(x[k] for x in rows), 2) for k in rows[0]} for kind, rows in found.items()}
     print(json.dumps({"nproc": args.nproc, "rounds": args.rounds, "median_s": medians}, indent=1))

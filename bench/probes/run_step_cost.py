@@ -1,11 +1,11 @@
 """What `run.step` costs, timed around the call itself, step by step, in a real loop.
 
-    .venv/bin/python bench/probes/run_step_cost.py [--steps 4000] [--log-every 10] [--progress lines|none]
+    .venv/bin/python bench/probes/run_step_cost.py [--steps 4000] [--skip 500] [--log-every 10] [--progress lines|none]
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/probes/run_step_cost.py   # two ranks
 
 A `steadfast.Run` trains section 7's tiny model shape (MLP 32-64-4, batch 8, SGD, one torch thread)
 on random data for one epoch; every call of the loader's next batch, the forward and `run.step` is
-timed with perf_counter, and the median, mean and 90th percentile are printed (the first 500 steps
+timed with perf_counter, and the median, mean and 90th percentile are printed (the first `--skip` steps
 left out: the attempt's start, the snapshot cadence's and the control plane's first intervals). The
 mean is the library's amortised per-step cost: it includes the steps at which a metrics window
 closes and those at which the control plane's message is read. Alone (no torchrun) it runs as the
@@ -37,8 +37,6 @@ from torch.utils.data import TensorDataset  # noqa: E402
 from steadfast import Run  # noqa: E402
 from steadfast.contract.env import TORCH, LaunchEnv  # noqa: E402
 
-SKIPPED = 500
-
 
 def _environment(folder: Path) -> None:
     """What a launched worker has: a one-rank group of its own unless torchrun started this process."""
@@ -51,8 +49,8 @@ def _environment(folder: Path) -> None:
     os.environ.update(env)
 
 
-def _summary(name: str, seconds: List[float]) -> str:
-    us = sorted(s * 1e6 for s in seconds[SKIPPED:])
+def _summary(name: str, seconds: List[float], skip: int) -> str:
+    us = sorted(s * 1e6 for s in seconds[skip:])
     return (
         f"{name}: median {statistics.median(us):.1f} us, mean {statistics.mean(us):.1f} us, p90 {us[int(len(us) * 0.9)]:.1f} us"
     )
@@ -61,12 +59,22 @@ def _summary(name: str, seconds: List[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--skip", type=int, default=500, help="the first steps, left out of the figures")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--progress", default="lines", choices=["lines", "none"])
     args = p.parse_args()
-    # under torchrun every rank shares one folder, named by the rendezvous port
-    folder = Path(tempfile.gettempdir()) / f"run_step_cost-{os.environ.get('MASTER_PORT', os.getpid())}"
-    folder.mkdir(exist_ok=True)
+    if args.skip >= args.steps:
+        p.error("--skip must be under --steps")
+    if "RANK" in os.environ:  # under torchrun every rank shares one folder, named by the rendezvous port (left behind)
+        folder = Path(tempfile.gettempdir()) / f"run_step_cost-{os.environ['MASTER_PORT']}"
+        folder.mkdir(exist_ok=True)
+        measure(folder, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="run_step_cost-") as tmp:
+            measure(Path(tmp), args)
+
+
+def measure(folder: Path, args: argparse.Namespace) -> None:
     _environment(folder)
     cfg = {"logger": {"progress": args.progress}, "checkpoint": {"every_n_epochs": None}}
     with Run(cfg, log_every_n_steps=args.log_every, num_threads=1) as run:
@@ -100,9 +108,9 @@ def main() -> None:
                 run.step(loss)
                 stepping.append(clock() - began)
         if run.comm.rank == 0:
-            print(f"{run.comm.world_size} rank(s), {len(stepping) - SKIPPED} steps timed")
+            print(f"{run.comm.world_size} rank(s), {len(stepping) - args.skip} steps timed")
             for name, seconds in (("run.step", stepping), ("a batch", fetching), ("the forward", forward)):
-                print(_summary(name, seconds))
+                print(_summary(name, seconds, args.skip))
 
 
 if __name__ == "__main__":

@@ -1,62 +1,41 @@
 """Per-thread CPU per step of the hot-loop job's workers in a 3 s steady-state window (bench/NOTES.md, Horovod).
 
-    .venv/bin/python bench/probes/thread_cpu.py LABEL horovod|torchrun [ENV=VALUE ...]
+    .venv/bin/python bench/probes/thread_cpu.py [--tiny] LABEL horovod|torchrun [ENV=VALUE ...]
 
-Runs `python -m pipeline.train` on bench.common.HOT's job in /tmp/hvdprobe/LABEL, waits for step 60,
+Runs `python -m pipeline.train` on bench.common.HOT's job in a scratch folder, waits for step 60,
 then reads utime + stime of every thread of every process under the launcher from /proc, twice,
 3 s apart, and prints CPU milliseconds per training step for each thread (MAIN: a process's main
-thread). A development probe: its figures are quoted in bench/NOTES.md, not in the tables.
+thread). `--tiny`: half the data, step 10 and a 0.5 s window (its smoke test). A development
+probe: its figures are quoted in bench/NOTES.md, not in the tables.
 """
 
+import argparse
 import collections
+import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, DefaultDict, Tuple
+from pathlib import Path
+from typing import Any, DefaultDict, Dict, List, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-label, backend = sys.argv[1], sys.argv[2]
-extra = dict(a.split("=", 1) for a in sys.argv[3:])
-hot = [
-    "data=synthetic",
-    "data.num_samples=61440",
-    "data.num_features=256",
-    "data.num_classes=4",
-    "data.batch_size=64",
-    "model.hidden_sizes=[512,512]",
-    "trainer.max_epochs=1",
-    "trainer.log_every_n_steps=10",
-    "checkpoint.every_n_epochs=1000",
-    f"run.name={label}",
-]
-hot += ["backend=horovod", "backend.np=2"] if backend == "horovod" else ["backend.nproc_per_node=2"]
-work = f"/tmp/hvdprobe/{label}"
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT}/launchers", OMP_NUM_THREADS="1", **extra)
-proc = subprocess.Popen(
-    [f"{ROOT}/.venv/bin/python", "-m", "pipeline.train", *hot],
-    cwd=work,
-    env=env,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-)
-metrics = f"{work}/outputs/{label}/metrics.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import HOT, env  # noqa: E402
 
 
-def step():
+def step(metrics: Path) -> int:
     try:
-        rows = [json.loads(line) for line in open(metrics) if line.strip()]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return max([r["step"] for r in rows if "loss" in r] or [0])
     except (OSError, ValueError):
         return 0
 
 
-def descendants(pid):
-    kids = collections.defaultdict(list)
+def descendants(pid: int) -> List[int]:
+    kids: DefaultDict[int, List[int]] = collections.defaultdict(list)
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
@@ -71,7 +50,7 @@ def descendants(pid):
     return out
 
 
-def threads(pids):
+def threads(pids: List[int]) -> Dict[Tuple[int, int], Tuple[str, str, float, int, int]]:
     r = {}
     for p in pids:
         try:
@@ -93,25 +72,52 @@ def threads(pids):
     return r
 
 
-t0 = time.time()
-while step() < 60 and time.time() - t0 < 120 and proc.poll() is None:
-    time.sleep(0.05)
-s0, a = step(), threads(descendants(proc.pid))
-w0 = time.time()
-time.sleep(3.0)
-s1, b = step(), threads(descendants(proc.pid))
-w1 = time.time()
-proc.wait(timeout=300)
-n = s1 - s0
-agg: DefaultDict[Tuple[Any, ...], float] = collections.defaultdict(float)
-for k, v in b.items():
-    if k in a:
-        agg[(v[0], v[1] + " " + str(k[0]) + "/" + str(k[1]) + " u" + str(v[3] - a[k][3]) + " s" + str(v[4] - a[k][4]))] += (
-            v[2] - a[k][2]
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("label")
+    p.add_argument("backend", choices=["horovod", "torchrun"])
+    p.add_argument("env", nargs="*", metavar="ENV=VALUE", help="set in the run's environment")
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    job, at_step, window_s = (
+        (dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), 10, 0.5) if args.tiny else (HOT, 60, 3.0)
+    )
+    overrides = [*job.overrides(args.backend), "checkpoint.every_n_epochs=1000", f"run.name={args.label}"]
+    with tempfile.TemporaryDirectory(prefix="thread_cpu-") as work:
+        extra = dict(a.split("=", 1) for a in args.env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.train", *overrides],
+            cwd=work,
+            env=env(extra=extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-print(
-    f"{label}: {n} steps in {w1 - w0:.2f} s = {n / (w1 - w0):.1f} steps/s; CPU s/step total {sum(agg.values()) / max(n, 1) * 1000:.2f} ms"
-)
-for (pn, tn), cpu in sorted(agg.items(), key=lambda kv: -kv[1]):
-    if cpu > 0.01:
-        print(f"   {pn:<16}{tn:<18}{cpu / max(n, 1) * 1000:7.2f} ms/step  {cpu / (w1 - w0) * 100:5.1f}% core")
+        metrics = Path(work) / "outputs" / args.label / "metrics.jsonl"
+        t0 = time.time()
+        while step(metrics) < at_step and time.time() - t0 < 120 and proc.poll() is None:
+            time.sleep(0.05)
+        s0, a = step(metrics), threads(descendants(proc.pid))
+        w0 = time.time()
+        time.sleep(window_s)
+        s1, b = step(metrics), threads(descendants(proc.pid))
+        w1 = time.time()
+        rc = proc.wait(timeout=300)
+    n = s1 - s0
+    agg: DefaultDict[Tuple[Any, ...], float] = collections.defaultdict(float)
+    for k, v in b.items():
+        if k in a:
+            agg[(v[0], v[1] + " " + str(k[0]) + "/" + str(k[1]) + " u" + str(v[3] - a[k][3]) + " s" + str(v[4] - a[k][4]))] += (
+                v[2] - a[k][2]
+            )
+    print(
+        f"{args.label}: {n} steps in {w1 - w0:.2f} s = {n / (w1 - w0):.1f} steps/s; CPU s/step total {sum(agg.values()) / max(n, 1) * 1000:.2f} ms"
+    )
+    for (pn, tn), cpu in sorted(agg.items(), key=lambda kv: -kv[1]):
+        if cpu > 0.01:
+            print(f"   {pn:<16}{tn:<18}{cpu / max(n, 1) * 1000:7.2f} ms/step  {cpu / (w1 - w0) * 100:5.1f}% core")
+    if rc != 0:
+        sys.exit(f"the run failed (exit {rc})")
+
+
+if __name__ == "__main__":
+    main()

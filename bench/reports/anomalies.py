@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, status, table
+from .cells import f, reported, table, target
 
 
 def rows(an: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -13,31 +13,29 @@ def rows(an: Optional[Dict[str, Any]]) -> List[List[str]]:
     inside, share = an["guard_us_per_step"], an["guard_share_of_step"]
     fp = an["fingerprint_default_share_of_step"]
     out = [
-        [
+        target(
             "10",
             f"anomaly detection per step (the guard's calls timed around them, a CPU loss), share of the {an['job']} job's step",
-            f"{f(100 * share['watched'], 3)}% ({f(inside['watched'], 1)} us)",
-            "< 1%",
-            status(share["watched"], "<=", 0.01),
-        ],
-        [
+            share["watched"],
+            "<=",
+            0.01,
+            shown=f"{f(100 * share['watched'], 3)}% ({f(inside['watched'], 1)} us)",
+            goal_text="< 1%",
+        ),
+        reported(
             "10",
             "replica fingerprint at the default interval (every 100 steps), share of a step",
             f"{f(100 * fp, 4)}% ({f(an['fingerprint_us'], 1)} us each)",
-            "-",
-            "reported",
-        ],
+        ),
     ]
     rb = an.get("rollback")
     if rb:
         out.append(
-            [
+            reported(
                 "10",
                 f"steps trained again after a NaN loss ({rb['job']} job, defaults: snapshots and intervals auto)",
                 f"{rb['steps_trained_again']} ({f(rb['seconds_lost'], 3)} s)",
-                "-",
-                "reported",
-            ]
+            )
         )
     return out
 

@@ -1,4 +1,4 @@
-"""The cells and tables of BENCHMARKS.md, and reading a benchmark's results."""
+"""The cells and tables of BENCHMARKS.md (a targets row: target(), reported()), and reading a benchmark's results."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def f(x: Any, digits: int = 2, unit: str = "") -> str:
     return str(x)
 
 
+# The first columns of a table of runs' speeds: the run, its steps/s (spread()), its CPU time per step
+SPEED_COLUMNS = ["run", "steps/s (median)", "min", "max", "CPU ms per step (all processes)"]
+
+
+def spread(figure: Dict[str, Any], digits: int = 2) -> List[str]:
+    """A figure's median, min and max (a bench.common.spread), as three cells."""
+    return [f(figure.get(k), digits) for k in ("median", "min", "max")]
+
+
 def status(value: Optional[float], op: str, goal: float) -> str:
     if value is None:
         return "not measured"
@@ -38,3 +47,27 @@ def foreign_note(*loads: Optional[Dict[str, Any]]) -> str:
     if not shares:
         return ""
     return f" Other tenants used a median {max(shares) * 100:.0f}% of the machine during these runs."
+
+
+def reported(section: str, what: str, shown: str, note: str = "reported") -> List[str]:
+    """A row of the targets table without a goal: the figure is reported."""
+    return [section, what, shown, "-", note]
+
+
+def target(
+    section: str,
+    what: str,
+    value: Optional[float],
+    op: str,
+    goal: Optional[float],
+    digits: int = 2,
+    shown: Optional[str] = None,
+    goal_text: Optional[str] = None,
+) -> List[str]:
+    """A row of the targets table: `value` against `op goal` (met, missed, not measured); without a
+    goal, reported. `shown`: the figure's cell where it says more than the value; `goal_text`: the
+    goal's, where it says more than `op goal`."""
+    cell = f(value, digits) if shown is None else shown
+    if goal is None:
+        return reported(section, what, cell)
+    return [section, what, cell, goal_text or f"{op} {goal}", status(value, op, goal)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..common import sources_text
-from .cells import f, status, table
+from .cells import f, table, target
 
 
 def rows(gp: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -21,13 +21,9 @@ def rows(gp: Optional[Dict[str, Any]]) -> List[List[str]]:
             )
             memory = "" if r["cadence"].startswith("disk") else ", snapshots in memory"
             rows.append(
-                [
-                    "4",
-                    f"goodput, a worker killed every {r['period_s']:g} s, {r['cadence']}{memory}",
-                    f(r["goodput"], 2),
-                    f">= {goal}" if goal else "-",
-                    status(r["goodput"], ">=", goal) if goal else "reported",
-                ]
+                target(
+                    "4", f"goodput, a worker killed every {r['period_s']:g} s, {r['cadence']}{memory}", r["goodput"], ">=", goal
+                )
             )
     return rows
 

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, foreign_note, status, table
+from .cells import f, foreign_note, reported, table, target
 
 
 def rows(hv: Optional[Dict[str, Any]]) -> List[List[str]]:
     rows: List[List[str]] = []
     if hv and not hv.get("skipped"):
         v = hv["ratios"].get("horovod/torchrun steps_per_s")
-        rows.append(["6", "Horovod / torchrun: steps/s (default settings)", f(v, 2), ">= 0.95", status(v, ">=", 0.95)])
+        rows.append(target("6", "Horovod / torchrun: steps/s (default settings)", v, ">=", 0.95))
         for k in hv.get("variants", {}):
             if k != "horovod" and f"{k}/torchrun steps_per_s" in hv["ratios"]:
-                rows.append(
-                    [
-                        "6",
-                        f"the same, `{k}` ({', '.join(f'{a}={b}' for a, b in hv['variants'][k].items())})",
-                        f(hv["ratios"][f"{k}/torchrun steps_per_s"], 2),
-                        "-",
-                        "reported",
-                    ]
-                )
-        rows.append(
-            ["6", "Horovod / torchrun: time to first step", f(hv["ratios"].get("horovod/torchrun ttfs"), 2), "-", "reported"]
-        )
+                settings = ", ".join(f"{a}={b}" for a, b in hv["variants"][k].items())
+                rows.append(reported("6", f"the same, `{k}` ({settings})", f(hv["ratios"][f"{k}/torchrun steps_per_s"], 2)))
+        rows.append(reported("6", "Horovod / torchrun: time to first step", f(hv["ratios"].get("horovod/torchrun ttfs"), 2)))
     return rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, foreign_note, status, table
+from .cells import SPEED_COLUMNS, f, foreign_note, reported, spread, table, target
 
 
 def rows(hot: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -17,47 +17,32 @@ def rows(hot: Optional[Dict[str, Any]]) -> List[List[str]]:
         ):
             v = r.get(f"{key} steps_per_s")
             if v is not None:
-                rows.append(
-                    ["1", f"hot loop: steps/s, ours / {label} (wall clock)", f(v, 3), f">= {goal}", status(v, ">=", goal)]
-                )
+                rows.append(target("1", f"hot loop: steps/s, ours / {label} (wall clock)", v, ">=", goal, 3))
                 v = r.get(f"{key} steps per CPU-second (workers + launcher)")
-                rows.append(
-                    ["1", "the same per CPU-second (low-noise view, see section 1)", f(v, 3), f">= {goal}", status(v, ">=", goal)]
-                )
+                rows.append(target("1", "the same per CPU-second (low-noise view, see section 1)", v, ">=", goal, 3))
         for key, val in r.items():
             if key.endswith("/baseline steps per CPU-second") and not key.startswith("ours/"):
-                rows.append(
-                    [
-                        "1",
-                        f"the same with `{' '.join((hot.get('variants') or {}).get(key.split('/')[0], {}).get('overrides', []))}`",
-                        f(val, 3),
-                        "-",
-                        "reported",
-                    ]
-                )
+                overrides = (hot.get("variants") or {}).get(key.split("/")[0], {}).get("overrides", [])
+                rows.append(reported("1", f"the same with `{' '.join(overrides)}`", f(val, 3)))
         every = hot.get("checkpoint_every_n_steps")
         for kind in ("sync", "async"):
             key = f"{kind} ckpt every {every} steps / no ckpt steps_per_s"
             if key in r:
                 rows.append(
-                    [
+                    reported(
                         "1",
                         f"speed with a {kind} checkpoint every {every} steps / without: within runs; across runs; per CPU-second",
                         f"{f(r[key], 3)}; {f(r.get(key + ' (across runs)'), 3)}; {f(r.get(f'{kind} ckpt every {every} steps / no ckpt steps per CPU-second'), 3)}",
-                        "-",
-                        "reported",
-                    ]
+                    )
                 )
         if hot.get("projected"):
             pj = hot["projected"]
             rows.append(
-                [
+                reported(
                     "1",
                     f"the same at the default cadence (every 10 epochs = {pj['default_cadence_steps']} steps), sync / async (projected from the per-save cost)",
                     f"{f(pj['sync ckpt every 10 epochs / no ckpt steps_per_s'], 4)} / {f(pj['async ckpt every 10 epochs / no ckpt steps_per_s'], 4)}",
-                    "-",
-                    "reported",
-                ]
+                )
             )
     return rows
 
@@ -85,11 +70,7 @@ def section(hot: Optional[Dict[str, Any]]) -> List[str]:
 
         lines += table(
             [
-                "run",
-                "steps/s (median)",
-                "min",
-                "max",
-                "CPU ms per step (all processes)",
+                *SPEED_COLUMNS,
                 "launcher's share of a core",
                 "other tenants' share of the machine",
                 "time to first step (s)",
@@ -97,9 +78,7 @@ def section(hot: Optional[Dict[str, Any]]) -> List[str]:
             [
                 [
                     k,
-                    f(v["median"], 1),
-                    f(v["min"], 1),
-                    f(v["max"], 1),
+                    *spread(v, 1),
                     ms(k, "total_cpu_s_per_step"),
                     f((cpu.get(k, {}).get("launcher_cpu_share") or {}).get("median"), 3),
                     f((hot.get("foreign_load", {}).get(k) or {}).get("median"), 2),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, status, table
+from .cells import SPEED_COLUMNS, f, reported, spread, table, target
 
 SECTION = "9"
 
@@ -22,13 +22,7 @@ def rows(sh: Dict[str, Any]) -> List[List[str]]:
     for w, goal in (("2", 0.9), ("3", None)):
         v = r.get(f"save throughput per rank, sharded / raw fsync write ({w} workers)")
         out.append(
-            [
-                SECTION,
-                f"sharded save throughput per rank / raw fsync'd write of the same bytes, {w} workers",
-                f(v),
-                f">= {goal}" if goal else "-",
-                status(v, ">=", goal) if goal else "reported",
-            ]
+            target(SECTION, f"sharded save throughput per rank / raw fsync'd write of the same bytes, {w} workers", v, ">=", goal)
         )
     mem, grows = st["memory"], st["memory_vs_ranks"]
     peaks = "; ".join(
@@ -47,21 +41,18 @@ def rows(sh: Dict[str, Any]) -> List[List[str]]:
     )
     mode = "cold" if any("cold_s" in e for e in st["restore"].values()) else "warm"
     out.append(
-        [
+        reported(
             SECTION,
             f"restore of a checkpoint saved on 2 workers, time on 1; on 3 / on 2 ({mode})",
             "; ".join(f(r.get(f"restore time, saved on 2 loaded on {w} / on 2 ({mode})")) for w in ("1", "3")),
-            "-",
-            "reported",
-        ]
+        )
     )
     v = r.get("hot loop steps/s, ours / hand-written FSDP2")
     out.append(
-        [SECTION, "FSDP2 hot loop: steps/s, ours (parallel=fsdp) / hand-written FSDP2 loop (wall clock)", f(v, 3), ">= 0.97"]
-        + [status(v, ">=", 0.97)]
+        target(SECTION, "FSDP2 hot loop: steps/s, ours (parallel=fsdp) / hand-written FSDP2 loop (wall clock)", v, ">=", 0.97, 3)
     )
     v = hot.get("ours/baseline steps per CPU-second")
-    out.append([SECTION, "the same per CPU-second (low-noise view)", f(v, 3), ">= 0.97", status(v, ">=", 0.97)])
+    out.append(target(SECTION, "the same per CPU-second (low-noise view)", v, ">=", 0.97, 3))
     return out
 
 
@@ -174,20 +165,14 @@ def section(sh: Dict[str, Any], in_suite: bool) -> List[str]:
     ]
     lines += table(
         [
-            "run",
-            "steps/s (median)",
-            "min",
-            "max",
-            "CPU ms per step (all processes)",
+            *SPEED_COLUMNS,
             "other tenants' share",
             "time to first step (s)",
         ],
         [
             [
                 k,
-                f(v["median"], 1),
-                f(v["min"], 1),
-                f(v["max"], 1),
+                *spread(v, 1),
                 f(hot["cpu_ms_per_step"][k]["median"], 1),
                 f((hot["foreign_load"].get(k) or {}).get("median")),
                 f(hot["ttfs_s"][k]["median"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, foreign_note, status, table
+from .cells import f, foreign_note, reported, spread, table, target
 
 
 def rows(st: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -12,13 +12,14 @@ def rows(st: Optional[Dict[str, Any]]) -> List[List[str]]:
     if st:
         v = st["ratios"].get("ours/baseline ttfs")
         rows.append(
-            [
+            target(
                 "2",
                 "time to first step, ours (default: forkserver) / torchrun + hand-written script",
-                f(v, 2),
-                "<= 1.10",
-                status(v, "<=", 1.10),
-            ]
+                v,
+                "<=",
+                1.10,
+                goal_text="<= 1.10",
+            )
         )
         for k, label in (
             ("ours_spawn", "`backend.start_method=spawn`"),
@@ -26,7 +27,7 @@ def rows(st: Optional[Dict[str, Any]]) -> List[List[str]]:
         ):
             if f"{k}/baseline ttfs" in st["ratios"]:
                 v2 = st["ratios"][f"{k}/baseline ttfs"]
-                rows.append(["2", f"the same with {label}", f(v2, 2), "-", "reported"])
+                rows.append(reported("2", f"the same with {label}", f(v2, 2)))
     return rows
 
 
@@ -46,9 +47,7 @@ def section(st: Optional[Dict[str, Any]]) -> List[str]:
             [
                 [
                     k,
-                    f(v["median"], 2),
-                    f(v["min"], 2),
-                    f(v["max"], 2),
+                    *spread(v, 2),
                     f(st["ratios"].get(f"{k}/baseline ttfs"), 2) if k != "baseline" else "1",
                 ]
                 for k, v in st["ttfs_s"].items()

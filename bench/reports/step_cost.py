@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .cells import f, status, table
+from .cells import f, reported, table, target
 
 
 def rows(sa: Optional[Dict[str, Any]], sc_step: Optional[Dict[str, Any]]) -> List[List[str]]:
@@ -14,60 +14,59 @@ def rows(sa: Optional[Dict[str, Any]], sc_step: Optional[Dict[str, Any]]) -> Lis
         for label in ("auto (default)", "every step"):
             if label in t:
                 rows.append(
-                    [
+                    reported(
                         "8",
                         f"stop agreement, {label}: steps/s with / without it (CPU-second view)",
                         f"{f(t[label]['speed vs without'], 3)} ({f(t[label]['speed per CPU-second vs without'], 3)})",
-                        "-",
-                        "reported",
-                    ]
+                    )
                 )
     if sc_step:
         v = sc_step["bare/config steps_per_s"].get("run_step")
         rows.append(
-            [
+            reported(
                 "8",
                 "the library's per-step work (steadfast.Run.step's pieces): steps/s with / without, inside one run",
                 f"{f(v, 3)} ({f(sc_step['bare/config steps per CPU-second'].get('run_step'), 3)} per CPU-second)",
-                "-",
-                "reported",
-            ]
+            )
         )
     if sc_step and sc_step.get("run.step_us_per_step") is not None:
         direct = sc_step["run.step_us_per_step"]
         rows.append(
-            [
+            target(
                 "8",
                 "run.step timed around the call, amortised over every step (rank 0 of 2, median of blocks)",
-                f"{f(direct, 1)} us",
-                "<= 20 us",
-                status(direct, "<=", 20.0),
-            ]
+                direct,
+                "<=",
+                20.0,
+                shown=f"{f(direct, 1)} us",
+                goal_text="<= 20 us",
+            )
         )
     if sc_step and "run" in sc_step["ms_per_step"]:
         extra = sc_step["extra_us_per_step"]["run"]
         rows.append(
-            [
+            reported(
                 "8",
                 "steadfast.Run itself (its loader, hooks and run.step) inside one run: extra us per step over `bare`"
                 " (steps/s with / without; per CPU-second)",
                 f"{f(extra, 1)} ({f(sc_step['bare/config steps_per_s']['run'], 3)};"
                 f" {f(sc_step['bare/config steps per CPU-second']['run'], 3)})",
-                "-",
                 "reported (block differences move by ~100 us here)",
-            ]
+            )
         )
     if sc_step and sc_step.get("snapshot"):
         sn = sc_step["snapshot"]
         rows.append(
-            [
+            target(
                 "8",  # bench.step_cost's figure (section 8)
                 f"a snapshot in memory ({f((sn.get('bytes_per_node') or 0) / 1e6, 1)} MB per node): its cost per step at"
                 f" `snapshot.every_n_steps=auto` (every {sn['auto_every_n_steps']} step(s)); every step",
-                f"{100 * sn['auto_share_of_step']:.2f}%; {100 * sn['every_step_share_of_step']:.1f}%",
-                "<= 2% at the default",
-                status(sn["auto_share_of_step"], "<=", 0.02),
-            ]
+                sn["auto_share_of_step"],
+                "<=",
+                0.02,
+                shown=f"{100 * sn['auto_share_of_step']:.2f}%; {100 * sn['every_step_share_of_step']:.1f}%",
+                goal_text="<= 2% at the default",
+            )
         )
     return rows
 
