@@ -1,21 +1,23 @@
 """Checkpoints that are either committed and complete, or invisible.
 
 What the files hold is the codec's business (codec.py: the replicated format, rank 0 writes; the
-sharded one, every rank writes its own file). The protocol is the same for both:
-  1. write the files into `.tmp-step_N-<id>/` (every byte, size checked; with the sharded format
-     every rank writes, fsyncs and reads back its own file in parallel, then reports it to rank 0);
-  2. rank 0 writes `manifest.json` last (its own digest first, then step, commit sequence, epoch,
+sharded one, every rank writes its own file); where they go is the store's (storage/: a folder, a
+bucket). The protocol is the same for every codec and store:
+  1. the store stages the save (a folder: `.tmp-step_N-<id>/`) and the files are written into it
+     (every byte, size checked; with the sharded format every rank writes and reads back its own
+     file in parallel, then reports it to rank 0);
+  2. rank 0 builds `manifest.json` (its own digest first, then step, commit sequence, epoch,
      position, world size, training config, size and checksum of every file, each optimizer's
-     parameters by name, the codec's own fields), then fsyncs it, the files not yet durable and the
-     folder, side by side (fileio.Unsynced);
-  3. checks the launcher is still there (an orphaned worker never commits), renames the folder to
-     `step_N` (atomic); a committed `step_N` already there is moved aside first, never deleted;
-  4. fsyncs the parent (the rename durable), reads the new checkpoint back and verifies it, and only
-     then applies retention, which ranks by step and never removes the checkpoint just committed,
-     the newest by step, nor the one a resume would pick (manifest.expendable).
-Step 4 runs in the background thread (for a synchronous save too): the next save, wait() or close()
-raises its failure. A power loss before it leaves the new checkpoint committed or invisible (the
-rename is atomic; its files were durable before it) and every older one in place. Resume
+     parameters by name, the codec's own fields) and the store commits: the manifest written last
+     (a folder: it, the files not yet durable and the folder fsynced side by side, then renamed to
+     `step_N`, atomic); the launcher is checked to be still there right before (an orphaned worker
+     never commits); a committed `step_N` already there is moved aside first, never deleted;
+  3. the commit made durable (a folder: its parent fsynced), the new checkpoint is read back and
+     verified, and only then retention applies, which ranks by step and never removes the
+     checkpoint just committed, the newest by step, nor the one a resume would pick (manifest.expendable).
+Step 3 runs in the background thread (for a synchronous save too): the next save, wait() or close()
+raises its failure. A power loss before it leaves the new checkpoint committed or invisible and
+every older one in place. Resume
 (collective) tries the committed checkpoints newest first (by commit sequence): every rank reads
 what it needs, verified, and checks it fits the live objects; the first one that every rank could
 load is applied. The unusable ones newer than it are moved aside
@@ -25,19 +27,15 @@ load is applied. The unusable ones newer than it are moved aside
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
-import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Union
 
 from ..contract.events import Event
-from . import fileio
 from . import manifest as mf
 from . import restore as rs
 from .codec import Codec, Collectives, Unsaveable, state_of
@@ -45,6 +43,8 @@ from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
 from .snapshot import HostBuffers, Snapshot, optimizer_owned
+from .storage import Store, fileio, store_for
+from .storage.base import Batch, FileCheckError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,14 @@ CheckpointError = rs.CheckpointError
 @dataclass
 class Restored:
     step: int
-    path: Path
+    path: str  # where it was restored from: a checkpoint's location in its store, or the snapshots' folder
     manifest: Dict[str, Any]
 
 
 class CheckpointManager:
     def __init__(
         self,
-        folder: Path,
+        folder: Union[str, Path, Store],
         comm: Collectives,
         keep_last: int,
         training_config: Dict[str, Any],
@@ -79,25 +79,31 @@ class CheckpointManager:
         hooks: Optional[SaveHooks] = None,
         defer_optimizer_copy: bool = True,
     ) -> None:
-        self.folder, self.comm, self.keep_last = Path(folder), comm, max(1, keep_last)
+        self.store = folder if isinstance(folder, Store) else store_for(folder)
+        self.comm, self.keep_last = comm, max(1, keep_last)
         self.training_config, self.on_event = training_config, on_event
         self.keep_every_n_epochs = keep_every_n_epochs
         self.full_config = full_config or {}
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
-        self._pool.submit(fileio.prepare)  # threads started now, not inside the first save
+        self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
         self._buffers = HostBuffers()
-        self._pending: Optional[Future[Path]] = None
+        self._pending: Optional[Future[str]] = None
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
         self._objects_of_save: List[Any] = []
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
         if comm.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._check_writable()
-            self._remove_leftovers()
+            try:
+                self.store.prepare()
+            except StoreError as exc:
+                raise CheckpointError(str(exc)) from exc
+
+    def where(self, name: str = "") -> str:
+        """The location of checkpoint `name` (or of the store): what messages and records name."""
+        return self.store.where(name)
 
     # ---- saving -------------------------------------------------------------------------
     def save(self, step: int, objects: Dict[str, Stateful], per_rank: Dict[str, Stateful], meta: Dict[str, Any]) -> None:
@@ -145,22 +151,21 @@ class CheckpointManager:
         (`_commit_written`). A failure on any rank fails the save on every rank, with the same
         message. Asynchronous: the files are copied to host memory now, written in the background,
         and committed at a later step boundary at which every rank has written them (`busy`)."""
-        comm, tmp = self.comm, None
+        comm, staged = self.comm, None
         if comm.rank == 0 and problem is None:
-            tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
             try:
-                tmp.mkdir()
+                staged = self.store.stage(step)
             except OSError as exc:
-                tmp, problem = None, f"cannot create {tmp}: {exc}"
-        name = comm.broadcast_object(tmp.name if tmp is not None else None)
+                problem = f"cannot stage step {step} in {self.where()}: {exc}"
+        name = comm.broadcast_object(staged)
         if name is None:
-            problem = problem or "rank 0 could not create the temporary folder"
+            problem = problem or "rank 0 could not stage the save"
         writing = RankWrite(step, codec, meta, started, name, problem)
         if problem is not None or not self.async_save:
             files = (
                 {f: layout.buffers() for f, layout in planned.files.items()} if planned is not None and problem is None else {}
             )
-            writing.report = write_own(self.folder, writing, files, planned, self.comm.rank, self.hooks)
+            writing.report = write_own(self.store, writing, files, planned, self.comm.rank, self.hooks)
             self._commit_written(writing)
             return
         snap = self._snapshot(planned.files, self._objects_of_save)
@@ -168,7 +173,7 @@ class CheckpointManager:
 
         def background() -> Dict[str, Any]:
             snap.copy_rest()
-            return write_own(self.folder, writing, {f: snap.pieces(f) for f in snap.layouts}, planned, self.comm.rank, self.hooks)
+            return write_own(self.store, writing, {f: snap.pieces(f) for f in snap.layouts}, planned, self.comm.rank, self.hooks)
 
         writing.future = self._pool.submit(background)
         self._written = writing
@@ -194,19 +199,19 @@ class CheckpointManager:
         reports = comm.gather_object(writing.report)
         outcome: Optional[str] = None
         if comm.rank == 0:
-            tmp = self.folder / writing.tmp if writing.tmp else None
+            staged = writing.tmp
             try:
                 errors = [r["error"] for r in reports or [] if "error" in r]
-                if errors or tmp is None:
+                if errors or staged is None:
                     raise CheckpointError("; ".join(errors) or str(writing.problem))
                 files = {f: spec for r in reports or [] for f, spec in r["files"].items()}
                 fields = {**writing.meta, **writing.codec.manifest_fields(reports or [])}
-                final = self._commit(step, tmp, files, fields, writing.codec.format)
+                final = self._commit(step, staged, files, fields, writing.codec.format, self.store.batch())
                 self._pending = self._pool.submit(self._check_then_retain, step, final, files, False)
                 self._saved(step, writing.meta, final, files, writing.started)
             except BaseException as exc:
-                if tmp is not None:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                if staged is not None:
+                    self.store.abandon(staged)
                 outcome = self._failed(step, exc)
         outcome = comm.broadcast_object(outcome)
         if outcome is not None:
@@ -246,50 +251,41 @@ class CheckpointManager:
             self._hooked = weakref.WeakKeyDictionary()
             self._pool.shutdown(wait=True)
 
-    def _write_snapshot(self, step: int, snap: Snapshot, meta: Dict[str, Any], started: float) -> Path:
+    def _write_snapshot(self, step: int, snap: Snapshot, meta: Dict[str, Any], started: float) -> str:
         snap.copy_rest()
         final, files = self._write_and_commit(step, {name: snap.pieces(name) for name in snap.layouts}, meta, started)
         return self._check_then_retain(step, final, files)
 
-    def _write_and_commit(
-        self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float
-    ) -> Tuple[Path, Dict[str, Dict[str, Any]]]:
-        """Rank 0 writes every file of the save and commits it (the replicated format)."""
-        tmp = self.folder / f"{mf.TMP_PREFIX}{mf.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float) -> Any:
+        """Rank 0 writes every file of the save and commits it (the replicated format): (name, files)."""
         files: Dict[str, Dict[str, Any]] = {}
-        unsynced = fileio.Unsynced()  # made durable with the manifest, together
+        staged, batch = None, self.store.batch()  # the files made durable with the manifest, together
         try:
-            tmp.mkdir()
+            staged = self.store.stage(step)
             for name, parts in pieces.items():
-                size, digest = fileio.write_file(tmp / name, parts, later=unsynced)
+                size, digest = self.store.write(staged, name, parts, batch)
                 files[name] = {"bytes": size, "checksum": digest}
                 if self.hooks is not None:
                     self.hooks.during_save(step, len(files))
-            final = self._commit(step, tmp, files, meta, mf.FORMAT, unsynced)
+            final = self._commit(step, staged, files, meta, mf.FORMAT, batch)
         except BaseException as exc:
-            unsynced.close()
-            shutil.rmtree(tmp, ignore_errors=True)
+            batch.close()
+            if staged is not None:
+                self.store.abandon(staged)
             raise CheckpointError(self._failed(step, exc)) from exc
         self._saved(step, meta, final, files, started)
         return final, files
 
     def _commit(
-        self,
-        step: int,
-        tmp: Path,
-        files: Dict[str, Dict[str, Any]],
-        fields: Dict[str, Any],
-        format: int,
-        unsynced: Optional[fileio.Unsynced] = None,
-    ) -> Path:
-        """Write the manifest into `tmp` (its files written, those in `unsynced` not yet durable), make
-        them all and the folder durable, and rename it to the step's folder. The rename is made durable
-        by `_check_then_retain`, before anything older is removed."""
-        final = self.folder / mf.step_dir_name(step)
+        self, step: int, staged: str, files: Dict[str, Dict[str, Any]], fields: Dict[str, Any], format: int, batch: Batch
+    ) -> str:
+        """Build the manifest of the staged save (its files written, those in `batch` not yet durable)
+        and have the store commit it; the committed checkpoint's name. The commit is made durable by
+        `_check_then_retain`, before anything older is removed."""
         manifest = {
             "format": format,
             "step": step,
-            "commit": mf.next_commit(self.folder),
+            "commit": mf.next_commit(self.store),
             **fields,
             "world_size": self.comm.world_size,
             "created": time.time(),
@@ -298,95 +294,73 @@ class CheckpointManager:
             "full_config": self.full_config,
         }
         sealed = mf.seal(manifest)
-        mf.validate(mf.parse(sealed, tmp / mf.MANIFEST), tmp / mf.MANIFEST, step)  # what we write, our reader accepts
-        unsynced = unsynced or fileio.Unsynced()
-        fileio.write_file(tmp / mf.MANIFEST, [sealed], later=unsynced)
-        unsynced.sync(tmp)
-        if self.hooks is not None:
-            self.hooks.before_commit(step)  # the orphan fence, right before the rename that commits
-        if os.path.lexists(final):  # an earlier crash's leftover, or a checkpoint of this step from before
-            self._move_out_of_the_way(step, final)
-        os.rename(tmp, final)
+        where = f"{self.where(staged)}/{mf.MANIFEST}"
+        mf.validate(mf.parse(sealed, where), where, step)  # what we write, our reader accepts
+        hooks = self.hooks
+        fence = (lambda: hooks.before_commit(step)) if hooks is not None else None
+        final, replaced = self.store.commit(staged, step, sealed, batch, fence)
+        if replaced is not None:
+            self._recorded_aside(step, final, replaced, "a new save of the same step replaced it")
         return final
 
     def _failed(self, step: int, exc: BaseException) -> str:
-        previous = mf.committed(self.folder)
-        kept = (
-            f"the newest committed checkpoint ({previous[0][1].name}) is intact" if previous else "no earlier checkpoint exists"
-        )
-        return f"saving checkpoint step {step} to {self.folder} failed: {type(exc).__name__}: {exc}; {kept}"
+        previous = mf.scan(self.store)
+        kept = f"the newest committed checkpoint ({previous[0].name}) is intact" if previous else "no earlier checkpoint exists"
+        return f"saving checkpoint step {step} to {self.where()} failed: {type(exc).__name__}: {exc}; {kept}"
 
-    def _saved(self, step: int, meta: Dict[str, Any], final: Path, files: Dict[str, Dict[str, Any]], started: float) -> None:
+    def _saved(self, step: int, meta: Dict[str, Any], final: str, files: Dict[str, Dict[str, Any]], started: float) -> None:
         total = sum(f["bytes"] for f in files.values())
         seconds = time.perf_counter() - started
         self.on_event(
-            Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=str(final), bytes=total, seconds=round(seconds, 4)
+            Event.CHECKPOINT_SAVED,
+            step=step,
+            epoch=meta.get("epoch"),
+            path=self.where(final),
+            bytes=total,
+            seconds=round(seconds, 4),
         )
-        log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, final)
+        log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, self.where(final))
 
-    def _check_then_retain(self, step: int, final: Path, files: Dict[str, Dict[str, Any]], checksums: bool = True) -> Path:
+    def _check_then_retain(self, step: int, final: str, files: Dict[str, Dict[str, Any]], checksums: bool = True) -> str:
         """Read the new checkpoint back before retention may remove anything older (`checksums`: every
         file's too; without, their sizes: each rank read its own files back before it reported them)."""
         try:
-            fileio.fsync_dir(self.folder)  # the rename that committed it, durable
-            if mf.read(final)["files"] != files:
-                raise mf.ManifestError(f"{final / mf.MANIFEST}: reads back different from what was written")
-            problem = rs.verify(final, checksums)
+            self.store.settle()
+            if mf.read_in(self.store, final)["files"] != files:
+                raise mf.ManifestError(f"{self.where(final)}/{mf.MANIFEST}: reads back different from what was written")
+            problem = rs.verify(self.store, final, checksums)
             if problem:
-                raise fileio.FileCheckError(problem)
+                raise FileCheckError(problem)
         except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
             moved = self._set_aside(step, final, "readback", str(exc))
             raise CheckpointError(
                 f"checkpoint step {step} was written but does not read back the same ({exc}); "
-                f"{'it was moved to ' + moved.name if moved else 'it is left in place'}; "
+                f"{'it was moved to ' + moved if moved else 'it is left in place'}; "
                 "older checkpoints are kept"
             ) from exc
         self._apply_retention(final)
         if self.hooks is not None:
-            self.hooks.after_commit(step, final)
+            self.hooks.after_commit(step, self.where(final))
         return final
 
-    def _apply_retention(self, just_committed: Path) -> None:
-        for path in mf.expendable(mf.scan(self.folder), self.keep_last, self.keep_every_n_epochs, [just_committed]):
-            self._discard(path)
-        self._remove_leftovers(only_trash=True)
+    def _apply_retention(self, just_committed: str) -> None:
+        listed = mf.scan(self.store)
+        names = {c.path: c.name for c in listed}
+        for path in mf.expendable(listed, self.keep_last, self.keep_every_n_epochs, [self.where(just_committed)]):
+            self.store.discard(names[path])
 
-    def _move_out_of_the_way(self, step: int, final: Path) -> None:
-        if os.path.lexists(final / mf.MANIFEST):  # committed (usable or not): kept, under another name
-            self._set_aside(step, final, "replaced", "a new save of the same step replaced it")
-        else:  # no manifest: the leftover of a crash, never committed
-            final.rename(self.folder / f"{mf.TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
-
-    def _set_aside(self, step: Optional[int], path: Path, reason: str, error: str) -> Optional[Path]:
-        target = self.folder / mf.set_aside_name(path, reason)
+    def _set_aside(self, step: Optional[int], name: str, reason: str, error: str) -> Optional[str]:
         try:
-            path.rename(target)
+            target = self.store.set_aside(name, reason)
         except OSError as exc:
-            log.warning("Could not move unusable checkpoint %s aside (%s); leaving it", path, exc)
+            log.warning("Could not move unusable checkpoint %s aside (%s); leaving it", self.where(name), exc)
             return None
-        log.warning("Checkpoint %s moved aside to %s: %s", path, target.name, error)
-        self.on_event(Event.CHECKPOINT_SET_ASIDE, step=step, path=str(path), moved_to=str(target), error=error)
+        self._recorded_aside(step, name, target, error)
         return target
 
-    def _discard(self, path: Path) -> None:
-        trash = self.folder / f"{mf.TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-        path.rename(trash)  # invisible at once, even if the removal below is interrupted
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def _remove_leftovers(self, only_trash: bool = False) -> None:
-        prefixes = (mf.TRASH_PREFIX,) if only_trash else (mf.TRASH_PREFIX, mf.TMP_PREFIX)
-        for child in self.folder.iterdir():
-            if child.name.startswith(prefixes):
-                log.info("Removing leftover %s", child)
-                shutil.rmtree(child, ignore_errors=True)
-
-    def _check_writable(self) -> None:
-        probe = self.folder / f"{mf.TMP_PREFIX}probe-{os.getpid()}"
-        try:
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint folder {self.folder} is not writable: {exc}") from exc
+    def _recorded_aside(self, step: Optional[int], name: str, target: str, error: str) -> None:
+        log.warning("Checkpoint %s moved aside to %s: %s", self.where(name), target, error)
+        self.on_event(Event.CHECKPOINT_SET_ASIDE, step=step, path=self.where(name), moved_to=self.where(target), error=error)
 
     # ---- restoring ----------------------------------------------------------------------
     def restore(
@@ -404,17 +378,17 @@ class CheckpointManager:
         elastic job): then ranks the checkpoint has keep their saved per-rank state, and a rank it
         does not have calls `new_rank(step)` to seed its state deterministically. `newest`: none of a
         later step (a rollback's)."""
-        chooser = rs.Chooser(self.folder, self.training_config, self.full_config, self.on_event, self._set_aside)
-        found = rs.Resume(self.folder, self.comm, chooser).run(
+        chooser = rs.Chooser(self.store, self.training_config, self.full_config, self.on_event, self._set_aside)
+        found = rs.Resume(self.store, self.comm, chooser).run(
             objects, per_rank, allow_config_change, fresh_start_if_unusable, new_rank, newest
         )
         if found is None:
             return None
-        path, manifest = found
+        name, manifest = found
         self.last_saved_step = manifest["step"]
-        return Restored(step=manifest["step"], path=path, manifest=manifest)
+        return Restored(step=manifest["step"], path=self.where(name), manifest=manifest)
 
 
-def verify_checkpoint(path: Path) -> Optional[str]:
-    """None when the committed checkpoint at `path` verifies (manifest, sizes, checksums); else why not."""
-    return rs.verify(path)
+def verify_checkpoint(path: Union[str, Path]) -> Optional[str]:
+    """None when the committed checkpoint at `path` (its location) verifies (manifest, sizes, checksums); else why not."""
+    return rs.verify_at(path)

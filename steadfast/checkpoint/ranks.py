@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
-from . import fileio
 from .codec import Codec, Planned
+from .storage import Store
 
 
 class SaveHooks(Protocol):
@@ -19,13 +18,13 @@ class SaveHooks(Protocol):
 
     def before_commit(self, step: int) -> None: ...
 
-    def after_commit(self, step: int, path: Path) -> None: ...
+    def after_commit(self, step: int, path: str) -> None: ...
 
 
 @dataclass
 class RankWrite:
-    """A save under way: its step, codec and fields; the shared temporary folder's name (None: rank 0
-    could not make it); a problem that fails it; this rank's report once written (its future, async)."""
+    """A save under way: its step, codec and fields; the name the store staged it under (None: rank 0
+    could not stage it); a problem that fails it; this rank's report once written (its future, async)."""
 
     step: int
     codec: Codec
@@ -38,23 +37,22 @@ class RankWrite:
 
 
 def write_own(
-    folder: Path,
+    store: Store,
     save: RankWrite,
     pieces: Dict[str, List[Any]],
     planned: Optional[Planned],
     rank: int,
     hooks: Optional[SaveHooks],
 ) -> Dict[str, Any]:
-    """Write this rank's files (name -> its buffers, in order) into the save's temporary folder, fsync and read each
+    """Write this rank's files (name -> its buffers, in order) into the staged save, each durable and read
     back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or
     {"error": ...}. Never raises (a failure is reported, and fails the save on every rank)."""
     try:
         if save.problem is not None or save.tmp is None:
-            raise RuntimeError(save.problem or "rank 0 could not create the temporary folder")
-        where, written = folder / save.tmp, {}
+            raise RuntimeError(save.problem or "rank 0 could not stage the save")
+        written = {}
         for file, buffers in pieces.items():
-            size, digest = fileio.write_file(where / file, buffers)
-            fileio.verify_file(where / file, size, digest)  # read back before it is reported written
+            size, digest = store.write(save.tmp, file, buffers, verify=True)  # read back before it is reported written
             written[file] = {"bytes": size, "checksum": digest}
             if hooks is not None:
                 hooks.during_save(save.step, len(written))

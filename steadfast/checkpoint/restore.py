@@ -14,17 +14,17 @@ checkpoint chosen has a manifest without a digest (an earlier version's) or is n
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..contract.events import Event
-from . import fileio
 from . import manifest as mf
 from .codec import Collectives, Loaded
 from .finite import nonfinite
 from .formats import for_manifest
 from .optimizers import optimizer_misfit, param_names
+from .storage import Store, split
+from .storage.base import Files
 
 log = logging.getLogger(__name__)
 
@@ -92,26 +92,32 @@ def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer)
 
 
-def verify(path: Path, checksums: bool = True) -> Optional[str]:
-    """None when the committed checkpoint at `path` verifies (manifest, sizes, and with `checksums`
+def verify(store: Store, name: str, checksums: bool = True) -> Optional[str]:
+    """None when committed checkpoint `name` in `store` verifies (manifest, sizes, and with `checksums`
     every file's checksum); else why not."""
     try:
-        files = mf.read(path)["files"]
-        dir_fd = fileio.open_folder(path)
-        try:
-            for name, spec in files.items():
-                if checksums:
-                    fileio.verify_file(path / name, spec["bytes"], spec["checksum"], dir_fd)
-                    continue
-                fd, size = fileio.open_regular(name, dir_fd, path / name)
-                os.close(fd)
-                if size != spec["bytes"]:
-                    raise fileio.FileCheckError(f"{path / name}: size is {size} bytes, the manifest says {spec['bytes']}", "size")
-        finally:
-            os.close(dir_fd)
+        files = mf.read_in(store, name)["files"]
+        with store.open(name, {n: spec["bytes"] for n, spec in files.items()}) as opened:
+            for file, spec in files.items():
+                opened.verify(file, spec["bytes"], spec["checksum"] if checksums else None)
     except (ValueError, OSError, MemoryError) as exc:
         return str(exc) or type(exc).__name__
     return None
+
+
+def files_at(ckpt: Union[str, Path], manifest: Dict[str, Any]) -> Files:
+    """The files of the committed checkpoint at a location, for reading (its manifest already read)."""
+    store, name = split(ckpt)
+    return store.open(name, {n: spec["bytes"] for n, spec in manifest["files"].items()})
+
+
+def verify_at(ckpt: Union[str, Path], checksums: bool = True) -> Optional[str]:
+    """`verify` of the checkpoint at a location (its folder, or `s3://.../step_000000100`)."""
+    try:
+        store, name = split(ckpt)
+    except ValueError as exc:
+        return str(exc)
+    return verify(store, name, checksums)
 
 
 class Chooser:
@@ -120,34 +126,34 @@ class Chooser:
 
     def __init__(
         self,
-        folder: Path,
+        store: Store,
         training_config: Dict[str, Any],
         full_config: Dict[str, Any],
         on_event: Callable[..., None],
-        set_aside: Callable[[Optional[int], Path, str, str], Any],
+        set_aside: Callable[[Optional[int], str, str, str], Any],
     ) -> None:
-        self.folder, self.training_config, self.full_config = folder, training_config, full_config
+        self.store, self.training_config, self.full_config = store, training_config, full_config
         self.on_event, self.set_aside = on_event, set_aside
         self.problems: List[str] = []
-        self.movable: List[Tuple[int, Path, str, str]] = []  # (step, path, reason, error): bad for good, not just now
+        self.movable: List[Tuple[int, str, str, str]] = []  # (step, name, reason, error): bad for good, not just now
         self.newest: Optional[mf.Listed] = None  # the newest by step whose manifest is valid
 
-    def unusable(self, step: int, path: Path, error: str, reason: Optional[str]) -> None:
+    def unusable(self, step: int, name: str, error: str, reason: Optional[str]) -> None:
         """Name an unusable checkpoint (`reason`: why it is bad for good, so it may be moved aside; None: not now)."""
-        log.warning("Checkpoint %s is unusable, trying an older one: %s", path, error)
-        self.on_event(Event.CHECKPOINT_INVALID, step=step, path=str(path), error=error)
-        self.problems.append(f"{path.name}: {error}")
+        log.warning("Checkpoint %s is unusable, trying an older one: %s", self.store.where(name), error)
+        self.on_event(Event.CHECKPOINT_INVALID, step=step, path=self.store.where(name), error=error)
+        self.problems.append(f"{name}: {error}")
         if reason is not None:
-            self.movable.append((step, path, reason, error))
+            self.movable.append((step, name, reason, error))
 
     def candidates(self, allow_config_change: bool) -> List[Tuple[str, Dict[str, Any], Optional[str]]]:
-        """(path, manifest, refusal) of every committed checkpoint whose manifest is valid, newest first;
+        """(name, manifest, refusal) of every committed checkpoint whose manifest is valid, newest first;
         `refusal` says why a resume from it is refused (its training config differs). Checkpoints whose
         manifest is unusable are named (and may be moved aside once the resume knows where it starts)."""
         out = []
-        for c in mf.scan(self.folder):
+        for c in mf.scan(self.store):
             if c.manifest is None:
-                self.unusable(c.step, c.path, c.error or "unreadable manifest", "manifest")
+                self.unusable(c.step, c.name, c.error or "unreadable manifest", "manifest")
                 continue
             if self.newest is None or c.step > self.newest.step:
                 self.newest = c
@@ -159,25 +165,25 @@ class Chooser:
                     f"{mf.describe_changes(diff)}. Restore those values, choose another run.name, or set "
                     "run.allow_config_change=true to resume anyway"
                 )
-            out.append((str(c.path), c.manifest, refusal))
+            out.append((c.name, c.manifest, refusal))
         return out
 
-    def chosen(self, path: Path, manifest: Dict[str, Any]) -> None:
-        """The resume starts from `path`: the unusable checkpoints seen are moved aside; config changes are recorded."""
+    def chosen(self, name: str, manifest: Dict[str, Any]) -> None:
+        """The resume starts from checkpoint `name`: the unusable checkpoints seen are moved aside; config changes are recorded."""
         self.set_aside_unusable()
         step = manifest["step"]
         if mf.DIGEST not in manifest:
             log.warning(
                 "Checkpoint %s has a manifest without a digest (written by an earlier version): its fields are "
                 "validated and its files checked, but a damaged field the checks cannot see would go unnoticed",
-                path,
+                self.store.where(name),
             )
         if self.newest is not None and self.newest.step > step:
             log.warning(
                 "Resuming from %s, the newest by commit sequence, though %s holds a later step (expected after a "
                 "fresh start beside older checkpoints, or in a shared checkpoint.dir)",
-                path,
-                self.newest.path.name,
+                self.store.where(name),
+                self.newest.name,
             )
         diff = mf.changes(manifest["config"], self.training_config)
         if diff:
@@ -189,8 +195,8 @@ class Chooser:
             self.on_event(Event.CONFIG_CHANGED_ON_RESUME, step=step, accepted="safe to change", changes=[list(d) for d in safe])
 
     def set_aside_unusable(self) -> None:
-        for step, path, reason, error in self.movable:
-            self.set_aside(step, path, reason, error)
+        for step, name, reason, error in self.movable:
+            self.set_aside(step, name, reason, error)
         self.movable = []
 
 
@@ -199,8 +205,8 @@ class Resume:
     reads what it needs of one (verified) and checks it fits the live objects; the first that every
     rank could load is applied on every rank."""
 
-    def __init__(self, folder: Path, comm: Collectives, chooser: Chooser) -> None:
-        self.folder, self.comm, self.chooser = folder, comm, chooser
+    def __init__(self, store: Store, comm: Collectives, chooser: Chooser) -> None:
+        self.store, self.comm, self.chooser = store, comm, chooser
 
     def run(
         self,
@@ -210,40 +216,39 @@ class Resume:
         fresh_start_if_unusable: bool,
         new_rank: Optional[Callable[[int], None]],
         newest: Optional[int] = None,
-    ) -> Optional[Tuple[Path, Dict[str, Any]]]:
-        """(path, manifest) of the checkpoint loaded into the objects, or None for a fresh start
+    ) -> Optional[Tuple[str, Dict[str, Any]]]:
+        """(name, manifest) of the checkpoint loaded into the objects, or None for a fresh start
         (`newest`: of no later step)."""
         comm, chooser = self.comm, self.chooser
         candidates = comm.broadcast_object(chooser.candidates(allow_config_change) if comm.rank == 0 else None)
         candidates = [c for c in candidates if newest is None or c[1]["step"] <= newest]
-        for path_name, manifest, refusal in candidates:
+        for name, manifest, refusal in candidates:
             if refusal is not None:
                 raise CheckpointError(refusal)
-            path = Path(path_name)
-            loaded, error, lasting = self._try_load(path, manifest, objects, per_rank)
+            loaded, error, lasting = self._try_load(name, manifest, objects, per_rank)
             failed = comm.max_each([1.0 if error else 0.0, 1.0 if lasting else 0.0])
             if failed[0]:
                 errors = comm.gather_object(error)
                 if comm.rank == 0:
                     why = "; ".join(e for e in errors or [] if e)
-                    chooser.unusable(manifest["step"], path, why, "damaged" if failed[1] else None)
+                    chooser.unusable(manifest["step"], name, why, "damaged" if failed[1] else None)
                 continue
             assert loaded is not None
             if comm.rank == 0:
-                chooser.chosen(path, manifest)
+                chooser.chosen(name, manifest)
             if loaded.world_size != comm.world_size and new_rank is None:
                 raise CheckpointError(
-                    f"{path}: saved by {loaded.world_size} workers, this run has {comm.world_size} (trainer.on_world_size_change=refuse)"
+                    f"{self.store.where(name)}: saved by {loaded.world_size} workers, this run has {comm.world_size} (trainer.on_world_size_change=refuse)"
                 )
-            self._apply(path, manifest["step"], loaded, objects, per_rank, new_rank)
-            return path, manifest
+            self._apply(name, manifest["step"], loaded, objects, per_rank, new_rank)
+            return name, manifest
         problems = comm.broadcast_object(chooser.problems if comm.rank == 0 else None)
         if not problems:
             return None
         detail = "; ".join(problems)
         if not fresh_start_if_unusable:
             raise CheckpointError(
-                f"none of the {len(problems)} committed checkpoints in {self.folder} is usable ({detail}). "
+                f"none of the {len(problems)} committed checkpoints in {self.store.where()} is usable ({detail}). "
                 "They are kept as they are. Set run.fresh_start_if_unusable=true to train from scratch anyway "
                 "(they are then moved aside, not deleted)"
             )
@@ -253,23 +258,24 @@ class Resume:
         return None
 
     def _try_load(
-        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], per_rank: Dict[str, Any]
+        self, name: str, manifest: Dict[str, Any], objects: Dict[str, Any], per_rank: Dict[str, Any]
     ) -> Tuple[Optional[Loaded], Optional[str], bool]:
         """(what this rank loaded, why it could not, whether that is for good) for one checkpoint."""
         try:
-            loaded = for_manifest(manifest).load(
-                path, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
-            )
+            with self.store.open(name, {n: spec["bytes"] for n, spec in manifest["files"].items()}) as files:
+                loaded = for_manifest(manifest).load(
+                    files, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
+                )
             check_fits(loaded, objects, per_rank, manifest.get(mf.PARAMS))
             return loaded, None, False
         except (ValueError, TypeError, RuntimeError, OverflowError, RecursionError) as exc:  # bad for good
-            return None, f"rank {self.comm.rank}: {path}: {exc}", True
+            return None, f"rank {self.comm.rank}: {self.store.where(name)}: {exc}", True
         except (OSError, MemoryError) as exc:  # could not be read now
             return None, f"rank {self.comm.rank}: {type(exc).__name__}: {exc}", False
 
     def _apply(
         self,
-        path: Path,
+        name: str,
         step: int,
         loaded: Loaded,
         objects: Dict[str, Any],
@@ -290,14 +296,14 @@ class Resume:
                 for name, obj in per_rank.items():
                     obj.load_state_dict(loaded.own[name])
         except Exception as exc:
-            error = f"rank {self.comm.rank} could not load {path}: {type(exc).__name__}: {exc}"
+            error = f"rank {self.comm.rank} could not load {self.store.where(name)}: {type(exc).__name__}: {exc}"
         if self.comm.max_each([1.0 if error else 0.0])[0]:
             errors = self.comm.gather_object(error)
             why = "; ".join(e for e in errors or [] if e) if self.comm.rank == 0 else ""
             if self.comm.rank == 0:
-                self.chooser.unusable(step, path, why, "load")
+                self.chooser.unusable(step, name, why, "load")
                 self.chooser.set_aside_unusable()
             raise CheckpointError(
                 error
-                or f"another rank could not load {path}; it was moved aside and the next attempt resumes from the one before"
+                or f"another rank could not load {self.store.where(name)}; it was moved aside and the next attempt resumes from the one before"
             )

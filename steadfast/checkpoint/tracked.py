@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Optional, Protocol, Union
 
 from ..config import Resume, Settings
 from ..contract.env import LaunchEnv
@@ -42,7 +42,7 @@ class SaveFaults(Protocol):
 
     def during_save(self, step: int, files_written: int) -> None: ...
 
-    def after_commit(self, step: int, path: Path) -> None: ...
+    def after_commit(self, step: int, path: str) -> None: ...
 
 
 class _SaveHooks:
@@ -61,14 +61,14 @@ class _SaveHooks:
         if not self.launch.launcher_alive():
             raise LauncherGone(f"the launcher (pid {self.launch.launcher_pid}) is gone; an orphaned worker does not commit")
 
-    def after_commit(self, step: int, path: Path) -> None:
+    def after_commit(self, step: int, path: str) -> None:
         self.faults.after_commit(step, path)
 
 
 class Checkpointer:
     def __init__(
         self,
-        folder: Path,
+        folder: Union[str, Path],
         comm: Collectives,
         settings: Settings,
         resolved_cfg: Dict[str, Any],
@@ -100,9 +100,9 @@ class Checkpointer:
         # then is to be committed (an anomaly found may first send it back to a healthy one)
         self.healthy: Callable[[], bool] = lambda: True
 
-    @property
-    def folder(self) -> Path:
-        return self.manager.folder
+    def where(self, step: Optional[int] = None) -> str:
+        """Where the checkpoints are (the store's location), or where the checkpoint of `step` is."""
+        return self.manager.where(manifest.step_dir_name(step) if step is not None else "")
 
     @property
     def last_saved_step(self) -> Optional[int]:
@@ -124,8 +124,8 @@ class Checkpointer:
         """Collective: the newest checkpoint that verifies, loaded into the tracked objects (None: a fresh start)."""
         s = self.settings
         if s.resume == Resume.never:
-            if manifest.committed(self.folder):
-                raise CheckpointError(f"resume=never, but {self.folder} already holds checkpoints; they are left untouched")
+            if manifest.committed(self.manager.store):
+                raise CheckpointError(f"resume=never, but {self.where()} already holds checkpoints; they are left untouched")
             return None
         restored = self._from_memory()
         if restored is None:
@@ -136,7 +136,7 @@ class Checkpointer:
             if self.memory is not None:  # snapshots newer than where the run continues belong to another timeline
                 self.memory.discard_after(restored.step if restored is not None else 0)
         if restored is None and s.resume == Resume.must:
-            raise CheckpointError(f"resume=must, but {self.folder} holds no usable checkpoint")
+            raise CheckpointError(f"resume=must, but {self.where()} holds no usable checkpoint")
         self.restored = restored
         return restored
 
@@ -165,7 +165,7 @@ class Checkpointer:
         steps = [s for s in steps if newest is None or s <= newest]
         disk = -1
         if comm.rank == 0:
-            found = [step for step, _ in manifest.committed(self.folder) if newest is None or step <= newest]
+            found = [step for step, _ in manifest.committed(self.manager.store) if newest is None or step <= newest]
             disk = found[0] if found else -1
         # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
         # the middle of a snapshot has the one before, which the others still hold: double buffers)
@@ -201,7 +201,7 @@ class Checkpointer:
         self.source = "memory"
         return Restored(
             step=step,
-            path=self.memory.folder if self.memory else self.folder,
+            path=str(self.memory.folder) if self.memory else self.where(),
             manifest={"step": step, "world_size": self.comm.world_size},
         )
 
@@ -217,7 +217,7 @@ class Checkpointer:
             where = poisoned or "another rank's state"
             raise CheckpointError(
                 f"refusing to commit step {progress.global_step}: {where} holds a NaN or an infinity; "
-                f"the newest committed checkpoint in {self.folder} is kept"
+                f"the newest committed checkpoint in {self.where()} is kept"
             )
         with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
             self.manager.save(

@@ -28,7 +28,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import xxhash
 
-CHECKSUM = "xxh3_128"
+from .base import CHECKSUM as CHECKSUM
+from .base import Batch
+from .base import FileCheckError as FileCheckError
+from .base import checksum_of as checksum_of
+
 WRITE_MAX = 8 << 20  # bytes per write(2) (Linux moves at most 0x7ffff000 per call; 8 MiB calls measured fastest)
 GATHER_BELOW = 1 << 20  # pieces smaller than this are written together with writev(2)
 GATHER_MAX_BYTES = 1 << 20  # larger gathers were throttled harder by the kernel (measured: 1 MiB best)
@@ -42,20 +46,6 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXE
 # The write primitives, module-level so a test can replace them with ones that write less per call.
 _write = os.write
 _writev = os.writev
-
-
-class FileCheckError(ValueError):
-    """A file does not match what its manifest says (size, checksum), or is not a regular file.
-
-    `reason` is a short word for the set-aside folder's name: size, checksum, not-regular, missing."""
-
-    def __init__(self, message: str, reason: str = "damaged") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def checksum_of(digest: Any) -> str:
-    return f"{CHECKSUM}:{digest.hexdigest()}"
 
 
 def write_all(fd: int, data: Any) -> None:
@@ -140,7 +130,7 @@ def _wait_all(running: Sequence["futures.Future[None]"]) -> None:
         raise failures[0]
 
 
-class Unsynced:
+class Unsynced(Batch):
     """Files written and not yet durable, made durable together by `sync` (one journal commit for
     all of them on the filesystems measured, instead of one per fsync in turn); a large file's fsync
     is already running. `close` releases whatever is left after a failure."""
