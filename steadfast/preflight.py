@@ -152,7 +152,10 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[
     problem = store.problem()  # before any worker starts: a run must not train for hours, then fail to save
     if problem:
         return [problem]
-    found = manifest.scan(store)
+    try:
+        found = manifest.scan(store)
+    except OSError as exc:  # StoreError: it answered the check, then not
+        return [str(exc)]
     if s.resume == Resume.never and found:
         return [
             f"resume=never, but {store.where()} already holds checkpoints (newest {found[0].name}); they are left "

@@ -258,3 +258,48 @@ def test_a_missing_bucket_is_refused_before_any_worker_starts(tmp_path: Path, s3
     assert "checkpoint.dir=s3://no-such-bucket-here/r" in proc.stderr and "does not exist" in proc.stderr
     folder = run_dir(tmp_path, "r")
     assert not folder.exists() or not [e for e in events(folder) if e["event"] in ("attempt_started", "rendezvous")]
+
+
+def _dead_endpoint(monkeypatch: pytest.MonkeyPatch) -> str:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    return url
+
+
+def test_a_save_the_bucket_cannot_take_does_not_stop_training_and_the_next_one_commits(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from steadfast.checkpoint.state import Progress
+    from steadfast.checkpoint.tracked import Checkpointer
+    from steadfast.config import FaultConf, Settings
+    from steadfast.contract.env import LaunchEnv
+    from steadfast.faults import FaultInjector
+    from steadfast.telemetry.records import RunRecord
+
+    where = f"s3://{bucket}/run"
+    ck = Checkpointer(
+        where,
+        Comm(),
+        Settings(),
+        {},
+        RunRecord(tmp_path, 0),
+        LaunchEnv(backend="local", collective="none", run_dir=tmp_path),
+        FaultInjector(FaultConf(), 0, tmp_path, print),
+        lambda phase: None,
+    )
+    progress = Progress()
+    ck.track(progress, {"model": torch.nn.Linear(2, 2)})
+    for step in (1, 2, 3):
+        progress.global_step = step
+        with monkeypatch.context() as m:
+            if step == 2:
+                _dead_endpoint(m)
+            ck.save(progress)  # step 2: the endpoint is gone, and training goes on
+    failed = [e for e in events(tmp_path) if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [2] and where in failed[0]["error"] and "does not answer" in failed[0]["error"]
+    assert [s for s, _ in mf.committed(where)] == [3, 1]
+    ck.close()

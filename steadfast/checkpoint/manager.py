@@ -33,7 +33,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, Union
 
 from ..contract.events import Event
 from . import manifest as mf
@@ -56,6 +56,7 @@ class Stateful(Protocol):
 
 
 CheckpointError = rs.CheckpointError
+StoreUnavailable = rs.StoreUnavailable
 
 
 @dataclass
@@ -90,6 +91,7 @@ class CheckpointManager:
         self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
         self._buffers = HostBuffers()
         self._pending: Optional[Future[str]] = None
+        self._pending_on_rank_0_only = False  # the pending work is rank 0's alone in a save every rank wrote
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
         self._objects_of_save: List[Any] = []
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
@@ -151,16 +153,16 @@ class CheckpointManager:
         (`_commit_written`). A failure on any rank fails the save on every rank, with the same
         message. Asynchronous: the files are copied to host memory now, written in the background,
         and committed at a later step boundary at which every rank has written them (`busy`)."""
-        comm, staged = self.comm, None
+        comm, staged, unavailable = self.comm, None, False
         if comm.rank == 0 and problem is None:
             try:
                 staged = self.store.stage(step)
             except OSError as exc:
-                problem = f"cannot stage step {step} in {self.where()}: {exc}"
+                problem, unavailable = f"cannot stage step {step} in {self.where()}: {exc}", isinstance(exc, StoreError)
         name = comm.broadcast_object(staged)
         if name is None:
             problem = problem or "rank 0 could not stage the save"
-        writing = RankWrite(step, codec, meta, started, name, problem)
+        writing = RankWrite(step, codec, meta, started, name, problem, unavailable=unavailable)
         if problem is not None or not self.async_save:
             files = (
                 {f: layout.buffers() for f, layout in planned.files.items()} if planned is not None and problem is None else {}
@@ -197,25 +199,28 @@ class CheckpointManager:
     def _commit_written(self, writing: "RankWrite") -> None:
         comm, step = self.comm, writing.step
         reports = comm.gather_object(writing.report)
-        outcome: Optional[str] = None
+        outcome: Optional[Tuple[str, bool]] = None  # (why it failed, whether its store was unavailable)
         if comm.rank == 0:
             staged = writing.tmp
             try:
-                errors = [r["error"] for r in reports or [] if "error" in r]
-                if errors or staged is None:
-                    raise CheckpointError("; ".join(errors) or str(writing.problem))
+                failed = [r for r in reports or [] if "error" in r]
+                if failed or staged is None:
+                    if writing.unavailable or (failed and all(r.get("unavailable") for r in failed)):
+                        raise StoreError("; ".join(r["error"] for r in failed) or str(writing.problem))
+                    raise CheckpointError("; ".join(r["error"] for r in failed) or str(writing.problem))
                 files = {f: spec for r in reports or [] for f, spec in r["files"].items()}
                 fields = {**writing.meta, **writing.codec.manifest_fields(reports or [])}
                 final = self._commit(step, staged, files, fields, writing.codec.format, self.store.batch())
                 self._pending = self._pool.submit(self._check_then_retain, step, final, files, False)
+                self._pending_on_rank_0_only = True
                 self._saved(step, writing.meta, final, files, writing.started)
             except BaseException as exc:
                 if staged is not None:
                     self.store.abandon(staged)
-                outcome = self._failed(step, exc)
+                outcome = (self._failed(step, exc), isinstance(exc, StoreError))
         outcome = comm.broadcast_object(outcome)
         if outcome is not None:
-            raise CheckpointError(outcome)
+            raise (StoreUnavailable if outcome[1] else CheckpointError)(outcome[0])
 
     def _snapshot(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Snapshot:
         """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
@@ -240,7 +245,16 @@ class CheckpointManager:
         self.commit_written()
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            alone, self._pending_on_rank_0_only = self._pending_on_rank_0_only, False
+            try:
+                pending.result()
+            except StoreUnavailable as exc:
+                if not alone:
+                    raise
+                # the read-back of a committed checkpoint of a save every rank wrote, which rank 0 alone
+                # waits for: the other ranks go on, so rank 0 must too (retention did not run; it will)
+                log.warning("Checkpoint committed but not read back (its store is unavailable): %s", exc)
+                self.on_event(Event.CHECKPOINT_FAILED, step=None, error=str(exc))
 
     def close(self) -> None:
         try:
@@ -272,7 +286,7 @@ class CheckpointManager:
             batch.close()
             if staged is not None:
                 self.store.abandon(staged)
-            raise CheckpointError(self._failed(step, exc)) from exc
+            raise (StoreUnavailable if isinstance(exc, StoreError) else CheckpointError)(self._failed(step, exc)) from exc
         self._saved(step, meta, final, files, started)
         return final, files
 
@@ -304,8 +318,13 @@ class CheckpointManager:
         return final
 
     def _failed(self, step: int, exc: BaseException) -> str:
-        previous = mf.scan(self.store)
-        kept = f"the newest committed checkpoint ({previous[0].name}) is intact" if previous else "no earlier checkpoint exists"
+        try:
+            previous = mf.scan(self.store)
+            kept = (
+                f"the newest committed checkpoint ({previous[0].name}) is intact" if previous else "no earlier checkpoint exists"
+            )
+        except StoreError:
+            kept = "the checkpoints committed before are as they were"
         return f"saving checkpoint step {step} to {self.where()} failed: {type(exc).__name__}: {exc}; {kept}"
 
     def _saved(self, step: int, meta: Dict[str, Any], final: str, files: Dict[str, Dict[str, Any]], started: float) -> None:
@@ -331,6 +350,8 @@ class CheckpointManager:
             problem = rs.verify(self.store, final, checksums)
             if problem:
                 raise FileCheckError(problem)
+        except StoreError as exc:  # not read back now: nothing known against it, so it stays where it is
+            raise StoreUnavailable(f"checkpoint step {step} was committed but could not be read back ({exc})") from exc
         except (ValueError, OSError) as exc:  # ManifestError and FileCheckError are ValueErrors
             moved = self._set_aside(step, final, "readback", str(exc))
             raise CheckpointError(
@@ -338,7 +359,10 @@ class CheckpointManager:
                 f"{'it was moved to ' + moved if moved else 'it is left in place'}; "
                 "older checkpoints are kept"
             ) from exc
-        self._apply_retention(final)
+        try:
+            self._apply_retention(final)
+        except StoreError as exc:
+            raise StoreUnavailable(f"checkpoint step {step} committed; retention did not run ({exc})") from exc
         if self.hooks is not None:
             self.hooks.after_commit(step, self.where(final))
         return final

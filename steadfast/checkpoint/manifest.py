@@ -46,7 +46,7 @@ from .storage.base import TMP_PREFIX as TMP_PREFIX
 from .storage.base import TRASH_PREFIX as TRASH_PREFIX
 from .storage.base import set_aside_name as set_aside_name
 from .storage.base import step_dir_name as step_dir_name
-from .storage.base import step_of
+from .storage.base import StoreError, step_of
 
 FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
 PER_OBJECT_FORMAT = 2  # the replicated format before: one file per object (read, no longer written)
@@ -271,10 +271,13 @@ def _as_store(where: Union[str, Path, Store]) -> Store:
 
 
 def read_in(store: Store, name: str) -> Dict[str, Any]:
-    """The validated manifest of checkpoint `name` in `store`. Raises ManifestError, nothing else."""
+    """The validated manifest of checkpoint `name` in `store`. Raises ManifestError (it is unusable),
+    or StoreError (the store cannot be reached now: nothing is known against it), nothing else."""
     where = f"{store.where(name)}/{MANIFEST}"
     try:
         data = store.read_manifest(name)
+    except StoreError:
+        raise
     except (OSError, ValueError, MemoryError) as exc:  # FileCheckError is a ValueError
         raise ManifestError(f"{where}: unreadable manifest ({type(exc).__name__}: {str(exc)[:200]})") from None
     return validate(parse(data, where), where, step_of(name))
@@ -293,7 +296,9 @@ def read(ckpt: Union[str, Path]) -> Dict[str, Any]:
 def scan(where: Union[str, Path, Store]) -> List[Listed]:
     """Every committed checkpoint in the store at `where` (a folder, a location, a Store): readable
     ones newest first by commit sequence (then step), then those whose manifest cannot be used, by
-    step. Never raises but for a location no store has (ValueError); a missing folder is empty."""
+    step. A missing folder is empty; a location no store has is a ValueError, a store that cannot be
+    reached now a StoreError (never an empty list: a resume must not start afresh beside checkpoints
+    it could not see)."""
     store = _as_store(where)
     readable, unreadable = [], []
     for name in store.names():

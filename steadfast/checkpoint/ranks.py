@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from .codec import Codec, Planned
 from .storage import Store
+from .storage.base import StoreError
 
 
 class SaveHooks(Protocol):
@@ -33,6 +34,7 @@ class RankWrite:
     tmp: Optional[str]
     problem: Optional[str]
     report: Dict[str, Any] = field(default_factory=dict)
+    unavailable: bool = False  # rank 0: its store could not stage it (unreachable)
     future: Optional["Future[Dict[str, Any]]"] = None
 
 
@@ -58,4 +60,4 @@ def write_own(
                 hooks.during_save(save.step, len(written))
         return {"files": written, **(planned.report if planned is not None else {})}
     except Exception as exc:
-        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "unavailable": isinstance(exc, StoreError)}

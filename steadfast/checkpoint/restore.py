@@ -24,13 +24,19 @@ from .finite import nonfinite
 from .formats import for_manifest
 from .optimizers import optimizer_misfit, param_names
 from .storage import Store, split
-from .storage.base import Files
+from .storage.base import Files, StoreError
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or restored; the message names the file and the cause."""
+
+
+class StoreUnavailable(CheckpointError):
+    """A save failed because its store could not be reached or written (storage.base.StoreError, after the
+    client's own retries): nothing committed, the newest committed checkpoint intact; the run may go on
+    and save again at its next checkpoint."""
 
 
 def misfit(live: Any, saved: Any, path: str = "") -> Optional[str]:
@@ -94,12 +100,14 @@ def _is_optimizer(obj: Any) -> bool:
 
 def verify(store: Store, name: str, checksums: bool = True) -> Optional[str]:
     """None when committed checkpoint `name` in `store` verifies (manifest, sizes, and with `checksums`
-    every file's checksum); else why not."""
+    every file's checksum); else why not. StoreError when the store cannot be reached now."""
     try:
         files = mf.read_in(store, name)["files"]
         with store.open(name, {n: spec["bytes"] for n, spec in files.items()}) as opened:
             for file, spec in files.items():
                 opened.verify(file, spec["bytes"], spec["checksum"] if checksums else None)
+    except StoreError:
+        raise  # not read now: nothing known against it
     except (ValueError, OSError, MemoryError) as exc:
         return str(exc) or type(exc).__name__
     return None

@@ -12,17 +12,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Protocol, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Union
 
 from ..config import Resume, Settings
 from ..contract.env import LaunchEnv
+from ..contract.events import Event
 from ..contract.failures import recurs_when_disk_full
 from ..telemetry.records import RunRecord
 from . import manifest
 from .codec import Collectives, Loaded
 from .finite import nonfinite
-from .manager import CheckpointError, CheckpointManager, Restored
+from .manager import CheckpointError, CheckpointManager, Restored, StoreUnavailable
 from .memory import MemorySnapshots
 from .restore import check_fits
 from .state import Progress, RNGState, is_per_rank, unwrap
@@ -219,8 +221,8 @@ class Checkpointer:
                 f"refusing to commit step {progress.global_step}: {where} holds a NaN or an infinity; "
                 f"the newest committed checkpoint in {self.where()} is kept"
             )
-        with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
-            self.manager.save(
+        with self._unless_unavailable(progress.global_step), recurs_when_disk_full("a checkpoint save"):
+            self.manager.save(  # a restart would find the disk as full; an unreachable store, maybe not
                 progress.global_step,
                 self.objects,
                 self.per_rank,
@@ -233,6 +235,26 @@ class Checkpointer:
             )
         return time.perf_counter() - started
 
+    def commit_written(self) -> None:
+        """Collective: commit the asynchronous sharded save every rank has written (the step boundary's)."""
+        with self._unless_unavailable(self.manager.written_step()):
+            self.manager.commit_written()
+
+    @contextmanager
+    def _unless_unavailable(self, step: Optional[int]) -> Iterator[None]:
+        """A save its store could not take (unreachable, after the client's retries: StoreUnavailable)
+        does not stop training: it is logged and recorded (checkpoint_failed), the newest committed
+        checkpoint stays as it was, and the next save due tries again. Every rank sees the same
+        outcome (rank 0's alone where only rank 0 writes)."""
+        try:
+            yield
+        except StoreUnavailable as exc:
+            log.warning("Checkpoint not saved, training goes on and the next save tries again: %s", exc)
+            self.record.event(Event.CHECKPOINT_FAILED, step=step, error=str(exc))
+
     def close(self) -> None:
-        with recurs_when_disk_full("a checkpoint save"):  # an asynchronous save's writing ends here
+        with (
+            self._unless_unavailable(None),
+            recurs_when_disk_full("a checkpoint save"),
+        ):  # an asynchronous save's writing ends here
             self.manager.close()

@@ -172,8 +172,8 @@ class Store(ABC):
     # ---- reading --------------------------------------------------------------------------------
     @abstractmethod
     def names(self) -> List[str]:
-        """The names of the committed checkpoints (a manifest there), in no order. A store that
-        cannot be listed is empty."""
+        """The names of the committed checkpoints (a manifest there), in no order. A folder that is
+        not there is empty; a store that cannot be reached now raises StoreError."""
 
     @abstractmethod
     def read_manifest(self, name: str) -> bytes:

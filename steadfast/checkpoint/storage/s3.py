@@ -369,10 +369,7 @@ class BucketStore(Store):
 
     # ---- reading --------------------------------------------------------------------------------
     def names(self) -> List[str]:
-        try:
-            keys = self._keys()
-        except StoreError:
-            return []
+        keys = self._keys()  # StoreError when it cannot be listed now: never "no checkpoints"
         return sorted(
             {
                 k.partition("/")[0]
