@@ -59,7 +59,7 @@ class CheckpointConf:
     keep_last: int = 3
     keep_every_n_epochs: Optional[int] = None  # permanent milestones, never removed by retention
     async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
-    dir: Optional[str] = None  # default: <run folder>/checkpoints
+    dir: Optional[str] = None  # a folder (default: <run folder>/checkpoints) or s3://bucket/prefix (docs/checkpoints.md)
 
 
 @dataclass

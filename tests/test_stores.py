@@ -238,7 +238,7 @@ def test_a_killed_run_resumes_from_the_bucket_in_a_fresh_folder_and_ends_exact(
     fresh.mkdir()
     assert run_train(first, *args, "fault=kill_rank", "fault.at_step=25").returncode != 0
     assert [s for s, _ in mf.committed(f"s3://{bucket}/r")][0] == 24
-    assert not (run_dir(first, "r") / "checkpoints").exists()  # nothing on the local disk
+    assert not (run_dir(first, "r") / "checkpoints").exists() and not (first / "s3:").exists()  # nothing on the local disk
     run_train(fresh, *args, check=True)  # another machine: no local files at all
     folder = run_dir(fresh, "r")
     resumed = event_of(folder, "resumed")

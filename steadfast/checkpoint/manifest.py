@@ -44,9 +44,9 @@ from .storage.base import SET_ASIDE_PREFIX as SET_ASIDE_PREFIX
 from .storage.base import STEP_DIR as STEP_DIR
 from .storage.base import TMP_PREFIX as TMP_PREFIX
 from .storage.base import TRASH_PREFIX as TRASH_PREFIX
+from .storage.base import StoreError, step_of
 from .storage.base import set_aside_name as set_aside_name
 from .storage.base import step_dir_name as step_dir_name
-from .storage.base import StoreError, step_of
 
 FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
 PER_OBJECT_FORMAT = 2  # the replicated format before: one file per object (read, no longer written)
