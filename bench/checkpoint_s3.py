@@ -33,17 +33,6 @@ from typing import Any, Callable, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class _Box:
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
-
-
 def _start_server(folder: Path) -> subprocess.Popen:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,7 +97,8 @@ def main(argv: Any = None) -> int:
     try:
         _ready(bucket)
         n = args.mb * (1 << 20) // 4 // args.tensors
-        state = {f"p{i}": torch.randn(n) for i in range(args.tensors)}
+        model = torch.nn.ParameterDict({f"p{i}": torch.randn(n) for i in range(args.tensors)})
+        state = {k: v.detach() for k, v in model.state_dict().items()}
         nbytes = sum(t.numel() * 4 for t in state.values())
         layout = plan_state({"model": state}, [{}])
         body = b"".join(bytes(memoryview(b).cast("B")) for b in layout.buffers())  # the file, made once
@@ -121,7 +111,7 @@ def main(argv: Any = None) -> int:
         def save(checked: bool) -> Callable[[], None]:
             def run() -> None:
                 step[0] += 1
-                m.save(step[0], {"model": _Box(state)}, {}, {})
+                m.save(step[0], {"model": model}, {}, {})
                 if checked:
                     m.wait()
 
@@ -129,7 +119,7 @@ def main(argv: Any = None) -> int:
 
         def restore() -> None:
             m.wait()
-            target: Dict[str, Any] = {"model": _Box({k: torch.empty_like(v) for k, v in state.items()})}
+            target: Dict[str, Any] = {"model": torch.nn.ParameterDict({k: torch.empty_like(v) for k, v in state.items()})}
             assert m.restore(target, {}, False) is not None
 
         methods: Dict[str, Callable[[], None]] = {

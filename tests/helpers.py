@@ -204,6 +204,27 @@ def assert_metrics_csv_matches(folder: Path) -> None:
     assert cells == first_values(folder)
 
 
+def checkpointer(where: Any, folder: Path) -> Any:
+    """A Checkpointer of one rank (no launcher, no faults) saving to `where`, recording into `folder`."""
+    from steadfast.checkpoint.tracked import Checkpointer
+    from steadfast.config import FaultConf, Settings
+    from steadfast.contract.env import LaunchEnv
+    from steadfast.distributed.comm import Comm
+    from steadfast.faults import FaultInjector
+    from steadfast.telemetry.records import RunRecord
+
+    return Checkpointer(
+        where,
+        Comm(),
+        Settings(),
+        {},
+        RunRecord(folder, 0),
+        LaunchEnv(backend="local", collective="none", run_dir=folder),
+        FaultInjector(FaultConf(), 0, folder, print),
+        lambda phase: None,
+    )
+
+
 # ---- a local S3 server (SeaweedFS, scripts/s3_server.sh) ---------------------------------------------
 def _ports_free(base: int) -> bool:
     import socket

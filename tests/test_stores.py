@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from helpers import QUICK, Box, S3Server, event_of, events, run_dir, run_train, summary
+from helpers import QUICK, Box, S3Server, checkpointer, event_of, events, run_dir, run_train, summary
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.replicated import STATE_FILE
@@ -274,23 +274,9 @@ def test_a_save_the_bucket_cannot_take_does_not_stop_training_and_the_next_one_c
     s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from steadfast.checkpoint.state import Progress
-    from steadfast.checkpoint.tracked import Checkpointer
-    from steadfast.config import FaultConf, Settings
-    from steadfast.contract.env import LaunchEnv
-    from steadfast.faults import FaultInjector
-    from steadfast.telemetry.records import RunRecord
 
     where = f"s3://{bucket}/run"
-    ck = Checkpointer(
-        where,
-        Comm(),
-        Settings(),
-        {},
-        RunRecord(tmp_path, 0),
-        LaunchEnv(backend="local", collective="none", run_dir=tmp_path),
-        FaultInjector(FaultConf(), 0, tmp_path, print),
-        lambda phase: None,
-    )
+    ck = checkpointer(where, tmp_path)
     progress = Progress()
     ck.track(progress, {"model": torch.nn.Linear(2, 2)})
     for step in (1, 2, 3):
