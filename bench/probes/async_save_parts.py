@@ -53,7 +53,7 @@ def main() -> None:
         m.save(1, case.objects, case.per_rank, {"epoch": 0})
         m.wait()
         replicated.ReplicatedCodec.plan = timed("plan", replicated.ReplicatedCodec.plan)  # type: ignore[method-assign]
-        m._snapshot = timed("snapshot", m._snapshot)  # type: ignore[method-assign]
+        m._stage = timed("staging", m._stage)  # type: ignore[method-assign]
         m._pool.submit = timed("submit", m._pool.submit)  # type: ignore[method-assign]
         totals = []
         for step in range(2, 2 + args.saves):

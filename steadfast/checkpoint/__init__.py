@@ -5,7 +5,7 @@ The commit protocol and the resume:
   restore        which checkpoint a resume uses; every check that makes a bad one "unusable, fall back"
   manifest       what makes a checkpoint committed, listing them, which config changes a resume
                  accepts (cheap, no torch: the launcher's pre-flight uses it)
-  snapshot       the blocking part of an asynchronous save: the tensors copied into reused host memory
+  staging        the blocking part of an asynchronous save: the tensors copied into reused host memory
   ranks          one rank's part of a save in which every rank writes its own files
   optimizers     whether a saved optimizer state fits the live optimizer (parameters by name, shapes, placements)
   storage        where a checkpoint's bytes go: the Store interface (stage, write, commit, list, read, set

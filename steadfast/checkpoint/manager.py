@@ -42,7 +42,7 @@ from .codec import Codec, Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
-from .snapshot import HostBuffers, Snapshot, optimizer_owned
+from .staging import HostBuffers, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError
 
@@ -141,9 +141,9 @@ class CheckpointManager:
             final, files = self._write_and_commit(step, {n: layout.buffers() for n, layout in layouts.items()}, meta, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)
             return
-        snap = self._snapshot(layouts, objects.values())
+        host = self._stage(layouts, objects.values())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
-        self._pending = self._pool.submit(self._write_snapshot, step, snap, meta, started)
+        self._pending = self._pool.submit(self._write_staged, step, host, meta, started)
 
     def _save_every_rank(
         self, step: int, codec: Codec, planned: Any, problem: Optional[str], meta: Dict[str, Any], started: float
@@ -170,12 +170,12 @@ class CheckpointManager:
             writing.report = write_own(self.store, writing, files, planned, self.comm.rank, self.hooks)
             self._commit_written(writing)
             return
-        snap = self._snapshot(planned.files, self._objects_of_save)
+        host = self._stage(planned.files, self._objects_of_save)
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
 
         def background() -> Dict[str, Any]:
-            snap.copy_rest()
-            return write_own(self.store, writing, {f: snap.pieces(f) for f in snap.layouts}, planned, self.comm.rank, self.hooks)
+            host.copy_rest()
+            return write_own(self.store, writing, {f: host.pieces(f) for f in host.layouts}, planned, self.comm.rank, self.hooks)
 
         writing.future = self._pool.submit(background)
         self._written = writing
@@ -222,18 +222,18 @@ class CheckpointManager:
         if outcome is not None:
             raise (StoreUnavailable if outcome[1] else CheckpointError)(outcome[0])
 
-    def _snapshot(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Snapshot:
+    def _stage(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Staging:
         """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
         later, before each optimizer's next step)."""
         optimizers, owned = optimizer_owned(objects) if self.defer_optimizer_copy else ([], None)
-        snap = Snapshot(layouts, self._buffers, owned)
-        self._copied = snap.copied
+        host = Staging(layouts, self._buffers, owned)
+        self._copied = host.copied
         for opt in optimizers:
             if opt not in self._hooked:
-                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_snapshot())
-        return snap
+                self._hooked[opt] = opt.register_step_pre_hook(lambda *_: self.wait_staging())
+        return host
 
-    def wait_snapshot(self) -> None:
+    def wait_staging(self) -> None:
         """Block until an asynchronous save no longer reads the live state (an optimizer's step calls it)."""
         copied = self._copied
         if copied is not None:
@@ -265,9 +265,9 @@ class CheckpointManager:
             self._hooked = weakref.WeakKeyDictionary()
             self._pool.shutdown(wait=True)
 
-    def _write_snapshot(self, step: int, snap: Snapshot, meta: Dict[str, Any], started: float) -> str:
-        snap.copy_rest()
-        final, files = self._write_and_commit(step, {name: snap.pieces(name) for name in snap.layouts}, meta, started)
+    def _write_staged(self, step: int, host: Staging, meta: Dict[str, Any], started: float) -> str:
+        host.copy_rest()
+        final, files = self._write_and_commit(step, {name: host.pieces(name) for name in host.layouts}, meta, started)
         return self._check_then_retain(step, final, files)
 
     def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float) -> Any:
