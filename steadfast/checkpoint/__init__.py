@@ -2,7 +2,8 @@
 
 The commit protocol and the resume:
   manager        CheckpointManager: save (synchronous or in the background), restore, retention
-  restore        which checkpoint a resume uses; every check that makes a bad one "unusable, fall back"
+  restore        the one resume (the memory tier, then the store's checkpoints); every check that makes
+                 a bad one "unusable, fall back"
   manifest       what makes a checkpoint committed, listing them, which config changes a resume
                  accepts (cheap, no torch: the launcher's pre-flight uses it)
   staging        the blocking part of an asynchronous save: the tensors copied into reused host memory

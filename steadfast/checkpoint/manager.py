@@ -41,7 +41,7 @@ from . import restore as rs
 from .codec import Codec, Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
-from .ranks import RankWrite, SaveHooks, write_own
+from .ranks import RankWrite, SaveHooks, write_files, write_own
 from .staging import HostBuffers, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError
@@ -64,6 +64,7 @@ class Restored:
     step: int
     path: str  # where it was restored from: a checkpoint's location in its store, or the snapshots' folder
     manifest: Dict[str, Any]
+    memory: bool = False  # from the memory tier's snapshot
 
 
 class CheckpointManager:
@@ -272,15 +273,10 @@ class CheckpointManager:
 
     def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float) -> Any:
         """Rank 0 writes every file of the save and commits it (the replicated format): (name, files)."""
-        files: Dict[str, Dict[str, Any]] = {}
         staged, batch = None, self.store.batch()  # the files made durable with the manifest, together
         try:
             staged = self.store.stage(step)
-            for name, parts in pieces.items():
-                size, digest = self.store.write(staged, name, parts, batch)
-                files[name] = {"bytes": size, "checksum": digest}
-                if self.hooks is not None:
-                    self.hooks.during_save(step, len(files))
+            files = write_files(self.store, staged, step, pieces, self.hooks, batch)
             final = self._commit(step, staged, files, meta, mf.FORMAT, batch)
         except BaseException as exc:
             batch.close()
@@ -395,22 +391,25 @@ class CheckpointManager:
         fresh_start_if_unusable: bool = False,
         new_rank: Optional[Callable[[int], None]] = None,
         newest: Optional[int] = None,
+        memory: Optional[rs.Tier] = None,
     ) -> Optional[Restored]:
-        """Collective: load the newest checkpoint that every rank can load into `objects`; None if there is none.
+        """Collective: load the newest state that every rank can load into `objects`: the memory tier's
+        snapshot (`memory`) when it is newer than every committed checkpoint, else the newest checkpoint
+        that verifies; None if there is none.
 
         A checkpoint saved by another number of workers is refused unless `new_rank` is given (an
         elastic job): then ranks the checkpoint has keep their saved per-rank state, and a rank it
         does not have calls `new_rank(step)` to seed its state deterministically. `newest`: none of a
         later step (a rollback's)."""
         chooser = rs.Chooser(self.store, self.training_config, self.full_config, self.on_event, self._set_aside)
-        found = rs.Resume(self.store, self.comm, chooser).run(
+        found = rs.Resume(self.store, self.comm, chooser, memory).run(
             objects, per_rank, allow_config_change, fresh_start_if_unusable, new_rank, newest
         )
         if found is None:
             return None
-        name, manifest = found
-        self.last_saved_step = manifest["step"]
-        return Restored(step=manifest["step"], path=self.where(name), manifest=manifest)
+        if not found.memory:
+            self.last_saved_step = found.manifest["step"]
+        return Restored(step=found.manifest["step"], path=found.where, manifest=found.manifest, memory=found.memory)
 
 
 def verify_checkpoint(path: Union[str, Path]) -> Optional[str]:

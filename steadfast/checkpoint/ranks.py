@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from .codec import Codec, Planned
 from .storage import Store
-from .storage.base import StoreError
+from .storage.base import Batch, StoreError
 
 
 class SaveHooks(Protocol):
@@ -38,6 +38,22 @@ class RankWrite:
     future: Optional["Future[Dict[str, Any]]"] = None
 
 
+def write_files(
+    store: Store, staged: str, step: int, pieces: Dict[str, List[Any]], hooks: Optional[SaveHooks], batch: Optional[Batch] = None
+) -> Dict[str, Dict[str, Any]]:
+    """The one file loop of every save: this rank's files (name -> its buffers, in order) written into
+    the staged save; {name: {bytes, checksum}}. With `batch` (rank 0 writing every file: the replicated
+    format) they become durable with the manifest, together; without (every rank writing its own), each
+    is durable and read back before this returns. Raises on any failure."""
+    written: Dict[str, Dict[str, Any]] = {}
+    for file, buffers in pieces.items():
+        size, digest = store.write(staged, file, buffers, batch, verify=batch is None)
+        written[file] = {"bytes": size, "checksum": digest}
+        if hooks is not None:
+            hooks.during_save(step, len(written))
+    return written
+
+
 def write_own(
     store: Store,
     save: RankWrite,
@@ -52,12 +68,7 @@ def write_own(
     try:
         if save.problem is not None or save.tmp is None:
             raise RuntimeError(save.problem or "rank 0 could not stage the save")
-        written = {}
-        for file, buffers in pieces.items():
-            size, digest = store.write(save.tmp, file, buffers, verify=True)  # read back before it is reported written
-            written[file] = {"bytes": size, "checksum": digest}
-            if hooks is not None:
-                hooks.during_save(save.step, len(written))
+        written = write_files(store, save.tmp, save.step, pieces, hooks)  # each read back before it is reported
         return {"files": written, **(planned.report if planned is not None else {})}
     except Exception as exc:
         return {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "unavailable": isinstance(exc, StoreError)}

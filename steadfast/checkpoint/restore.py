@@ -1,6 +1,8 @@
-"""Which checkpoint a resume uses, and the checks that make any bad checkpoint "unusable, fall back".
+"""Which state a resume uses, and the checks that make any bad checkpoint "unusable, fall back".
 
-Rank 0 lists the committed checkpoints newest first by commit sequence (Chooser.candidates); the
+One collective resume (Resume) tries the tiers in order: the memory tier's snapshot, when every
+rank holds the same verified step and it is newer than the newest committed checkpoint (one that
+does not verify or fit on some rank is passed over), then the store's committed checkpoints. Rank 0 lists the committed checkpoints newest first by commit sequence (Chooser.candidates); the
 ranks try them in that order, together (CheckpointManager.restore): each reads what it needs, every
 byte checked against the manifest, parsed by the strict reader, and checked to fit the live objects
 (`misfit`: keys, shapes; an optimizer's state against its live parameters: optimizers.py) before
@@ -13,9 +15,11 @@ checkpoint chosen has a manifest without a digest (an earlier version's) or is n
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 from ..contract.events import Event
 from . import manifest as mf
@@ -154,12 +158,12 @@ class Chooser:
         if reason is not None:
             self.movable.append((step, name, reason, error))
 
-    def candidates(self, allow_config_change: bool) -> List[Tuple[str, Dict[str, Any], Optional[str]]]:
+    def candidates(self, listed: List[mf.Listed], allow_config_change: bool) -> List[Tuple[str, Dict[str, Any], Optional[str]]]:
         """(name, manifest, refusal) of every committed checkpoint whose manifest is valid, newest first;
         `refusal` says why a resume from it is refused (its training config differs). Checkpoints whose
         manifest is unusable are named (and may be moved aside once the resume knows where it starts)."""
         out = []
-        for c in mf.scan(self.store):
+        for c in listed:
             if c.manifest is None:
                 self.unusable(c.step, c.name, c.error or "unreadable manifest", "manifest")
                 continue
@@ -208,13 +212,40 @@ class Chooser:
         self.movable = []
 
 
-class Resume:
-    """The ranks' resume, together: the checkpoints rank 0 lists are tried newest first; each rank
-    reads what it needs of one (verified) and checks it fits the live objects; the first that every
-    rank could load is applied on every rank."""
+class Tier(Protocol):
+    """The memory tier as a resume sees it (checkpoint/memory.py's MemorySnapshots): this rank's
+    verified copies of the state, by step, in its node's shared memory."""
 
-    def __init__(self, store: Store, comm: Collectives, chooser: Chooser) -> None:
-        self.store, self.comm, self.chooser = store, comm, chooser
+    @property
+    def folder(self) -> Path: ...
+
+    def steps(self, objects: Optional[Dict[str, Any]] = None) -> List[int]: ...
+
+    def load(self, step: int, objects: Optional[Dict[str, Any]] = None) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]: ...
+
+    def discard_after(self, step: int) -> None: ...
+
+
+@dataclass
+class Found:
+    """Where a resume loaded the objects from: a committed checkpoint's location and manifest, or the
+    memory tier's folder and the step (`memory`)."""
+
+    where: str
+    manifest: Dict[str, Any]
+    memory: bool = False
+
+
+class Resume:
+    """The ranks' resume, together, from the tiers in order: the memory tier's snapshot when every rank
+    holds the same verified step and it is newer than the newest committed checkpoint, then the
+    committed checkpoints rank 0 lists, newest first. For each, every rank reads what it needs
+    (verified) and checks it fits the live objects; the first that every rank could load is applied on
+    every rank. A snapshot that does not verify or fit on some rank is passed over; a checkpoint that
+    does not is unusable (named, and moved aside once the resume knows where it starts)."""
+
+    def __init__(self, store: Store, comm: Collectives, chooser: Chooser, memory: Optional[Tier] = None) -> None:
+        self.store, self.comm, self.chooser, self.memory = store, comm, chooser, memory
 
     def run(
         self,
@@ -224,22 +255,20 @@ class Resume:
         fresh_start_if_unusable: bool,
         new_rank: Optional[Callable[[int], None]],
         newest: Optional[int] = None,
-    ) -> Optional[Tuple[str, Dict[str, Any]]]:
-        """(name, manifest) of the checkpoint loaded into the objects, or None for a fresh start
-        (`newest`: of no later step)."""
+    ) -> Optional[Found]:
+        """What was loaded into the objects, or None for a fresh start (`newest`: of no later step)."""
         comm, chooser = self.comm, self.chooser
-        candidates = comm.broadcast_object(chooser.candidates(allow_config_change) if comm.rank == 0 else None)
-        candidates = [c for c in candidates if newest is None or c[1]["step"] <= newest]
+        listed = [c for c in mf.scan(self.store) if newest is None or c.step <= newest] if comm.rank == 0 else []
+        found = self._from_memory(listed[0].step if listed else -1, objects, per_rank, newest)
+        if found is not None:
+            return found
+        candidates = comm.broadcast_object(chooser.candidates(listed, allow_config_change) if comm.rank == 0 else None)
         for name, manifest, refusal in candidates:
             if refusal is not None:
                 raise CheckpointError(refusal)
-            loaded, error, lasting = self._try_load(name, manifest, objects, per_rank)
-            failed = comm.max_each([1.0 if error else 0.0, 1.0 if lasting else 0.0])
-            if failed[0]:
-                errors = comm.gather_object(error)
-                if comm.rank == 0:
-                    why = "; ".join(e for e in errors or [] if e)
-                    chooser.unusable(manifest["step"], name, why, "damaged" if failed[1] else None)
+            load = functools.partial(self._load, name, manifest, objects, per_rank)
+            loaded, error, lasting = self._tried(load, self.store.where(name), manifest.get(mf.PARAMS), objects, per_rank)
+            if self._failed(error, lasting, manifest["step"], name):
                 continue
             assert loaded is not None
             if comm.rank == 0:
@@ -249,7 +278,7 @@ class Resume:
                     f"{self.store.where(name)}: saved by {loaded.world_size} workers, this run has {comm.world_size} (trainer.on_world_size_change=refuse)"
                 )
             self._apply(name, manifest["step"], loaded, objects, per_rank, new_rank)
-            return name, manifest
+            return Found(self.store.where(name), manifest)
         problems = comm.broadcast_object(chooser.problems if comm.rank == 0 else None)
         if not problems:
             return None
@@ -265,25 +294,73 @@ class Resume:
         log.warning("No usable checkpoint (%s); starting from scratch as run.fresh_start_if_unusable allows", detail)
         return None
 
-    def _try_load(
-        self, name: str, manifest: Dict[str, Any], objects: Dict[str, Any], per_rank: Dict[str, Any]
+    def _from_memory(
+        self, on_disk: int, objects: Dict[str, Any], per_rank: Dict[str, Any], newest: Optional[int]
+    ) -> Optional[Found]:
+        """The memory tier's try (collective; `on_disk`: rank 0's newest committed step, -1: none)."""
+        memory = self.memory
+        steps = [s for s in memory.steps(objects) if newest is None or s <= newest] if memory is not None else []
+        # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
+        # the middle of a snapshot has the one before, which the others still hold: double buffers)
+        lowest, newest_on_disk = self.comm.max_each([-float(steps[0] if steps else -1), float(on_disk)])
+        step = int(-lowest)
+        if memory is None or step < 0 or step <= newest_on_disk:
+            return None
+
+        def load() -> Loaded:
+            got = memory.load(step, objects) if step in steps else None
+            if got is None:
+                raise ValueError(f"this rank's snapshot of step {step} is missing or does not verify")
+            return Loaded(got[0], got[1], self.comm.world_size)
+
+        loaded, error, _ = self._tried(load, str(memory.folder), None, objects, per_rank)
+        if self.comm.max_each([1.0 if error else 0.0])[0]:  # some rank's bytes did not verify or fit
+            log.warning(
+                "The snapshot of step %d in memory is not usable on every rank (%s); resuming from %s",
+                step,
+                error or "another rank",
+                self.store.where(),
+            )
+            return None
+        assert loaded is not None
+        self._apply(None, step, loaded, objects, per_rank, None)
+        return Found(str(memory.folder), {"step": step, "world_size": self.comm.world_size}, memory=True)
+
+    def _load(self, name: str, manifest: Dict[str, Any], objects: Dict[str, Any], per_rank: Dict[str, Any]) -> Loaded:
+        with self.store.open(name, {n: spec["bytes"] for n, spec in manifest["files"].items()}) as files:
+            return for_manifest(manifest).load(
+                files, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
+            )
+
+    def _tried(
+        self, load: Callable[[], Loaded], where: str, params: Any, objects: Dict[str, Any], per_rank: Dict[str, Any]
     ) -> Tuple[Optional[Loaded], Optional[str], bool]:
-        """(what this rank loaded, why it could not, whether that is for good) for one checkpoint."""
+        """(what this rank loaded, why it could not, whether that is for good), its fit to the live
+        objects checked (`params`: the manifest's parameter names, when it has them)."""
         try:
-            with self.store.open(name, {n: spec["bytes"] for n, spec in manifest["files"].items()}) as files:
-                loaded = for_manifest(manifest).load(
-                    files, manifest, dict(objects), list(per_rank), self.comm.rank, self.comm.world_size
-                )
-            check_fits(loaded, objects, per_rank, manifest.get(mf.PARAMS))
+            loaded = load()
+            check_fits(loaded, objects, per_rank, params)
             return loaded, None, False
         except (ValueError, TypeError, RuntimeError, OverflowError, RecursionError) as exc:  # bad for good
-            return None, f"rank {self.comm.rank}: {self.store.where(name)}: {exc}", True
+            return None, f"rank {self.comm.rank}: {where}: {exc}", True
         except (OSError, MemoryError) as exc:  # could not be read now
             return None, f"rank {self.comm.rank}: {type(exc).__name__}: {exc}", False
 
+    def _failed(self, error: Optional[str], lasting: bool, step: int, name: str) -> bool:
+        """Collective: whether any rank could not load checkpoint `name`; rank 0 names it unusable (for
+        good, so it may be moved aside, when any rank's reason was lasting)."""
+        failed = self.comm.max_each([1.0 if error else 0.0, 1.0 if lasting else 0.0])
+        if not failed[0]:
+            return False
+        errors = self.comm.gather_object(error)
+        if self.comm.rank == 0:
+            why = "; ".join(e for e in errors or [] if e)
+            self.chooser.unusable(step, name, why, "damaged" if failed[1] else None)
+        return True
+
     def _apply(
         self,
-        name: str,
+        name: Optional[str],
         step: int,
         loaded: Loaded,
         objects: Dict[str, Any],
@@ -291,27 +368,32 @@ class Resume:
         new_rank: Optional[Callable[[int], None]],
     ) -> None:
         """Load the states into the live objects on every rank. A failure here (a state that fits by
-        shape but not by content) leaves the objects partly loaded: the checkpoint is moved aside on
-        every rank's word, and the attempt ends, so the next one starts from the checkpoint before."""
+        shape but not by content) leaves the objects partly loaded, so the attempt ends on every rank's
+        word: checkpoint `name` is moved aside (None: the memory tier's snapshot is discarded), and the
+        next attempt starts from the one before."""
+        where = self.store.where(name) if name is not None else f"the snapshot of step {step} in memory"
         error = None
         try:
-            for name, obj in objects.items():
-                obj.load_state_dict(loaded.objects[name])
+            for key, obj in objects.items():
+                obj.load_state_dict(loaded.objects[key])
             if loaded.own is None:
                 assert new_rank is not None
                 new_rank(step)
             else:
-                for name, obj in per_rank.items():
-                    obj.load_state_dict(loaded.own[name])
+                for key, obj in per_rank.items():
+                    obj.load_state_dict(loaded.own[key])
         except Exception as exc:
-            error = f"rank {self.comm.rank} could not load {self.store.where(name)}: {type(exc).__name__}: {exc}"
-        if self.comm.max_each([1.0 if error else 0.0])[0]:
-            errors = self.comm.gather_object(error)
-            why = "; ".join(e for e in errors or [] if e) if self.comm.rank == 0 else ""
-            if self.comm.rank == 0:
-                self.chooser.unusable(step, name, why, "load")
-                self.chooser.set_aside_unusable()
-            raise CheckpointError(
-                error
-                or f"another rank could not load {self.store.where(name)}; it was moved aside and the next attempt resumes from the one before"
-            )
+            error = f"rank {self.comm.rank} could not load {where}: {type(exc).__name__}: {exc}"
+        if not self.comm.max_each([1.0 if error else 0.0])[0]:
+            return
+        errors = self.comm.gather_object(error)
+        if name is None:
+            if self.memory is not None:
+                self.memory.discard_after(-1)
+            raise CheckpointError(f"{error or 'another rank could not load ' + where}; it was discarded")
+        if self.comm.rank == 0:
+            self.chooser.unusable(step, name, "; ".join(e for e in errors or [] if e), "load")
+            self.chooser.set_aside_unusable()
+        raise CheckpointError(
+            error or f"another rank could not load {where}; it was moved aside and the next attempt resumes from the one before"
+        )

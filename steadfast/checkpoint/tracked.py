@@ -22,11 +22,10 @@ from ..contract.events import Event
 from ..contract.failures import recurs_when_disk_full
 from ..telemetry.records import RunRecord
 from . import manifest
-from .codec import Collectives, Loaded
+from .codec import Collectives
 from .finite import nonfinite
 from .manager import CheckpointError, CheckpointManager, Restored, StoreUnavailable
 from .memory import MemorySnapshots
-from .restore import check_fits
 from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)
@@ -123,20 +122,19 @@ class Checkpointer:
         self.objects["progress"] = progress
 
     def restore(self, new_rank: Optional[Callable[[int], None]]) -> Optional[Restored]:
-        """Collective: the newest checkpoint that verifies, loaded into the tracked objects (None: a fresh start)."""
+        """Collective: the newest state that verifies, loaded into the tracked objects: the memory
+        tier's, or else a committed checkpoint's (None: a fresh start)."""
         s = self.settings
         if s.resume == Resume.never:
             if manifest.committed(self.manager.store):
                 raise CheckpointError(f"resume=never, but {self.where()} already holds checkpoints; they are left untouched")
             return None
-        restored = self._from_memory()
-        if restored is None:
-            restored = self.manager.restore(
-                self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable, new_rank=new_rank
-            )
-            self.source = "disk"
-            if self.memory is not None:  # snapshots newer than where the run continues belong to another timeline
-                self.memory.discard_after(restored.step if restored is not None else 0)
+        restored = self.manager.restore(
+            self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable, new_rank, memory=self.memory
+        )
+        self.source = "memory" if restored is not None and restored.memory else "disk"
+        if self.memory is not None and self.source == "disk":  # newer snapshots belong to another timeline
+            self.memory.discard_after(restored.step if restored is not None else 0)
         if restored is None and s.resume == Resume.must:
             raise CheckpointError(f"resume=must, but {self.where()} holds no usable checkpoint")
         self.restored = restored
@@ -147,65 +145,12 @@ class Checkpointer:
         snapshot in memory, or else the newest committed checkpoint at or before it (None: there is
         neither). Snapshots newer than the state restored are discarded (another timeline)."""
         self.manager.wait()  # an asynchronous save in flight reads the live state, and may commit a checkpoint
-        restored = self._from_memory(newest)
-        if restored is None:
-            s = self.settings
-            restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, newest=newest)
-            self.source = "disk"
+        s = self.settings
+        restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, newest=newest, memory=self.memory)
+        self.source = "memory" if restored is not None and restored.memory else "disk"
         if restored is not None and self.memory is not None:
             self.memory.discard_after(restored.step)
         return restored
-
-    def _from_memory(self, newest: Optional[int] = None) -> Optional[Restored]:
-        """Collective: every rank restores from its node's snapshot when all have the same, verified
-        step and it is newer than the newest committed checkpoint; otherwise nobody does (None).
-        `newest`: a rollback's, no state after that step."""
-        comm = self.comm
-        if self.settings.resume == Resume.never and newest is None:
-            return None
-        steps = self.memory.steps(self.objects) if self.memory is not None else []
-        steps = [s for s in steps if newest is None or s <= newest]
-        disk = -1
-        if comm.rank == 0:
-            found = [step for step, _ in manifest.committed(self.manager.store) if newest is None or step <= newest]
-            disk = found[0] if found else -1
-        # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
-        # the middle of a snapshot has the one before, which the others still hold: double buffers)
-        lowest, newest_on_disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
-        step = int(-lowest)
-        if step < 0 or step <= newest_on_disk:
-            return None
-        error = None
-        try:
-            loaded = self.memory.load(step, self.objects) if self.memory is not None and step in steps else None
-            if loaded is None:
-                raise ValueError(f"this rank's snapshot of step {step} is missing or does not verify")
-            shared, own = loaded
-            check_fits(Loaded(shared, own, self.comm.world_size), self.objects, self.per_rank)
-        except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as exc:
-            error = str(exc)
-        if comm.max_each([1.0 if error else 0.0])[0]:  # some rank's bytes did not verify or fit
-            log.warning(
-                "The snapshot of step %d in memory is not usable on every rank (%s); resuming from disk",
-                step,
-                error or "another rank",
-            )
-            return None
-        try:
-            for name, obj in self.objects.items():
-                obj.load_state_dict(shared[name])
-            for name, obj in self.per_rank.items():
-                obj.load_state_dict(own[name])
-        except Exception as exc:  # partly applied: this attempt ends, the next resumes from disk
-            if self.memory is not None:
-                self.memory.discard_after(-1)
-            raise CheckpointError(f"the snapshot of step {step} in memory could not be loaded ({exc}); it was discarded") from exc
-        self.source = "memory"
-        return Restored(
-            step=step,
-            path=str(self.memory.folder) if self.memory else self.where(),
-            manifest={"step": step, "world_size": self.comm.world_size},
-        )
 
     def save(self, progress: Progress) -> float:
         """Collective: commit the tracked state at the current step; returns the seconds training waited.
@@ -229,7 +174,6 @@ class Checkpointer:
                 {
                     "epoch": progress.epoch,
                     "batch_in_epoch": progress.batch_in_epoch,
-                    "global_step": progress.global_step,
                     "sample_in_epoch": progress.sample_in_epoch,
                 },
             )
