@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import export, tensorfile
 from . import manifest as mf
@@ -106,7 +106,7 @@ def _replicated(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[
     return listed, tensors.__getitem__, lambda: None
 
 
-def load_whole(checkpoint: Path, names: Sequence[str]) -> Dict[str, Any]:
+def load_whole(checkpoint: Union[str, Path], names: Sequence[str]) -> Dict[str, Any]:
     """The states of the objects `names` in a committed checkpoint, in one process and with whole
     tensors, whatever the format (sampling from a trained model, say). Every file is verified first.
     Raises ConsolidateError, or ValueError/OSError for a checkpoint that cannot be read."""

@@ -59,6 +59,12 @@ def write_all(fd: int, data: Any) -> None:
         pos += n
 
 
+def write_at(fd: int, data: Any, offset: int) -> None:
+    """Write every byte of `data` at `offset` (the position of `fd` is left where the last write ended)."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    write_all(fd, data)
+
+
 def _write_gathered(fd: int, views: List[memoryview], digest: Any) -> None:
     """One writev(2) for several small pieces; a partial writev continues where it stopped. Each
     piece written is hashed into `digest` (when given)."""
@@ -79,7 +85,9 @@ def _write_gathered(fd: int, views: List[memoryview], digest: Any) -> None:
             i += 1
 
 
-def _write_views(fd: int, views: List[memoryview], digest: Any) -> None:
+def write_views(fd: int, views: List[memoryview], digest: Any) -> None:
+    """Write the buffers in order at `fd`'s position: small ones gathered into one writev(2), large
+    ones alone, every byte or OSError; each hashed into `digest` (when given) once written."""
     gathered: List[memoryview] = []
     gathered_bytes = 0
     for v in views:
@@ -187,7 +195,7 @@ def write_file(path: Path, pieces: Sequence[Any], replace: bool = False, later: 
     running: Optional["futures.Future[None]"] = None
     try:
         large = total > HASH_IN_THREAD_ABOVE
-        _write_views(fd, views, None if large else digest)
+        write_views(fd, views, None if large else digest)
         if large:  # the CPU is idle while the disk flushes: hash then (xxhash and fsync release the GIL)
             running = _pool().submit(os.fsync, fd)
             for v in views:
