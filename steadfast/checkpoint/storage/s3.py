@@ -14,9 +14,9 @@ the next run's start) removes. A committed `step_N` already there when a save of
 begins is set aside first (copied to `.unusable-step_N-replaced-<id>/`, then removed, its manifest
 first). Setting aside copies every object, then removes the manifest (the checkpoint is no longer
 committed), then the rest; discarding removes the manifest first too. Each file is hashed (xxh3-128,
-what the manifest records) as it is handed to the client; boto3 adds its own checksum to each PUT,
-which the server checks, so a rank's read-back of what it wrote (and the commit's) compares sizes,
-and every byte is checked against the manifest's checksum whenever a checkpoint is read to resume.
+what the manifest records) before it is handed to the client; boto3 adds its own checksum to each
+PUT, which the server checks, so a rank's check of what it wrote compares sizes; the commit's
+read-back (rank 0 writing every file) and every resume check every byte against the manifest.
 Requests are retried by boto3 (standard mode); a save that still fails fails like a full disk: the
 newest committed checkpoint stays as it was.
 """
