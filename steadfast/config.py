@@ -69,7 +69,7 @@ class CheckpointConf:
     monitor: Optional[str] = None
     mode: MonitorMode = MonitorMode.min
     async_save: bool = False  # training pays only for a copy to host memory; write and commit in the background
-    dir: Optional[str] = None  # default: <run folder>/checkpoints
+    dir: Optional[str] = None  # a folder (default: <run folder>/checkpoints) or s3://bucket/prefix (docs/checkpoints.md)
 
 
 @dataclass

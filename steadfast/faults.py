@@ -140,7 +140,7 @@ class FaultInjector:
         if self.active and step >= self.cfg.at_step and files_written == 1 and self.kind in SAVE_KINDS and self._claim():
             self._fire(step)
 
-    def after_commit(self, step: int, path: Path) -> None:
+    def after_commit(self, step: int, path: str) -> None:
         """fault=corrupt_checkpoint: damage the checkpoint just committed (flip the last byte of its largest file)."""
         if self.active and step >= self.cfg.at_step and self.kind is FaultKind.corrupt_checkpoint and self._claim():
             self.record_event(
@@ -150,7 +150,7 @@ class FaultInjector:
 
             files = mf.read(path)["files"]  # the largest file: the model's (or rank 0's, in the sharded format)
             largest = max(files, key=lambda name: files[name]["bytes"])
-            with open(path / largest, "r+b") as f:
+            with open(Path(path) / largest, "r+b") as f:  # a folder's checkpoint (the fault damages files on disk)
                 f.seek(-1, os.SEEK_END)
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)

@@ -7,15 +7,14 @@ manifests only (cheap, no torch): a resume that cannot work is refused here, not
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
-from pathlib import Path
 from typing import Any, Dict, List, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import app_keys
 from .checkpoint import manifest
+from .checkpoint.storage import Store, store_for
+from .checkpoint.storage.base import location
 from .config import FaultKind, Resume, Settings, settings_from
 from .contract import backends
 from .contract.schemas import bad, bounded, positive
@@ -32,11 +31,11 @@ def resolved(job_cfg: DictConfig) -> DictConfig:
     return OmegaConf.create(cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
 
-def checkpoint_folder(job_cfg: DictConfig, s: Settings) -> Path:
-    if s.checkpoint.dir:
-        return Path(s.checkpoint.dir)
-    run_dir = Path(str(OmegaConf.select(job_cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
-    return run_dir / "checkpoints"
+def checkpoint_store(job_cfg: DictConfig, s: Settings) -> Store:
+    """The store the job's checkpoints go to (checkpoint.dir, or its run folder's checkpoints/); ValueError
+    for a checkpoint.dir no store takes."""
+    run_dir = f"{OmegaConf.select(job_cfg, 'hydra.sweep.dir')}/{OmegaConf.select(job_cfg, 'hydra.sweep.subdir')}"
+    return store_for(location(s.checkpoint.dir, run_dir))
 
 
 def check(job_cfg: DictConfig) -> List[str]:
@@ -162,38 +161,27 @@ def _sharding_problems(s: Settings, backend: Optional[str]) -> List[str]:
     return [f"parallel=fsdp needs {able} (backend={backend}: {spec.cannot_shard}); choose parallel=ddp or {able}"]
 
 
-def _not_writable(folder: Path) -> Optional[str]:
-    """Checked before any worker starts, so a run cannot train for hours and then fail to save. Creates
-    nothing that was not there: a refused launch leaves no empty folders behind."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"checkpoint folder {folder}: {existing} is not a folder; choose another checkpoint.dir"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"checkpoint folder {folder} is not writable ({exc.strerror or exc}); choose a writable checkpoint.dir"
-    return None
-
-
 def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[str]:
-    """What the checkpoint folder says about this launch, read from manifests only (cheap)."""
-    folder = checkpoint_folder(job_cfg, s)
-    problem = _not_writable(folder)
+    """What the checkpoint store says about this launch, read from manifests only (cheap)."""
+    try:
+        store = checkpoint_store(job_cfg, s)
+    except ValueError as exc:
+        return [str(exc)]
+    problem = store.problem()  # before any worker starts: a run must not train for hours, then fail to save
     if problem:
         return [problem]
-    found = manifest.committed(folder)
+    try:
+        found = manifest.scan(store)
+    except OSError as exc:  # StoreError: it answered the check, then not
+        return [str(exc)]
     if s.resume == Resume.never and found:
         return [
-            f"resume=never, but {folder} already holds checkpoints (newest {found[0][1].name}); they are left "
+            f"resume=never, but {store.where()} already holds checkpoints (newest {found[0].name}); they are left "
             "untouched. Use resume=auto to continue that run, or choose another run.name"
         ]
     if s.resume == Resume.must and not found:
-        return [f"resume=must, but there is no committed checkpoint in {folder}"]
-    newest = manifest.newest_manifest(folder)
+        return [f"resume=must, but there is no committed checkpoint in {store.where()}"]
+    newest = next((c.manifest for c in found if c.manifest is not None), None)
     if s.resume == Resume.never or newest is None or s.run.allow_config_change:
         return []
     diff = manifest.changes(
@@ -202,7 +190,7 @@ def _resume_problems(job_cfg: DictConfig, cfg: DictConfig, s: Settings) -> List[
     )
     if diff:
         return [
-            f"resume: the newest checkpoint in {folder} (step {newest.get('step')}) was trained with a different "
+            f"resume: the newest checkpoint in {store.where()} (step {newest.get('step')}) was trained with a different "
             f"config: {manifest.describe_changes(diff)}. Restore those values, choose another run.name, or set "
             "run.allow_config_change=true to resume anyway"
         ]

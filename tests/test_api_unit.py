@@ -248,22 +248,9 @@ def test_an_rng_state_that_does_not_fit_is_refused_before_any_generator_is_set(d
 
 
 def test_the_checkpointer_refuses_reserved_names_and_objects_without_state(tmp_path: Path) -> None:
-    from steadfast.checkpoint.tracked import Checkpointer
-    from steadfast.config import FaultConf, Settings
-    from steadfast.contract.env import LaunchEnv
-    from steadfast.faults import FaultInjector
-    from steadfast.telemetry.records import RunRecord
+    from helpers import checkpointer
 
-    ckpt = Checkpointer(
-        tmp_path / "ckpt",
-        Comm(),
-        Settings(),
-        {},
-        RunRecord(tmp_path, 0),
-        LaunchEnv(backend="local", collective="none", run_dir=tmp_path),
-        FaultInjector(FaultConf(), 0, tmp_path, print),
-        lambda phase: None,
-    )
+    ckpt = checkpointer(tmp_path / "ckpt", tmp_path)
     with pytest.raises(ValueError, match="reserved"):
         ckpt.track(Progress(), {"progress": Progress()})
     with pytest.raises(TypeError, match="state_dict"):

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from helpers import Box
-from steadfast.checkpoint import fileio, tensorfile
 from steadfast.checkpoint import manifest as mf
+from steadfast.checkpoint import tensorfile
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
+from steadfast.checkpoint.storage import fileio
 from steadfast.contract.events import Event
 from steadfast.distributed.comm import Comm
 

@@ -31,9 +31,10 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from steadfast.checkpoint import fileio, sharded  # noqa: E402
 from steadfast.checkpoint import manifest as mf  # noqa: E402
+from steadfast.checkpoint import sharded  # noqa: E402
 from steadfast.checkpoint.manager import CheckpointManager  # noqa: E402
+from steadfast.checkpoint.storage import fileio  # noqa: E402
 from steadfast.distributed.comm import Comm  # noqa: E402
 
 WIDTH = int(sys.argv[1]) if len(sys.argv) > 1 else 1024

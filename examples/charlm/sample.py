@@ -28,11 +28,11 @@ def newest_state(folder: Path, names: Tuple[str, ...]) -> Tuple[int, Dict[str, A
     """The states `names` of the newest committed checkpoint in `folder` whose files verify (sharded
     or not: a sharded one's pieces are put together into whole tensors)."""
     problems: List[str] = []
-    for step, path in manifest.committed(folder):
+    for c in manifest.scan(folder):
         try:
-            return step, load_whole(path, names)
+            return c.step, load_whole(c.path, names)
         except (OSError, ValueError, ConsolidateError) as exc:
-            problems.append(f"{path.name}: {exc}")
+            problems.append(f"{c.name}: {exc}")
     raise SystemExit(f"no usable checkpoint in {folder}" + (f" ({'; '.join(problems)})" if problems else ""))
 
 

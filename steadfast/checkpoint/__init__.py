@@ -3,13 +3,15 @@
 The commit protocol and the resume:
   manager        CheckpointManager: save (synchronous or in the background), restore, retention
   retention      which checkpoints retention keeps (the newest, the best by a metric, ...): a pure rule
-  restore        which checkpoint a resume uses; every check that makes a bad one "unusable, fall back"
+  restore        the one resume (the memory tier, then the store's checkpoints); every check that makes
+                 a bad one "unusable, fall back"
   manifest       what makes a checkpoint committed, listing them, which config changes a resume
                  accepts (cheap, no torch: the launcher's pre-flight uses it)
-  snapshot       the blocking part of an asynchronous save: the tensors copied into reused host memory
+  staging        the blocking part of an asynchronous save: the tensors copied into reused host memory
   ranks          one rank's part of a save in which every rank writes its own files
   optimizers     whether a saved optimizer state fits the live optimizer (parameters by name, shapes, placements)
-  fileio         whole, checked writes and bounded, validated reads (no torch: the report uses it)
+  storage        where a checkpoint's bytes go: the Store interface (stage, write, commit, list, read, set
+                 aside, discard), a folder (posix, fileio: whole, checked writes), an S3 bucket (s3)
 The format (what the files hold):
   codec          Codec, the extension point: what each rank writes and how it gets its state back
   formats        the codecs there are; which one stores a state, which one wrote a checkpoint
@@ -17,7 +19,7 @@ The format (what the files hold):
   sharded        the sharded format: every rank writes its own pieces of the DTensors
   piecetable     a sharded checkpoint's tables of pieces: the manifest's, each rank file's own, exact coverage
   shards         where a rank's piece lies in the whole tensor; a piece built from others' pieces
-  sources        where a checkpoint's bytes are read from: a folder on disk, or a snapshot's buffers
+  sources        where a checkpoint's bytes are read from: a store's Files, or a snapshot's buffers
   tensorformat   the tensor file format (safetensors plus the state's skeleton), shared by
   tensorwrite    its writer (a Layout first, then the bytes straight from the tensors' memory) and
   tensorfile     its reader (nothing unpickled), and the public names of both

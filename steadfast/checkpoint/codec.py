@@ -1,6 +1,7 @@
 """The extension point of the checkpoint format: a Codec says what each rank writes for a save and how
 each rank gets its state back. The manager (commit protocol, fall-back, retention) and the memory tier
-(snapshots) never look inside a file; they ask the codec of the state or of the manifest.
+(snapshots) never look inside a file; they ask the codec of the state or of the manifest. Where the
+files are is the store's (storage/): a codec reads them through the Files it is handed.
 
 Two codecs write: `replicated` (format 4: every object's state the same on every rank, written once
 by rank 0 into one file with every rank's own state, gathered) and `sharded` (format 3: DTensors, each
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from .storage.base import Files
 from .tensorwrite import Layout
 
 SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
@@ -88,10 +89,10 @@ class Codec(ABC):
 
     @abstractmethod
     def load(
-        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+        self, files: Files, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
     ) -> Loaded:
-        """This rank's states from the committed checkpoint at `path` (its manifest validated), every file
-        it reads verified. `objects` are the live objects (their current state shows what a rank needs).
+        """This rank's states from a committed checkpoint's `files` (its store's; its manifest validated),
+        every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
 
     @abstractmethod

@@ -8,20 +8,17 @@ arrays are equal when their dtype, shape and bytes are (a NaN equals itself); an
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import fileio
 from . import manifest as mf
 from . import restore as rs
 from .replicated import RANKS, load_checked, read_state
 from .sharded import OBJECTS, RANK_STATE, Reader, assemble, file_name
-from .sources import FolderSource
 
 # what a person sees, not what is trained: the loss sums not yet logged are summed in another order
 # after a resume (float32 in the checkpoint, float64 as the steps go), and differ without harm
@@ -37,24 +34,22 @@ class States:
     ranks: List[Dict[str, Any]]
 
 
-def read_states(checkpoint: Path) -> States:
+def read_states(checkpoint: Union[str, Path]) -> States:
     """The whole state of the committed checkpoint folder `checkpoint`, its files verified first.
     Raises ValueError (ManifestError, FileCheckError, TensorFileError: it is unusable) or OSError."""
     manifest = mf.read(checkpoint)
-    problem = rs.verify(checkpoint)
+    problem = rs.verify_at(checkpoint)
     if problem:
         raise ValueError(f"{checkpoint} does not verify: {problem}")
     step = int(manifest["step"])
-    if manifest["format"] == mf.FORMAT:
-        objects, ranks = read_state(checkpoint, manifest, [], [])
-        return States(step, dict(objects), list(ranks))
-    if manifest["format"] == mf.PER_OBJECT_FORMAT:
-        states = load_checked(checkpoint, manifest, [], [])
-        ranks = states.pop(RANKS)[RANKS]
-        return States(step, states, list(ranks))
-    dir_fd = fileio.open_folder(checkpoint)
-    source = FolderSource(dir_fd, checkpoint, {n: spec["bytes"] for n, spec in manifest["files"].items()})
-    try:
+    with rs.files_at(checkpoint, manifest) as source:
+        if manifest["format"] == mf.FORMAT:
+            objects, ranks = read_state(source, manifest, [], [])
+            return States(step, dict(objects), list(ranks))
+        if manifest["format"] == mf.PER_OBJECT_FORMAT:
+            states = load_checked(source, manifest, [], [])
+            ranks = states.pop(RANKS)[RANKS]
+            return States(step, states, list(ranks))
         reader = Reader(source, manifest["tensors"])
         skeletons = reader.tree(file_name(0)).get(OBJECTS)
         if not isinstance(skeletons, dict):
@@ -62,9 +57,6 @@ def read_states(checkpoint: Path) -> States:
         objects = {name: assemble(node, None, reader, (), lambda _path: None) for name, node in skeletons.items()}
         ranks = [reader.tree(file_name(r))[RANK_STATE] for r in range(int(manifest["world_size"]))]
         return States(step, objects, ranks)
-    finally:
-        source.close()
-        os.close(dir_fd)
 
 
 def _same_array(a: Any, b: Any) -> bool:

@@ -10,17 +10,16 @@ existing output file is never replaced unless --force.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import export, fileio, tensorfile
+from . import export, tensorfile
 from . import manifest as mf
 from . import restore as rs
 from .replicated import read_objects
 from .sharded import OBJECTS, Reader, assemble, file_name
-from .sources import FolderSource
+from .storage.base import FileCheckError
 from .tensorformat import CODES
 
 
@@ -38,7 +37,7 @@ def checkpoint_of(path: Path) -> Path:
         raise ConsolidateError(
             f"{path}: neither a checkpoint folder (no {mf.MANIFEST}) nor a folder holding committed checkpoints"
         )
-    return found[0].path
+    return Path(found[0].path)
 
 
 def consolidate(checkpoint: Path, out: Path, name: str = "model", force: bool = False) -> Dict[str, Any]:
@@ -47,7 +46,7 @@ def consolidate(checkpoint: Path, out: Path, name: str = "model", force: bool = 
     if out.exists() and not force:
         raise ConsolidateError(f"{out} exists; choose another -o or pass --force to replace it")
     manifest = mf.read(checkpoint)
-    problem = rs.verify(checkpoint)
+    problem = rs.verify_at(checkpoint)
     if problem:
         raise ConsolidateError(f"{checkpoint} does not verify: {problem}")
     if manifest["format"] == mf.SHARDED_FORMAT:
@@ -71,13 +70,8 @@ def _flat(state: Any, name: str, where: Path) -> Dict[str, Any]:
 
 
 def _sharded(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Listed, Any, Any]:
-    dir_fd = fileio.open_folder(checkpoint)
-    source = FolderSource(dir_fd, checkpoint, {n: spec["bytes"] for n, spec in manifest["files"].items()})
-
-    def close() -> None:
-        source.close()
-        os.close(dir_fd)
-
+    source = rs.files_at(checkpoint, manifest)
+    close = source.close
     try:
         reader = Reader(source, manifest["tensors"])
         for file in manifest["files"]:  # every file's own table of pieces agrees with the manifest's
@@ -101,8 +95,9 @@ def _sharded(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Lis
 
 def _replicated(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[Listed, Any, Any]:
     try:
-        state = _flat(read_objects(checkpoint, manifest, [name])[name], name, checkpoint)
-    except fileio.FileCheckError as exc:
+        with rs.files_at(checkpoint, manifest) as files:
+            state = _flat(read_objects(files, manifest, [name])[name], name, checkpoint)
+    except FileCheckError as exc:
         if exc.reason != "missing":
             raise
         raise ConsolidateError(f"{checkpoint} holds no object {name!r} ({exc})") from None
@@ -111,24 +106,23 @@ def _replicated(checkpoint: Path, manifest: Dict[str, Any], name: str) -> Tuple[
     return listed, tensors.__getitem__, lambda: None
 
 
-def load_whole(checkpoint: Path, names: Sequence[str]) -> Dict[str, Any]:
+def load_whole(checkpoint: Union[str, Path], names: Sequence[str]) -> Dict[str, Any]:
     """The states of the objects `names` in a committed checkpoint, in one process and with whole
     tensors, whatever the format (sampling from a trained model, say). Every file is verified first.
     Raises ConsolidateError, or ValueError/OSError for a checkpoint that cannot be read."""
     manifest = mf.read(checkpoint)
-    problem = rs.verify(checkpoint)
+    problem = rs.verify_at(checkpoint)
     if problem:
         raise ConsolidateError(f"{checkpoint} does not verify: {problem}")
     if manifest["format"] != mf.SHARDED_FORMAT:
         try:
-            return read_objects(checkpoint, manifest, list(names))
-        except fileio.FileCheckError as exc:
+            with rs.files_at(checkpoint, manifest) as files:
+                return read_objects(files, manifest, list(names))
+        except FileCheckError as exc:
             if exc.reason != "missing":
                 raise
             raise ConsolidateError(f"{checkpoint} holds no {list(names)}: {exc}") from None
-    dir_fd = fileio.open_folder(checkpoint)
-    source = FolderSource(dir_fd, checkpoint, {n: spec["bytes"] for n, spec in manifest["files"].items()})
-    try:
+    with rs.files_at(checkpoint, manifest) as source:
         reader = Reader(source, manifest["tensors"])
         for file in manifest["files"]:
             reader.header(file)
@@ -137,9 +131,6 @@ def load_whole(checkpoint: Path, names: Sequence[str]) -> Dict[str, Any]:
         if missing:
             raise ConsolidateError(f"{checkpoint} holds no {missing}")
         return {n: assemble(objects[n], None, reader, (), lambda _path: None) for n in names}
-    finally:
-        source.close()
-        os.close(dir_fd)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

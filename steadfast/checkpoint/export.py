@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import fileio
 from .shards import is_dtensor
+from .storage import fileio
 from .tensorformat import DTYPES
 from .tensorwrite import Entry, Layout, _place, _Planner
 

@@ -2,9 +2,9 @@
 
 Cheap (no torch): the launcher's pre-flight uses it to refuse a bad resume before workers start.
 
-A checkpoint is a folder `step_<9 digits>` holding its files and `manifest.json` (written last, then
-the folder renamed into place from a `.tmp-*` name). Only such folders with a manifest are committed;
-anything else in the checkpoint folder is invisible to resume. Every manifest carries `commit`, a
+A checkpoint is `step_<9 digits>` in its store (a folder, or a prefix in a bucket: storage/) holding
+its files and `manifest.json`, written last by the store's commit. Only those with a manifest are
+committed; anything else in the store is invisible to resume. Every manifest carries `commit`, a
 sequence number one above the highest in the folder when it was committed: checkpoints are ordered
 by it (never by step number, file time or name), so a run that starts again at step 100 next to
 older checkpoints at step 5000 still has the newest one. A commit is at most MAX_COMMIT (more saves
@@ -31,35 +31,35 @@ import heapq
 import json
 import math
 import numbers
-import os
 import re
-import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import xxhash
 
 from ..contract.keys import checked_on_resume
-from . import fileio
 from . import retention as rt
 from .dtypes import TORCH_NAMES
+from .storage import Store, split, store_for
+from .storage.base import CHECKSUM as FILE_CHECKSUM
+from .storage.base import MANIFEST as MANIFEST
+from .storage.base import SET_ASIDE_PREFIX as SET_ASIDE_PREFIX
+from .storage.base import STEP_DIR as STEP_DIR
+from .storage.base import TMP_PREFIX as TMP_PREFIX
+from .storage.base import TRASH_PREFIX as TRASH_PREFIX
+from .storage.base import StoreError, step_of
+from .storage.base import set_aside_name as set_aside_name
+from .storage.base import step_dir_name as step_dir_name
 
 FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
 PER_OBJECT_FORMAT = 2  # the replicated format before: one file per object (read, no longer written)
 SHARDED_FORMAT = 3  # the sharded format: one file per rank, and the tensor table (see sharded.py)
 FORMATS = (PER_OBJECT_FORMAT, SHARDED_FORMAT, FORMAT)  # what this version reads
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"step_(\d{9,18})")
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
-SET_ASIDE_PREFIX = ".unusable-"
-MAX_MANIFEST_BYTES = 16 << 20  # the training config is in it; 16 MiB is far above any real one
 MAX_FILES = 1 << 16  # a sharded checkpoint has a file per rank
 MAX_FILE_BYTES = 1 << 50
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}\.bin")
-CHECKSUM = re.compile(re.escape(fileio.CHECKSUM) + r":[0-9a-f]{32}")
+CHECKSUM = re.compile(re.escape(FILE_CHECKSUM) + r":[0-9a-f]{32}")
 MAX_TENSORS = 1 << 20
 MAX_DIMS = 64
 MAX_DIM = 1 << 62
@@ -89,9 +89,14 @@ class Listed:
     """A committed checkpoint folder as listed: its manifest, or why it cannot be read."""
 
     step: int
-    path: Path
+    path: str  # where it is (its store's location of it): what messages and records name
     manifest: Optional[Dict[str, Any]]
     error: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        """Its name in its store (`step_000000100`)."""
+        return self.path.rstrip("/").rpartition("/")[2]
 
     @property
     def commit(self) -> int:
@@ -103,12 +108,8 @@ class Listed:
         return self.manifest is not None and DIGEST in self.manifest
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
 def _digest(body: bytes) -> str:
-    return f"{fileio.CHECKSUM}:{xxhash.xxh3_128(body).hexdigest()}"
+    return f"{FILE_CHECKSUM}:{xxhash.xxh3_128(body).hexdigest()}"
 
 
 def seal(manifest: Dict[str, Any]) -> bytes:
@@ -121,7 +122,7 @@ def seal(manifest: Dict[str, Any]) -> bytes:
     return f'{{\n "{DIGEST}": "{_digest(body)}",\n'.encode() + body
 
 
-def parse(raw: bytes, where: Path) -> Any:
+def parse(raw: bytes, where: Any) -> Any:
     """The JSON value of manifest.json's bytes, its digest checked first (see the module's docstring);
     not yet validated. Raises ManifestError, nothing else."""
     sealed = _SEALED.match(raw)
@@ -141,7 +142,7 @@ def _int(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, Any]:
+def validate(data: Any, where: Any, step: Optional[int] = None) -> Dict[str, Any]:
     """`data` if it is a valid manifest (of the folder for `step`, when given); else ManifestError."""
 
     def bad(what: str) -> ManifestError:
@@ -180,9 +181,9 @@ def validate(data: Any, where: Path, step: Optional[int] = None) -> Dict[str, An
         if not isinstance(spec, dict) or not _int(spec.get("bytes"), 0, MAX_FILE_BYTES):
             raise bad(f"{name}: 'bytes' must be an integer from 0 to {MAX_FILE_BYTES}")
         if not isinstance(spec.get("checksum"), str) or not CHECKSUM.fullmatch(spec["checksum"]):
-            raise bad(f"{name}: 'checksum' must be {fileio.CHECKSUM}:<32 hex digits> (it is required)")
+            raise bad(f"{name}: 'checksum' must be {FILE_CHECKSUM}:<32 hex digits> (it is required)")
     if DIGEST in data and not (isinstance(data[DIGEST], str) and CHECKSUM.fullmatch(data[DIGEST])):
-        raise bad(f"'{DIGEST}' must be {fileio.CHECKSUM}:<32 hex digits>")
+        raise bad(f"'{DIGEST}' must be {FILE_CHECKSUM}:<32 hex digits>")
     if PARAMS in data and not _param_names_ok(data[PARAMS]):
         raise bad(f"'{PARAMS}' must map optimizer names to lists of param groups, each a list of parameter names or nulls")
     if METRIC in data:
@@ -306,62 +307,62 @@ def _overlap(a: List[Any], b: List[Any]) -> bool:
     )
 
 
-def _step_of(path: Path) -> Optional[int]:
-    m = STEP_DIR.fullmatch(path.name)
-    return int(m.group(1)) if m else None
+def _as_store(where: Union[str, Path, Store]) -> Store:
+    return where if isinstance(where, Store) else store_for(where)
 
 
-def read(ckpt: Path) -> Dict[str, Any]:
-    """The validated manifest of the checkpoint folder `ckpt`. Raises ManifestError, nothing else."""
-    where = ckpt / MANIFEST
+def read_in(store: Store, name: str) -> Dict[str, Any]:
+    """The validated manifest of checkpoint `name` in `store`. Raises ManifestError (it is unusable),
+    or StoreError (the store cannot be reached now: nothing is known against it), nothing else."""
+    where = f"{store.where(name)}/{MANIFEST}"
     try:
-        dir_fd = fileio.open_folder(ckpt)
-        try:
-            data = fileio.read_small(MANIFEST, dir_fd, where, MAX_MANIFEST_BYTES)
-        finally:
-            os.close(dir_fd)
+        data = store.read_manifest(name)
+    except StoreError:
+        raise
     except (OSError, ValueError, MemoryError) as exc:  # FileCheckError is a ValueError
         raise ManifestError(f"{where}: unreadable manifest ({type(exc).__name__}: {str(exc)[:200]})") from None
-    return validate(parse(data, where), where, _step_of(ckpt))
+    return validate(parse(data, where), where, step_of(name))
 
 
-def _has_manifest(path: Path) -> bool:
+def read(ckpt: Union[str, Path]) -> Dict[str, Any]:
+    """The validated manifest of the checkpoint at `ckpt` (its folder, or its location in a store).
+    Raises ManifestError, nothing else."""
     try:
-        return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.lexists(path / MANIFEST)
-    except OSError:
-        return False
+        store, name = split(ckpt)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    return read_in(store, name)
 
 
-def scan(folder: Path) -> List[Listed]:
-    """Every committed checkpoint in `folder`: readable ones newest first by commit sequence (then
-    step), then those whose manifest cannot be used, by step. Never raises; a missing folder is empty."""
-    try:
-        children = list(os.scandir(folder))
-    except OSError:
-        return []
+def scan(where: Union[str, Path, Store]) -> List[Listed]:
+    """Every committed checkpoint in the store at `where` (a folder, a location, a Store): readable
+    ones newest first by commit sequence (then step), then those whose manifest cannot be used, by
+    step. A missing folder is empty; a location no store has is a ValueError, a store that cannot be
+    reached now a StoreError (never an empty list: a resume must not start afresh beside checkpoints
+    it could not see)."""
+    store = _as_store(where)
     readable, unreadable = [], []
-    for child in children:
-        step = _step_of(Path(child.name))
-        path = Path(folder) / child.name
-        if step is None or not _has_manifest(path):
-            continue  # a symlinked folder is not listed as committed
+    for name in store.names():
+        step = step_of(name)
+        if step is None:
+            continue
         try:
-            readable.append(Listed(step, path, read(path)))
+            readable.append(Listed(step, store.where(name), read_in(store, name)))
         except ManifestError as exc:
-            unreadable.append(Listed(step, path, None, str(exc)))
-    readable.sort(key=lambda c: (c.commit, c.step, c.path.name), reverse=True)
-    unreadable.sort(key=lambda c: (c.step, c.path.name), reverse=True)
+            unreadable.append(Listed(step, store.where(name), None, str(exc)))
+    readable.sort(key=lambda c: (c.commit, c.step, c.name), reverse=True)
+    unreadable.sort(key=lambda c: (c.step, c.name), reverse=True)
     return readable + unreadable
 
 
-def committed(folder: Path) -> List[Tuple[int, Path]]:
-    """(step, folder) of every committed checkpoint, newest first (see scan)."""
-    return [(c.step, c.path) for c in scan(folder)]
+def committed(where: Union[str, Path, Store]) -> List[Tuple[int, str]]:
+    """(step, location) of every committed checkpoint, newest first (see scan)."""
+    return [(c.step, c.path) for c in scan(where)]
 
 
-def newest_manifest(folder: Path) -> Optional[Dict[str, Any]]:
+def newest_manifest(where: Union[str, Path, Store]) -> Optional[Dict[str, Any]]:
     """The manifest of the newest committed checkpoint whose manifest is valid; None if there is none."""
-    for c in scan(folder):
+    for c in scan(where):
         if c.manifest is not None:
             return c.manifest
     return None
@@ -374,7 +375,7 @@ def recorded(c: Listed) -> rt.Saved:
     return rt.Saved(c.step, c.commit, m.get("epoch", 0), m.get("batch_in_epoch", 0), metric.get("name"), metric.get("value"))
 
 
-def expendable(listed: List[Listed], policy: rt.Policy, keep: Iterable[Path]) -> List[Path]:
+def expendable(listed: List[Listed], policy: rt.Policy, keep: Iterable[str]) -> List[str]:
     """The committed checkpoints of `listed` (scan's order) whose manifest is valid and that
     retention.kept does not keep, nor `keep`. By step, the folder's name: a commit raised by a
     flipped bit (in a manifest without a digest) cannot make the newest work go; a manifest that
@@ -395,14 +396,9 @@ def best(listed: List[Listed], policy: rt.Policy) -> Optional[Tuple[Listed, floa
     return None
 
 
-def next_commit(folder: Path) -> int:
-    """One above the highest commit in `folder`, never above MAX_COMMIT (see the module's docstring)."""
-    return min(1 + max((c.commit for c in scan(folder)), default=0), MAX_COMMIT)
-
-
-def set_aside_name(path: Path, reason: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-")[:40] or "unusable"
-    return f"{SET_ASIDE_PREFIX}{path.name}-{slug}-{uuid.uuid4().hex[:8]}"
+def next_commit(where: Union[str, Path, Store]) -> int:
+    """One above the highest commit in the store, never above MAX_COMMIT (see the module's docstring)."""
+    return min(1 + max((c.commit for c in scan(where)), default=0), MAX_COMMIT)
 
 
 def flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:

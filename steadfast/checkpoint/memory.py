@@ -12,7 +12,7 @@ The slot files are in the launch's private folder (steadfast/contract/shm.py: mo
 files created exclusively, never through a symlink, checked with fstat before use). The digest is
 keyed with the launch's key: xxh3-128 of the bytes, seeded from the key, then BLAKE2b keyed with it
 over the header's fields and that hash; so a snapshot of another launch, or one forged without the
-key, never verifies. The bytes are written with pwrite, not through a mapping: a file truncated by
+key, never verifies. The bytes are written with write(2), by the checkpoint files' write loop (storage/fileio.py), not through a mapping: a file truncated by
 someone else while it is written costs that snapshot (it does not verify), never the worker
 (a store into a mapping past the end of the file is SIGBUS). A reader checks the header's size
 against the file's before it allocates anything, and never raises.
@@ -28,7 +28,6 @@ cadence and their role (node loss, a new launch, another machine).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import logging
@@ -46,6 +45,7 @@ from . import tensorfile
 from .codec import OWN, SHARED, Codec, state_of
 from .formats import for_state
 from .replicated import ReplicatedCodec
+from .storage import fileio
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ FIELDS = struct.Struct("<8sQQQQ")  # what the keyed digest covers besides the by
 HEADER_BYTES = 4096  # the payload starts on its own page
 EMPTY = HEADER.pack(MAGIC, 0, 0, 0, b"\0" * 16, 0)
 RANK = "rank"  # this rank's buffer is rank<r>
-WRITE_MAX = 1 << 30  # bytes per pwrite(2) (Linux moves at most 0x7ffff000 per call)
-GATHER_BELOW, GATHER_MAX = 1 << 16, 512  # pieces smaller than this are written together with pwritev(2)
 FAILURES = (OSError, ValueError, MemoryError, OverflowError, RuntimeError)  # a slot that cannot be read: None
 
 
@@ -70,27 +68,6 @@ class Keyed:
     def digest(self, seq: int, step: int, size: int, world: int, data_hash: bytes) -> bytes:
         fields = FIELDS.pack(MAGIC, seq, step, size, world)
         return hashlib.blake2b(fields + data_hash, key=self.key, digest_size=16).digest()
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    pos = 0
-    while pos < view.nbytes:
-        n = os.pwrite(fd, view[pos : pos + WRITE_MAX], offset + pos)
-        if n <= 0:
-            raise OSError(errno.EIO, f"pwrite moved {n} bytes")
-        pos += n
-
-
-def _pwrite_gathered(fd: int, views: List[memoryview], offset: int) -> None:
-    """Small pieces in one pwritev(2); what a short one left is written piece by piece."""
-    n = os.pwritev(fd, views, offset) if len(views) > 1 else 0
-    for view in views:
-        if n >= view.nbytes:
-            n -= view.nbytes
-        else:
-            _pwrite_all(fd, view[n:], offset + n)
-            n = 0
-        offset += view.nbytes
 
 
 class Slot:
@@ -114,27 +91,17 @@ class Slot:
         self, seq: int, step: int, world_size: int, pieces: List[Any], size: int, halfway: Optional[Callable[[], None]] = None
     ) -> None:
         fd = self._writable(size)
-        os.pwrite(fd, EMPTY, 0)  # empty until the copy is whole
+        fileio.write_at(fd, EMPTY, 0)  # empty until the copy is whole
         data_hash = xxhash.xxh3_128(seed=self.keyed.seed)
-        gathered: List[memoryview] = []
-        offset = gathered_at = HEADER_BYTES
-        for i, piece in enumerate(pieces):
-            view = memoryview(piece).cast("B")
-            if halfway is not None and i == len(pieces) // 2:
-                _pwrite_gathered(fd, gathered, gathered_at)
-                gathered, gathered_at = [], offset
-                halfway()
-            if view.nbytes < GATHER_BELOW and len(gathered) < GATHER_MAX:
-                gathered.append(view)
-            else:
-                _pwrite_gathered(fd, gathered, gathered_at)
-                _pwrite_all(fd, view, offset)
-                gathered, gathered_at = [], offset + view.nbytes
-            data_hash.update(view)
-            offset += view.nbytes
-        _pwrite_gathered(fd, gathered, gathered_at)
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        half = len(views) // 2 if halfway is not None else len(views)
+        os.lseek(fd, HEADER_BYTES, os.SEEK_SET)
+        fileio.write_views(fd, views[:half], data_hash)  # the checkpoint files' write loop: whole, gathered
+        if halfway is not None:
+            halfway()
+        fileio.write_views(fd, views[half:], data_hash)
         digest = self.keyed.digest(seq, step, size, world_size, data_hash.digest())
-        _pwrite_all(fd, memoryview(HEADER.pack(MAGIC, seq, step, size, digest, world_size)), 0)
+        fileio.write_at(fd, HEADER.pack(MAGIC, seq, step, size, digest, world_size), 0)
         self.seq, self.step = seq, step
 
     def _header(self, fd: int) -> Optional[Tuple[int, int, int, bytes, int]]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
-from . import fileio
 from .codec import Codec, Planned
+from .storage import Store
+from .storage.base import Batch, StoreError
 
 
 class SaveHooks(Protocol):
@@ -19,13 +19,13 @@ class SaveHooks(Protocol):
 
     def before_commit(self, step: int) -> None: ...
 
-    def after_commit(self, step: int, path: Path) -> None: ...
+    def after_commit(self, step: int, path: str) -> None: ...
 
 
 @dataclass
 class RankWrite:
-    """A save under way: its step, codec and fields; the shared temporary folder's name (None: rank 0
-    could not make it); a problem that fails it; this rank's report once written (its future, async)."""
+    """A save under way: its step, codec and fields; the name the store staged it under (None: rank 0
+    could not stage it); a problem that fails it; this rank's report once written (its future, async)."""
 
     step: int
     codec: Codec
@@ -34,30 +34,41 @@ class RankWrite:
     tmp: Optional[str]
     problem: Optional[str]
     report: Dict[str, Any] = field(default_factory=dict)
+    unavailable: bool = False  # rank 0: its store could not stage it (unreachable)
     future: Optional["Future[Dict[str, Any]]"] = None
 
 
+def write_files(
+    store: Store, staged: str, step: int, pieces: Dict[str, List[Any]], hooks: Optional[SaveHooks], batch: Optional[Batch] = None
+) -> Dict[str, Dict[str, Any]]:
+    """The one file loop of every save: this rank's files (name -> its buffers, in order) written into
+    the staged save; {name: {bytes, checksum}}. With `batch` (rank 0 writing every file: the replicated
+    format) they become durable with the manifest, together; without (every rank writing its own), each
+    is durable and read back before this returns. Raises on any failure."""
+    written: Dict[str, Dict[str, Any]] = {}
+    for file, buffers in pieces.items():
+        size, digest = store.write(staged, file, buffers, batch, verify=batch is None)
+        written[file] = {"bytes": size, "checksum": digest}
+        if hooks is not None:
+            hooks.during_save(step, len(written))
+    return written
+
+
 def write_own(
-    folder: Path,
+    store: Store,
     save: RankWrite,
     pieces: Dict[str, List[Any]],
     planned: Optional[Planned],
     rank: int,
     hooks: Optional[SaveHooks],
 ) -> Dict[str, Any]:
-    """Write this rank's files (name -> its buffers, in order) into the save's temporary folder, fsync and read each
+    """Write this rank's files (name -> its buffers, in order) into the staged save, each durable and read
     back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or
     {"error": ...}. Never raises (a failure is reported, and fails the save on every rank)."""
     try:
         if save.problem is not None or save.tmp is None:
-            raise RuntimeError(save.problem or "rank 0 could not create the temporary folder")
-        where, written = folder / save.tmp, {}
-        for file, buffers in pieces.items():
-            size, digest = fileio.write_file(where / file, buffers)
-            fileio.verify_file(where / file, size, digest)  # read back before it is reported written
-            written[file] = {"bytes": size, "checksum": digest}
-            if hooks is not None:
-                hooks.during_save(save.step, len(written))
+            raise RuntimeError(save.problem or "rank 0 could not stage the save")
+        written = write_files(store, save.tmp, save.step, pieces, hooks)  # each read back before it is reported
         return {"files": written, **(planned.report if planned is not None else {})}
     except Exception as exc:
-        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        return {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "unavailable": isinstance(exc, StoreError)}

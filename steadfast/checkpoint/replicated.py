@@ -14,13 +14,12 @@ A snapshot in memory keeps the objects once per node (local rank 0) and each ran
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from . import fileio, tensorfile
 from . import manifest as mf
+from . import tensorfile
 from .codec import OWN, SHARED, Codec, Collectives, Loaded, Planned, Unsaveable
+from .storage.base import FileCheckError, Files
 from .tensorformat import gc_paused
 from .tensorwrite import Layout, _place, _Planner
 
@@ -65,9 +64,9 @@ class ReplicatedCodec(Codec):
         return Planned({STATE_FILE: plan_state(objects, gathered or [])})
 
     def load(
-        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+        self, files: Files, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
     ) -> Loaded:
-        states, ranks = read_state(path, manifest, list(objects), own)
+        states, ranks = read_state(files, manifest, list(objects), own)
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
@@ -99,73 +98,68 @@ class PerObjectCodec(ReplicatedCodec):
         raise NotImplementedError("format 2 is read, not written")
 
     def load(
-        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+        self, files: Files, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
     ) -> Loaded:
-        states = load_checked(path, manifest, list(objects), own)
+        states = load_checked(files, manifest, list(objects), own)
         ranks = states.pop(RANKS)[RANKS]
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
 
-def _check_ranks(ranks: Any, where: Path, manifest: Dict[str, Any], per_rank: List[str]) -> List[Any]:
+def _check_ranks(ranks: Any, where: str, manifest: Dict[str, Any], per_rank: List[str]) -> List[Any]:
     if (
         not isinstance(ranks, list)
         or len(ranks) != manifest["world_size"]
         or not all(isinstance(r, dict) and all(n in r for n in per_rank) for r in ranks)
     ):
-        raise fileio.FileCheckError(
+        raise FileCheckError(
             f"{where}: does not hold {per_rank} for each of the {manifest['world_size']} ranks the manifest names", "contents"
         )
     return ranks
 
 
-def read_state(path: Path, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Tuple[Dict[str, Any], List[Any]]:
-    """(objects' states, every rank's own state) of the format-4 checkpoint at `path`: its one file
-    verified against `manifest` and parsed, then checked to hold `objects` and, per saved rank,
-    `per_rank`. Raises ValueError (FileCheckError: the checkpoint is bad), OSError or MemoryError."""
-    where = path / STATE_FILE
+def _load(files: Files, name: str, spec: Dict[str, Any]) -> Any:
+    """The state in file `name`, verified against its manifest entry and parsed (nothing unpickled)."""
+    return tensorfile.parse(files.read_verified(name, spec["bytes"], spec["checksum"]), files.where(name))
+
+
+def read_state(
+    files: Files, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]
+) -> Tuple[Dict[str, Any], List[Any]]:
+    """(objects' states, every rank's own state) of a format-4 checkpoint: its one file verified
+    against `manifest` and parsed, then checked to hold `objects` and, per saved rank, `per_rank`.
+    Raises ValueError (FileCheckError: the checkpoint is bad), OSError or MemoryError."""
+    where = files.where(STATE_FILE)
     spec = manifest["files"].get(STATE_FILE)
     if spec is None or len(manifest["files"]) != 1:
-        raise fileio.FileCheckError(f"{path}: its manifest must list {STATE_FILE} and nothing else", "missing")
-    dir_fd = fileio.open_folder(path)
-    try:
-        tree = tensorfile.load(where, spec["bytes"], spec["checksum"], dir_fd)
-    finally:
-        os.close(dir_fd)
+        raise FileCheckError(f"{files.where('')}: its manifest must list {STATE_FILE} and nothing else", "missing")
+    tree = _load(files, STATE_FILE, spec)
     if not isinstance(tree, dict) or set(tree) != {OBJECTS, RANKS} or not isinstance(tree[OBJECTS], dict):
-        raise fileio.FileCheckError(f"{where}: not the state of a checkpoint ({OBJECTS!r} and {RANKS!r})", "contents")
+        raise FileCheckError(f"{where}: not the state of a checkpoint ({OBJECTS!r} and {RANKS!r})", "contents")
     missing = [n for n in objects if n not in tree[OBJECTS]]
     if missing:
-        raise fileio.FileCheckError(f"{where}: holds no {', '.join(missing)}", "missing")
+        raise FileCheckError(f"{where}: holds no {', '.join(missing)}", "missing")
     return tree[OBJECTS], _check_ranks(tree[RANKS], where, manifest, per_rank)
 
 
-def load_checked(path: Path, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Dict[str, Any]:
-    """Every file of the format-2 checkpoint at `path`, verified against `manifest` and parsed, after
-    checking it holds `objects` and, per saved rank, `per_rank`. Raises ValueError (FileCheckError: the
+def load_checked(files: Files, manifest: Dict[str, Any], objects: List[str], per_rank: List[str]) -> Dict[str, Any]:
+    """Every file of a format-2 checkpoint, verified against `manifest` and parsed, after checking it
+    holds `objects` and, per saved rank, `per_rank`. Raises ValueError (FileCheckError: the
     checkpoint is bad), OSError or MemoryError (it could not be read now)."""
     missing = [n for n in [*objects, RANKS] if f"{n}.bin" not in manifest["files"]]
     if missing:
-        raise fileio.FileCheckError(f"{path}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
-    dir_fd = fileio.open_folder(path)
-    try:
-        states = {
-            name[:-4]: tensorfile.load(path / name, spec["bytes"], spec["checksum"], dir_fd)
-            for name, spec in manifest["files"].items()
-        }
-    finally:
-        os.close(dir_fd)
+        raise FileCheckError(f"{files.where('')}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
+    states = {name[:-4]: _load(files, name, spec) for name, spec in manifest["files"].items()}
     ranks = states[RANKS].get(RANKS) if isinstance(states[RANKS], dict) else None
-    _check_ranks(ranks, path / "ranks.bin", manifest, per_rank)
+    _check_ranks(ranks, files.where("ranks.bin"), manifest, per_rank)
     return states
 
 
-def read_objects(path: Path, manifest: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+def read_objects(files: Files, manifest: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
     """The states of the objects `names` of a replicated checkpoint of either format, verified."""
     if manifest["format"] == mf.FORMAT:
-        states = read_state(path, manifest, names, [])[0]
+        states = read_state(files, manifest, names, [])[0]
         return {n: states[n] for n in names}
     missing = [n for n in names if f"{n}.bin" not in manifest["files"]]
     if missing:
-        raise fileio.FileCheckError(f"{path}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
-    files = manifest["files"]
-    return {n: tensorfile.load(path / f"{n}.bin", files[f"{n}.bin"]["bytes"], files[f"{n}.bin"]["checksum"]) for n in names}
+        raise FileCheckError(f"{files.where('')}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
+    return {n: _load(files, f"{n}.bin", manifest["files"][f"{n}.bin"]) for n in names}

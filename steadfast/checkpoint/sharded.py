@@ -22,20 +22,19 @@ own file alone.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import fileio, tensorfile
 from . import manifest as mf
 from . import piecetable as pt
+from . import tensorfile
 from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable
 from .shards import Box, fill, is_dtensor, like, overlap, piece_of, target_box, volume
-from .sources import BufferSource, FolderSource, Source
+from .sources import BufferSource, Source
+from .storage.base import Files
 from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
 from .tensorwrite import Layout, _place, _Planner
 
@@ -344,29 +343,23 @@ class ShardedCodec(Codec):
         return {"tensors": pt.tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
 
     def load(
-        self, path: Path, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
+        self, files: Files, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int
     ) -> Loaded:
-        files, saved = manifest["files"], manifest["world_size"]
-        dir_fd = fileio.open_folder(path)
-        source = FolderSource(dir_fd, path, {n: spec["bytes"] for n, spec in files.items()})
-        try:
-            mine = file_name(rank) if rank < saved else None
-            reader = Reader(source, manifest["tensors"])
-            # every file verified whole, and its table of pieces checked, by one rank each
-            for i, name in enumerate(sorted(files)):
-                if i % world_size != rank:
-                    continue
-                if name == mine:  # its own file: read once, verified, and the pieces taken from memory
-                    source.hold(name, fileio.read_verified(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd))
-                else:
-                    fileio.verify_file(path / name, files[name]["bytes"], files[name]["checksum"], dir_fd)
-                reader.header(name)
-            states, own_state = load(reader, mine, objects)
-        finally:
-            source.close()
-            os.close(dir_fd)
+        table, saved = manifest["files"], manifest["world_size"]
+        mine = file_name(rank) if rank < saved else None
+        reader = Reader(files, manifest["tensors"])
+        # every file verified whole, and its table of pieces checked, by one rank each
+        for i, name in enumerate(sorted(table)):
+            if i % world_size != rank:
+                continue
+            if name == mine:  # its own file: read once, verified, and the pieces taken from memory
+                files.hold(name, files.read_verified(name, table[name]["bytes"], table[name]["checksum"]))
+            else:
+                files.verify(name, table[name]["bytes"], table[name]["checksum"])
+            reader.header(name)
+        states, own_state = load(reader, mine, objects)
         if own_state is not None and not (isinstance(own_state, dict) and all(n in own_state for n in own)):
-            raise TensorFileError(f"{path / file_name(rank)}: does not hold this rank's {own}", "contents")
+            raise TensorFileError(f"{files.where(file_name(rank))}: does not hold this rank's {own}", "contents")
         return Loaded(states, own_state, saved)
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:

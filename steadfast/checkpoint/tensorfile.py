@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import fileio
 from .manifest import TENSOR_KEY
+from .storage import fileio
 from .tensorformat import (
     CHECKSUM,
     DTYPES,

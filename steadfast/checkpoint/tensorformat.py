@@ -22,8 +22,8 @@ from typing import Dict, Iterator
 
 import torch
 
-from . import fileio
 from .dtypes import TORCH_NAMES
+from .storage import fileio
 
 DTYPES: Dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in TORCH_NAMES.items() if hasattr(torch, name)}
 CODES: Dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
-from . import fileio
 from .shards import is_dtensor
+from .storage import fileio
 from .tensorformat import (
     ALIGN,
     CODES,

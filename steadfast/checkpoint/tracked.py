@@ -12,19 +12,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Protocol, Tuple, Union
 
 from ..config import Resume, Settings
 from ..contract.env import LaunchEnv
+from ..contract.events import Event
 from ..contract.failures import recurs_when_disk_full
 from ..telemetry.records import RunRecord
 from . import manifest
-from .codec import Collectives, Loaded
+from .codec import Collectives
 from .finite import nonfinite
-from .manager import CheckpointError, CheckpointManager, Restored
+from .manager import CheckpointError, CheckpointManager, Restored, StoreUnavailable
 from .memory import MemorySnapshots
-from .restore import check_fits
 from .state import Progress, RNGState, is_per_rank, unwrap
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class SaveFaults(Protocol):
 
     def during_save(self, step: int, files_written: int) -> None: ...
 
-    def after_commit(self, step: int, path: Path) -> None: ...
+    def after_commit(self, step: int, path: str) -> None: ...
 
 
 class _SaveHooks:
@@ -61,14 +62,14 @@ class _SaveHooks:
         if not self.launch.launcher_alive():
             raise LauncherGone(f"the launcher (pid {self.launch.launcher_pid}) is gone; an orphaned worker does not commit")
 
-    def after_commit(self, step: int, path: Path) -> None:
+    def after_commit(self, step: int, path: str) -> None:
         self.faults.after_commit(step, path)
 
 
 class Checkpointer:
     def __init__(
         self,
-        folder: Path,
+        folder: Union[str, Path],
         comm: Collectives,
         settings: Settings,
         resolved_cfg: Dict[str, Any],
@@ -107,9 +108,9 @@ class Checkpointer:
         # then is to be committed (an anomaly found may first send it back to a healthy one)
         self.healthy: Callable[[], bool] = lambda: True
 
-    @property
-    def folder(self) -> Path:
-        return self.manager.folder
+    def where(self, step: Optional[int] = None) -> str:
+        """Where the checkpoints are (the store's location), or where the checkpoint of `step` is."""
+        return self.manager.where(manifest.step_dir_name(step) if step is not None else "")
 
     @property
     def last_saved_step(self) -> Optional[int]:
@@ -137,7 +138,7 @@ class Checkpointer:
         (null: none has a value yet); {} without a monitor, and on every rank but 0 (it reads the manifests)."""
         if self.monitor is None or self.comm.rank != 0:
             return {}
-        found = manifest.best(manifest.scan(self.folder), self.manager.retention)
+        found = manifest.best(manifest.scan(self.manager.store), self.manager.retention)
         listed, value = found if found is not None else (None, None)
         return {
             "best_checkpoint": str(listed.path) if listed is not None else None,
@@ -146,23 +147,22 @@ class Checkpointer:
         }
 
     def restore(self, new_rank: Optional[Callable[[int], None]]) -> Optional[Restored]:
-        """Collective: the newest checkpoint that verifies, loaded into the tracked objects (None: a fresh start)."""
+        """Collective: the newest state that verifies, loaded into the tracked objects: the memory
+        tier's, or else a committed checkpoint's (None: a fresh start)."""
         self._monitored = None  # a value logged before describes other weights
         s = self.settings
         if s.resume == Resume.never:
-            if manifest.committed(self.folder):
-                raise CheckpointError(f"resume=never, but {self.folder} already holds checkpoints; they are left untouched")
+            if manifest.committed(self.manager.store):
+                raise CheckpointError(f"resume=never, but {self.where()} already holds checkpoints; they are left untouched")
             return None
-        restored = self._from_memory()
-        if restored is None:
-            restored = self.manager.restore(
-                self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable, new_rank=new_rank
-            )
-            self.source = "disk"
-            if self.memory is not None:  # snapshots newer than where the run continues belong to another timeline
-                self.memory.discard_after(restored.step if restored is not None else 0)
+        restored = self.manager.restore(
+            self.objects, self.per_rank, s.run.allow_config_change, s.run.fresh_start_if_unusable, new_rank, memory=self.memory
+        )
+        self.source = "memory" if restored is not None and restored.memory else "disk"
+        if self.memory is not None and self.source == "disk":  # newer snapshots belong to another timeline
+            self.memory.discard_after(restored.step if restored is not None else 0)
         if restored is None and s.resume == Resume.must:
-            raise CheckpointError(f"resume=must, but {self.folder} holds no usable checkpoint")
+            raise CheckpointError(f"resume=must, but {self.where()} holds no usable checkpoint")
         self.restored = restored
         return restored
 
@@ -172,65 +172,12 @@ class Checkpointer:
         neither). Snapshots newer than the state restored are discarded (another timeline)."""
         self.manager.wait()  # an asynchronous save in flight reads the live state, and may commit a checkpoint
         self._monitored = None  # logged on the timeline left behind
-        restored = self._from_memory(newest)
-        if restored is None:
-            s = self.settings
-            restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, newest=newest)
-            self.source = "disk"
+        s = self.settings
+        restored = self.manager.restore(self.objects, self.per_rank, s.run.allow_config_change, newest=newest, memory=self.memory)
+        self.source = "memory" if restored is not None and restored.memory else "disk"
         if restored is not None and self.memory is not None:
             self.memory.discard_after(restored.step)
         return restored
-
-    def _from_memory(self, newest: Optional[int] = None) -> Optional[Restored]:
-        """Collective: every rank restores from its node's snapshot when all have the same, verified
-        step and it is newer than the newest committed checkpoint; otherwise nobody does (None).
-        `newest`: a rollback's, no state after that step."""
-        comm = self.comm
-        if self.settings.resume == Resume.never and newest is None:
-            return None
-        steps = self.memory.steps(self.objects) if self.memory is not None else []
-        steps = [s for s in steps if newest is None or s <= newest]
-        disk = -1
-        if comm.rank == 0:
-            found = [step for step, _ in manifest.committed(self.folder) if newest is None or step <= newest]
-            disk = found[0] if found else -1
-        # the newest step every rank may have: the smallest of the ranks' newest (a rank killed in
-        # the middle of a snapshot has the one before, which the others still hold: double buffers)
-        lowest, newest_on_disk = comm.max_each([-float(steps[0] if steps else -1), float(disk)])
-        step = int(-lowest)
-        if step < 0 or step <= newest_on_disk:
-            return None
-        error = None
-        try:
-            loaded = self.memory.load(step, self.objects) if self.memory is not None and step in steps else None
-            if loaded is None:
-                raise ValueError(f"this rank's snapshot of step {step} is missing or does not verify")
-            shared, own = loaded
-            check_fits(Loaded(shared, own, self.comm.world_size), self.objects, self.per_rank)
-        except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as exc:
-            error = str(exc)
-        if comm.max_each([1.0 if error else 0.0])[0]:  # some rank's bytes did not verify or fit
-            log.warning(
-                "The snapshot of step %d in memory is not usable on every rank (%s); resuming from disk",
-                step,
-                error or "another rank",
-            )
-            return None
-        try:
-            for name, obj in self.objects.items():
-                obj.load_state_dict(shared[name])
-            for name, obj in self.per_rank.items():
-                obj.load_state_dict(own[name])
-        except Exception as exc:  # partly applied: this attempt ends, the next resumes from disk
-            if self.memory is not None:
-                self.memory.discard_after(-1)
-            raise CheckpointError(f"the snapshot of step {step} in memory could not be loaded ({exc}); it was discarded") from exc
-        self.source = "memory"
-        return Restored(
-            step=step,
-            path=self.memory.folder if self.memory else self.folder,
-            manifest={"step": step, "world_size": self.comm.world_size},
-        )
 
     def save(self, progress: Progress) -> float:
         """Collective: commit the tracked state at the current step; returns the seconds training waited.
@@ -244,21 +191,41 @@ class Checkpointer:
             where = poisoned or "another rank's state"
             raise CheckpointError(
                 f"refusing to commit step {progress.global_step}: {where} holds a NaN or an infinity; "
-                f"the newest committed checkpoint in {self.folder} is kept"
+                f"the newest committed checkpoint in {self.where()} is kept"
             )
         meta: Dict[str, Any] = {
             "epoch": progress.epoch,
             "batch_in_epoch": progress.batch_in_epoch,
-            "global_step": progress.global_step,
             "sample_in_epoch": progress.sample_in_epoch,
         }
         if self.monitor is not None:
             meta[manifest.METRIC] = manifest.metric_field(self.monitor, *(self._monitored or (None, None)))
-        with recurs_when_disk_full("a checkpoint save"):  # a restart would find the disk as full
+        with self._unless_unavailable(progress.global_step), recurs_when_disk_full("a checkpoint save"):
+            # a restart would find the disk as full; an unreachable store, maybe not
             self.manager.save(progress.global_step, self.objects, self.per_rank, meta)
         self._monitored = None
         return time.perf_counter() - started
 
+    def commit_written(self) -> None:
+        """Collective: commit the asynchronous sharded save every rank has written (the step boundary's)."""
+        with self._unless_unavailable(self.manager.written_step()):
+            self.manager.commit_written()
+
+    @contextmanager
+    def _unless_unavailable(self, step: Optional[int]) -> Iterator[None]:
+        """A save its store could not take (unreachable, after the client's retries: StoreUnavailable)
+        does not stop training: it is logged and recorded (checkpoint_failed), the newest committed
+        checkpoint stays as it was, and the next save due tries again. Every rank sees the same
+        outcome (rank 0's alone where only rank 0 writes)."""
+        try:
+            yield
+        except StoreUnavailable as exc:
+            log.warning("Checkpoint not saved, training goes on and the next save tries again: %s", exc)
+            self.record.event(Event.CHECKPOINT_FAILED, step=step, error=str(exc))
+
     def close(self) -> None:
-        with recurs_when_disk_full("a checkpoint save"):  # an asynchronous save's writing ends here
+        with (
+            self._unless_unavailable(None),
+            recurs_when_disk_full("a checkpoint save"),
+        ):  # an asynchronous save's writing ends here
             self.manager.close()

@@ -31,6 +31,7 @@ class Event(str, Enum):
     CHECKPOINT_SNAPSHOT = "checkpoint_snapshot"  # an asynchronous save's blocking part
     CHECKPOINT_INVALID = "checkpoint_invalid"  # skipped on resume
     CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"  # an unusable checkpoint kept aside
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save the store could not take (unreachable): training goes on
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # checkpoint.every_n_seconds=auto chose an interval
     CONFIG_CHANGED_ON_RESUME = "config_changed_on_resume"
     WORLD_SIZE_CHANGED = "world_size_changed"

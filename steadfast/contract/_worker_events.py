@@ -70,6 +70,13 @@ class CheckpointInvalid(Record):
     error: Optional[str] = None
 
 
+@_kind(Event.CHECKPOINT_FAILED)
+@dataclass(frozen=True)
+class CheckpointFailed(Record):
+    step: Optional[int] = None
+    error: Optional[str] = None
+
+
 @_kind(Event.CHECKPOINT_SET_ASIDE)
 @dataclass(frozen=True)
 class CheckpointSetAside(Record):

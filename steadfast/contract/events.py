@@ -38,6 +38,7 @@ from ._record import kind_of as _kind
 from ._worker_events import Anomaly as Anomaly
 from ._worker_events import AnomalyStop as AnomalyStop
 from ._worker_events import AttemptStarted as AttemptStarted
+from ._worker_events import CheckpointFailed as CheckpointFailed
 from ._worker_events import CheckpointInterval as CheckpointInterval
 from ._worker_events import CheckpointInvalid as CheckpointInvalid
 from ._worker_events import CheckpointSaved as CheckpointSaved

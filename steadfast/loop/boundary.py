@@ -91,7 +91,7 @@ class StepBoundary:
         control = self.agreement.at_step(step, self.time_due, busy=manager.busy())
         written = manager.written_step()
         if written is not None and control.since > written and not control.busy:
-            manager.commit_written()  # every rank has written its files of the asynchronous save: commit it
+            self.checkpointer.commit_written()  # every rank has written its files of the asynchronous save: commit it
         found = self.guard.take() if self.guard is not None else None
         if found is not None and self.act(found):  # this step is no longer trained: only a stop agreed now is due
             return Due(False, control.stop, over)

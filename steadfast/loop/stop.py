@@ -8,7 +8,6 @@ import logging
 import time
 from typing import Any, Callable, Dict, NoReturn, Optional
 
-from ..checkpoint.manifest import step_dir_name
 from ..checkpoint.state import Progress
 from ..checkpoint.tracked import Checkpointer
 from ..contract.events import Event
@@ -73,7 +72,7 @@ class Stops:
             batch_in_epoch=p.batch_in_epoch,
             saved=saved,
             message=message,
-            checkpoint=str(self.checkpointer.folder / step_dir_name(p.global_step)) if saved else None,
+            checkpoint=self.checkpointer.where(p.global_step) if saved else None,
             result=self.result(),
         )
         if reason == PREEMPTED:

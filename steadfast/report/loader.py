@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 import yaml
 
+from ..checkpoint.storage.base import location, scheme_of
 from ..contract import events, summary
 from ..contract.files import (
     CONFIG_FILE,
@@ -28,7 +29,7 @@ from ..contract.files import (
     read_regular,
 )
 from . import checkpoints
-from .records import DEFAULT_CHECKPOINT_DIR, RunRecords, metric_rows, summary_from
+from .records import RunRecords, metric_rows, summary_from
 
 MARKERS = (EVENTS_FILE, SUMMARY_FILE)  # a folder holding one of these is a run folder (the launcher writes both)
 
@@ -107,12 +108,13 @@ def _summary(folder: Path, records: RunRecords) -> None:
         records.problems.append(f"{SUMMARY_FILE}: unusable value(s) of {', '.join(bad)}, not shown")
 
 
-def checkpoint_dir(folder: Path, config_text: Optional[str]) -> tuple[Path, Optional[str]]:
-    """The run's checkpoint folder from its frozen config (`checkpoint.dir`, default <run folder>/checkpoints),
-    and what was wrong with the config when the default had to be taken.
+def checkpoint_dir(folder: Path, config_text: Optional[str]) -> tuple[str, Optional[str]]:
+    """Where the run's checkpoints are, from its frozen config (`checkpoint.dir`: a folder or a store's
+    location; default <run folder>/checkpoints), and what was wrong with the config when the default
+    had to be taken.
 
     A relative checkpoint.dir is relative to the working directory, as it was for the workers."""
-    default = folder / DEFAULT_CHECKPOINT_DIR
+    default = location(None, folder)
     if config_text is None:
         return default, "no config"
     try:
@@ -127,7 +129,7 @@ def checkpoint_dir(folder: Path, config_text: Optional[str]) -> tuple[Path, Opti
     value = section.get("dir")
     if value is not None and not isinstance(value, str):
         return default, f"checkpoint.dir is {value!r:.80}, not a folder"
-    return (Path(value) if value else default), None
+    return location(value, folder), None
 
 
 def _checkpoints(folder: Path, records: RunRecords) -> None:
@@ -143,8 +145,9 @@ def _checkpoints(folder: Path, records: RunRecords) -> None:
         records.problems.append(
             f"{CONFIG_FILE}: {state or problem}: verified the default checkpoint folder {records.checkpoint_dir}"
         )
-    custom = records.checkpoint_dir != folder / DEFAULT_CHECKPOINT_DIR
-    if custom and not records.checkpoint_dir.is_absolute() and not records.checkpoint_dir.is_dir():
+    where = records.checkpoint_dir
+    custom = where != location(None, folder)
+    if custom and not scheme_of(where) and not Path(where).is_absolute() and not Path(where).is_dir():
         records.problems.append(
             f"checkpoint folder {records.checkpoint_dir}: not found from here (a relative checkpoint.dir "
             "is relative to the folder the run was launched from: run the report there)"

@@ -156,7 +156,7 @@ class RunReport:
     attempts: List[Attempt]
     breakdown: TimeBreakdown
     checkpoints_saved: int
-    checkpoint_dir: Optional[Path]
+    checkpoint_dir: Optional[str]
     checkpoints_on_disk: List[CheckpointCheck]
     invalid_on_resume: List[Unusable]
     faults: List[Fault]

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-DEFAULT_CHECKPOINT_DIR = "checkpoints"  # <run folder>/checkpoints unless the run's checkpoint.dir says otherwise
+from ..checkpoint.storage.base import DEFAULT_FOLDER
+
+DEFAULT_CHECKPOINT_DIR = DEFAULT_FOLDER  # <run folder>/checkpoints unless the run's checkpoint.dir says otherwise
 
 
 def number(value: Any) -> Optional[float]:
@@ -145,6 +147,6 @@ class RunRecords:
     events: List[Dict[str, Any]] = field(default_factory=list)  # as steadfast.contract.events.read returns them
     metrics: List[MetricRow] = field(default_factory=list)
     summary: Summary = field(default_factory=Summary)
-    checkpoint_dir: Optional[Path] = None
+    checkpoint_dir: Optional[str] = None  # where the checkpoints are: a folder, or a store's location (s3://...)
     checkpoints: List[CheckpointCheck] = field(default_factory=list)  # newest first
     problems: List[str] = field(default_factory=list)

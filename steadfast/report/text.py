@@ -85,7 +85,7 @@ def format_run(r: RunReport) -> str:
     if r.resumed_from_memory:
         lines.append(_restores(r.attempts))
     verified = sum(1 for c in r.checkpoints_on_disk if c.verified)
-    where = "" if r.checkpoint_dir in (None, r.folder / DEFAULT_CHECKPOINT_DIR) else f" in {r.checkpoint_dir}"
+    where = "" if r.checkpoint_dir in (None, str(r.folder / DEFAULT_CHECKPOINT_DIR)) else f" in {r.checkpoint_dir}"
     lines.append(
         f"  checkpoints: {r.checkpoints_saved} committed during the run, {len(r.checkpoints_on_disk)} kept on disk"
         f"{where}, {verified} verified against their manifests"

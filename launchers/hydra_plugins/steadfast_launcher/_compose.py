@@ -56,11 +56,13 @@ def prepare(ctx: LaunchContext, overrides: List[str], idx: int, sweep_dir: str) 
 
 
 def _lock_dirs(config: DictConfig, run_dir: Path) -> List[Path]:
-    """hydra.launcher.lock_dirs as absolute folders (null entries ignored); a relative one is taken
-    from where the workers run: the run folder with hydra.job.chdir=true, else here."""
+    """hydra.launcher.lock_dirs as absolute folders (null entries ignored, and locations that are not
+    folders: checkpoint.dir=s3://...); a relative one is taken from where the workers run: the run
+    folder with hydra.job.chdir=true, else here."""
     base = run_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
     entries = OmegaConf.select(config, "hydra.launcher.lock_dirs") or []
-    return [Path(os.path.abspath(base / str(e))) for e in entries if e is not None and str(e) not in ("", "None")]
+    folders = [str(e) for e in entries if e is not None and str(e) not in ("", "None") and "://" not in str(e)]
+    return [Path(os.path.abspath(base / e)) for e in folders]
 
 
 def check_folders(jobs: List[Job]) -> None:

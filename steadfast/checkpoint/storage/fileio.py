@@ -28,7 +28,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import xxhash
 
-CHECKSUM = "xxh3_128"
+from .base import CHECKSUM as CHECKSUM
+from .base import Batch
+from .base import FileCheckError as FileCheckError
+from .base import checksum_of as checksum_of
+
 WRITE_MAX = 8 << 20  # bytes per write(2) (Linux moves at most 0x7ffff000 per call; 8 MiB calls measured fastest)
 GATHER_BELOW = 1 << 20  # pieces smaller than this are written together with writev(2)
 GATHER_MAX_BYTES = 1 << 20  # larger gathers were throttled harder by the kernel (measured: 1 MiB best)
@@ -44,20 +48,6 @@ _write = os.write
 _writev = os.writev
 
 
-class FileCheckError(ValueError):
-    """A file does not match what its manifest says (size, checksum), or is not a regular file.
-
-    `reason` is a short word for the set-aside folder's name: size, checksum, not-regular, missing."""
-
-    def __init__(self, message: str, reason: str = "damaged") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def checksum_of(digest: Any) -> str:
-    return f"{CHECKSUM}:{digest.hexdigest()}"
-
-
 def write_all(fd: int, data: Any) -> None:
     """Write every byte of `data` (any buffer) to `fd`, looping over partial writes."""
     view = memoryview(data).cast("B")
@@ -67,6 +57,12 @@ def write_all(fd: int, data: Any) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"write moved {n} bytes after {pos} of {total}")
         pos += n
+
+
+def write_at(fd: int, data: Any, offset: int) -> None:
+    """Write every byte of `data` at `offset` (the position of `fd` is left where the last write ended)."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    write_all(fd, data)
 
 
 def _write_gathered(fd: int, views: List[memoryview], digest: Any) -> None:
@@ -89,7 +85,9 @@ def _write_gathered(fd: int, views: List[memoryview], digest: Any) -> None:
             i += 1
 
 
-def _write_views(fd: int, views: List[memoryview], digest: Any) -> None:
+def write_views(fd: int, views: List[memoryview], digest: Any) -> None:
+    """Write the buffers in order at `fd`'s position: small ones gathered into one writev(2), large
+    ones alone, every byte or OSError; each hashed into `digest` (when given) once written."""
     gathered: List[memoryview] = []
     gathered_bytes = 0
     for v in views:
@@ -140,7 +138,7 @@ def _wait_all(running: Sequence["futures.Future[None]"]) -> None:
         raise failures[0]
 
 
-class Unsynced:
+class Unsynced(Batch):
     """Files written and not yet durable, made durable together by `sync` (one journal commit for
     all of them on the filesystems measured, instead of one per fsync in turn); a large file's fsync
     is already running. `close` releases whatever is left after a failure."""
@@ -197,7 +195,7 @@ def write_file(path: Path, pieces: Sequence[Any], replace: bool = False, later: 
     running: Optional["futures.Future[None]"] = None
     try:
         large = total > HASH_IN_THREAD_ABOVE
-        _write_views(fd, views, None if large else digest)
+        write_views(fd, views, None if large else digest)
         if large:  # the CPU is idle while the disk flushes: hash then (xxhash and fsync release the GIL)
             running = _pool().submit(os.fsync, fd)
             for v in views:

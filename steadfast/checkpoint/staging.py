@@ -11,7 +11,7 @@ step pre-hook on each optimizer waits for it (`wait_copied`). Everything else (b
 BatchNorm's running statistics, which the forward pass changes; any state not owned by an optimizer)
 is copied before save() returns. This assumes parameters change only in optimizer.step() between
 two saves, which is what a training loop does; code that changes them elsewhere calls
-CheckpointManager.wait_snapshot() first.
+CheckpointManager.wait_staging() first. (DCP's word, staging; "snapshot" is the memory tier's: memory.py.)
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _copy_run(run: List[Entry], dst: torch.Tensor) -> None:
     dst[run[0].begin : run[-1].end].copy_(gathered(run), non_blocking=True)  # the stream is synchronized before use
 
 
-class Snapshot:
+class Staging:
     """One save's tensor data in host memory: copied now, or later but before the next optimizer step."""
 
     def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: Optional[Owned]) -> None:
