@@ -9,7 +9,8 @@ each per object (for a small state, the fsyncs were most of a save).
 Format 2 (read, no longer written): one file per object, `<name>.bin`, and `ranks.bin` holding
 {"ranks": [...]}.
 
-A snapshot in memory keeps the objects once per node (local rank 0) and each rank's own state.
+A snapshot in memory keeps the objects once per node (local rank 0) and each rank's own state (the
+Codec base's snapshot). Its formats' specs are replicated_spec's (no torch).
 """
 
 from __future__ import annotations
