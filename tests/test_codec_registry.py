@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List
 import pytest
 import torch
 
-from helpers import Box, env
+from helpers import Box, Recorder, env
 from steadfast.checkpoint import codec, formats, formatspec
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.formatspec import FormatSpec
@@ -76,17 +76,6 @@ class ToyCodec(Codec):
         ranks = tree["ranks"]
         return Loaded(tree["objects"], ranks[rank] if rank < len(ranks) else None, len(ranks))
 '''
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: List[Dict[str, Any]] = []
-
-    def __call__(self, kind: Event, **fields: Any) -> None:
-        self.events.append({"event": Event(kind).value, **fields})
-
-    def of(self, kind: Event) -> List[Dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind.value]
 
 
 def state(step: int) -> Dict[str, Box]:
