@@ -41,6 +41,21 @@ class Box:
         self.state = state
 
 
+class Recorder:
+    """An on_event callback (a CheckpointManager's, say) that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.events: List[Dict[str, Any]] = []
+
+    def __call__(self, kind: Any, **fields: Any) -> None:
+        from steadfast.contract.events import Event
+
+        self.events.append({"event": Event(kind).value, **fields})
+
+    def of(self, kind: Any) -> List[Dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind.value]
+
+
 def env() -> Dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "launchers"), e.get("PYTHONPATH", "")])

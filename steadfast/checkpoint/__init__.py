@@ -13,11 +13,17 @@ The commit protocol and the resume:
   storage        where a checkpoint's bytes go: the Store interface (stage, write, commit, list, read, set
                  aside, discard), a folder (posix, fileio: whole, checked writes), an S3 bucket (s3)
 The format (what the files hold):
-  codec          Codec, the extension point: what each rank writes and how it gets its state back
-  formats        the codecs there are; which one stores a state, which one wrote a checkpoint
+  codec          Codec, the extension point: what each rank writes and how it gets its state back;
+                 `register`, what a codec's module ends with
+  formats        the codecs there are (the built-in ones imported); which one stores a state, which
+                 one wrote a checkpoint
+  formatspec     a format as the manifest knows it (no torch): its number, name and the check of its
+                 own manifest fields; the registry the manifest's validation asks
   replicated     the replicated format: the same state on every rank, written once by rank 0
+  replicated_spec   its formats' specs (4, and 2: read only; no torch)
   sharded        the sharded format: every rank writes its own pieces of the DTensors
-  piecetable     a sharded checkpoint's tables of pieces: the manifest's, each rank file's own, exact coverage
+  piecetable     the sharded format's spec (no torch) and its tables of pieces: the manifest's (checked
+                 to cover every tensor exactly), each rank file's own
   shards         where a rank's piece lies in the whole tensor; a piece built from others' pieces
   sources        where a checkpoint's bytes are read from: a store's Files, or a snapshot's buffers
   tensorformat   the tensor file format (safetensors plus the state's skeleton), shared by
@@ -35,3 +41,7 @@ What a run's loop tracks, on top of those:
   memory         the memory tier: copies of the state in /dev/shm between checkpoints
   shared_folder  whether every rank sees the run folder rank 0 writes to
 """
+
+from __future__ import annotations
+
+from . import piecetable, replicated_spec  # noqa: F401  (the built-in formats' specs: the manifest reads them, no torch)

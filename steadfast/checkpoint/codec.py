@@ -6,17 +6,21 @@ files are is the store's (storage/): a codec reads them through the Files it is 
 Two codecs write: `replicated` (format 4: every object's state the same on every rank, written once
 by rank 0 into one file with every rank's own state, gathered) and `sharded` (format 3: DTensors, each
 rank writes its own file); a third reads format 2 (the replicated format's file per object). A new
-format is a new Codec subclass in its own module, registered in `formats.registered`.
+format is a Codec subclass in its own module ending in `@register`: its FormatSpec (formatspec.py: the
+manifest's `format` number, and the check of the manifest fields that are its own) is registered with
+it. formats.py imports the built-in ones and says which codec a state or a manifest asks for.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type
 
 import torch
 
+from . import formatspec, tensorfile
+from .formatspec import FormatSpec
 from .storage.base import Files
 from .tensorwrite import Layout
 
@@ -72,12 +76,19 @@ class Loaded:
 
 
 class Codec(ABC):
-    format: ClassVar[int]  # the manifest's `format`
+    spec: ClassVar[FormatSpec]  # its format: the manifest's `format` number, its name, the check of its own fields
     every_rank_writes: ClassVar[bool]  # False: only rank 0 writes files
+    catch_all: ClassVar[bool] = False  # it stores any state: asked last (the replicated codec)
+
+    @property
+    def format(self) -> int:
+        """The manifest's `format` of the checkpoints it writes and reads."""
+        return self.spec.number
 
     @abstractmethod
     def wants(self, objects: Dict[str, Any]) -> bool:
-        """Whether this codec is the one for these states (name -> state)."""
+        """Whether this codec is the one for these states (name -> state); codecs are asked in the
+        order they were registered, the catch-all one last."""
 
     @abstractmethod
     def plan(self, objects: Dict[str, Any], own: Dict[str, Any], comm: Collectives) -> Planned:
@@ -95,15 +106,49 @@ class Codec(ABC):
         every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
 
-    @abstractmethod
+    # A snapshot in memory, unless a codec keeps its own: the objects once per node (local rank 0)
+    # and each rank's own state, each a tensor file.
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
         rank keeps the node's copy of what every rank shares)."""
+        out = {OWN: tensorfile.plan(own)}
+        if writes_objects:
+            out[SHARED] = tensorfile.plan(objects)
+        return out
 
-    @abstractmethod
     def snapshot_blobs(self) -> List[str]:
         """The buffers a rank reads back to restore from a snapshot ("objects": the node's shared copy; "own": its own)."""
+        return [SHARED, OWN]
 
-    @abstractmethod
     def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """(objects' states, this rank's own states) from a snapshot's verified buffers."""
+        shared = tensorfile.parse(blobs[SHARED], SHARED)
+        mine = tensorfile.parse(blobs[OWN], OWN)
+        if not isinstance(shared, dict) or not all(name in shared for name in objects) or not isinstance(mine, dict):
+            raise tensorfile.TensorFileError("the snapshot does not hold every tracked object", "contents")
+        return shared, mine
+
+
+_CODECS: Dict[int, Type[Codec]] = {}  # by format number, in the order registered
+
+
+def register(codec: Type[Codec]) -> Type[Codec]:
+    """A codec module's last word (a class decorator): its format's spec registered (what the manifest
+    checks), the codec found by `formats` for a state it wants or a manifest of its format. Its module
+    executed again replaces it; another class of the same format is an error."""
+    spec = codec.spec
+    known = _CODECS.get(spec.number)
+    if known is not None and _origin(known) != _origin(codec):
+        raise ValueError(f"format {spec.number} is registered by {_origin(known)} and by {_origin(codec)}")
+    formatspec.register(spec)
+    _CODECS[spec.number] = codec
+    return codec
+
+
+def _origin(codec: Type[Codec]) -> str:
+    return f"{codec.__module__}.{codec.__qualname__}"
+
+
+def codecs() -> List[Type[Codec]]:
+    """Every registered codec class, in the order registered."""
+    return list(_CODECS.values())

@@ -18,6 +18,7 @@ import torch
 from . import manifest as mf
 from . import restore as rs
 from .replicated import RANKS, load_checked, read_state
+from .replicated_spec import PER_OBJECT, REPLICATED
 from .sharded import OBJECTS, RANK_STATE, Reader, assemble, file_name
 
 # what a person sees, not what is trained: the loss sums not yet logged are summed in another order
@@ -43,10 +44,10 @@ def read_states(checkpoint: Union[str, Path]) -> States:
         raise ValueError(f"{checkpoint} does not verify: {problem}")
     step = int(manifest["step"])
     with rs.files_at(checkpoint, manifest) as source:
-        if manifest["format"] == mf.FORMAT:
+        if manifest["format"] == REPLICATED.number:
             objects, ranks = read_state(source, manifest, [], [])
             return States(step, dict(objects), list(ranks))
-        if manifest["format"] == mf.PER_OBJECT_FORMAT:
+        if manifest["format"] == PER_OBJECT.number:
             states = load_checked(source, manifest, [], [])
             ranks = states.pop(RANKS)[RANKS]
             return States(step, states, list(ranks))

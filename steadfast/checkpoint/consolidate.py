@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from . import export, tensorfile
 from . import manifest as mf
 from . import restore as rs
+from .piecetable import SHARDED
 from .replicated import read_objects
 from .sharded import OBJECTS, Reader, assemble, file_name
 from .storage.base import FileCheckError
@@ -49,7 +50,7 @@ def consolidate(checkpoint: Path, out: Path, name: str = "model", force: bool = 
     problem = rs.verify_at(checkpoint)
     if problem:
         raise ConsolidateError(f"{checkpoint} does not verify: {problem}")
-    if manifest["format"] == mf.SHARDED_FORMAT:
+    if manifest["format"] == SHARDED.number:
         listed, value, close = _sharded(checkpoint, manifest, name)
     else:
         listed, value, close = _replicated(checkpoint, manifest, name)
@@ -114,7 +115,7 @@ def load_whole(checkpoint: Union[str, Path], names: Sequence[str]) -> Dict[str, 
     problem = rs.verify_at(checkpoint)
     if problem:
         raise ConsolidateError(f"{checkpoint} does not verify: {problem}")
-    if manifest["format"] != mf.SHARDED_FORMAT:
+    if manifest["format"] != SHARDED.number:
         try:
             with rs.files_at(checkpoint, manifest) as files:
                 return read_objects(files, manifest, list(names))

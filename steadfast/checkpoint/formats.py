@@ -1,20 +1,20 @@
-"""The codecs there are, and which one stores a state or wrote a checkpoint (the registry of
-`codec.Codec`, kept apart from that base so that the codecs' modules import it and it imports them
-without a circle)."""
+"""Which codec stores a state and which one wrote a checkpoint, asked of the codecs registered
+(`codec.register`); the built-in ones are imported here, which registers them (kept apart from the
+codec base so that the codecs' modules import that base and this imports them without a circle)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from .codec import Codec
-from .replicated import PerObjectCodec, ReplicatedCodec
-from .sharded import ShardedCodec
+from . import replicated, sharded  # noqa: F401  (registers them)
+from .codec import Codec, codecs
+from .formatspec import spec_of
 
 
 def registered() -> List[Codec]:
-    """Every codec, in the order `for_state` asks them (the replicated one, which takes any state, last
-    but for those that only read)."""
-    return [ShardedCodec(), ReplicatedCodec(), PerObjectCodec()]
+    """Every codec, in the order `for_state` asks them: as registered, the catch-all one (the replicated
+    codec, which takes any state) last."""
+    return [cls() for cls in sorted(codecs(), key=lambda cls: cls.catch_all)]
 
 
 def for_state(objects: Dict[str, Any]) -> Codec:
@@ -23,5 +23,10 @@ def for_state(objects: Dict[str, Any]) -> Codec:
 
 
 def for_manifest(manifest: Dict[str, Any]) -> Codec:
-    """The codec that wrote a (validated) manifest."""
-    return next(codec for codec in registered() if codec.format == manifest.get("format"))
+    """The codec that wrote a (validated) manifest. ValueError (the checkpoint is unusable here) when
+    no codec of its format is registered in this process (its spec only: a torch-free module's)."""
+    spec = spec_of(manifest.get("format"))
+    codec = next((codec for codec in registered() if spec is not None and codec.format == spec.number), None)
+    if codec is None:
+        raise ValueError(f"format {str(manifest.get('format'))[:20]}: no codec that reads it is registered in this process")
+    return codec

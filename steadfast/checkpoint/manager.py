@@ -143,14 +143,15 @@ class CheckpointManager:
             raise CheckpointError(problem)
         self.wait()
         started = time.perf_counter()
-        layouts = planned.files
+        layouts, meta = planned.files, {**meta, **codec.manifest_fields([planned.report])}
         if not self.async_save:
-            final, files = self._write_and_commit(step, {n: layout.buffers() for n, layout in layouts.items()}, meta, started)
+            pieces = {n: layout.buffers() for n, layout in layouts.items()}
+            final, files = self._write_and_commit(step, pieces, meta, codec.format, started)
             self._pending = self._pool.submit(self._check_then_retain, step, final, files)
             return
         host = self._stage(layouts, objects.values())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
-        self._pending = self._pool.submit(self._write_staged, step, host, meta, started)
+        self._pending = self._pool.submit(self._write_staged, step, host, meta, codec.format, started)
 
     def _save_every_rank(
         self, step: int, codec: Codec, planned: Any, problem: Optional[str], meta: Dict[str, Any], started: float
@@ -272,18 +273,21 @@ class CheckpointManager:
             self._hooked = weakref.WeakKeyDictionary()
             self._pool.shutdown(wait=True)
 
-    def _write_staged(self, step: int, host: Staging, meta: Dict[str, Any], started: float) -> str:
+    def _write_staged(self, step: int, host: Staging, meta: Dict[str, Any], format: int, started: float) -> str:
         host.copy_rest()
-        final, files = self._write_and_commit(step, {name: host.pieces(name) for name in host.layouts}, meta, started)
+        final, files = self._write_and_commit(step, {name: host.pieces(name) for name in host.layouts}, meta, format, started)
         return self._check_then_retain(step, final, files)
 
-    def _write_and_commit(self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], started: float) -> Any:
-        """Rank 0 writes every file of the save and commits it (the replicated format): (name, files)."""
+    def _write_and_commit(
+        self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], format: int, started: float
+    ) -> Any:
+        """Rank 0 writes every file of the save (of a codec in which only it writes: the replicated one)
+        and commits it: (name, files)."""
         staged, batch = None, self.store.batch()  # the files made durable with the manifest, together
         try:
             staged = self.store.stage(step)
             files = write_files(self.store, staged, step, pieces, self.hooks, batch)
-            final = self._commit(step, staged, files, meta, mf.FORMAT, batch)
+            final = self._commit(step, staged, files, meta, format, batch)
         except BaseException as exc:
             batch.close()
             if staged is not None:

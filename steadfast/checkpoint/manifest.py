@@ -21,13 +21,13 @@ after that line, checked before anything in it is parsed or used. A manifest wit
 by an earlier version and is still read (its fields validated like any other; `Listed.sealed` says
 which), unless something in it looks like a digest: a bit flipped in the name "digest" or in the
 first line is damage, not an old manifest. Every manifest read back is then validated (types,
-bounds, names, the folder's step); any failure is a ManifestError (a ValueError), never another
-exception.
+bounds, names, the folder's step): the fields every checkpoint has here, then those of its format by
+that format's own check (formatspec.py: a format this process has no spec of is unusable); any
+failure is a ManifestError (a ValueError), never another exception.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import numbers
@@ -39,8 +39,13 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import xxhash
 
 from ..contract.keys import checked_on_resume
+from . import formatspec
 from . import retention as rt
-from .dtypes import TORCH_NAMES
+from .formatspec import TENSOR_KEY as TENSOR_KEY
+from .formatspec import integer as _int
+from .piecetable import SHARDED
+from .piecetable import tensor_table_problem as tensor_table_problem
+from .replicated_spec import REPLICATED
 from .storage import Store, split, store_for
 from .storage.base import CHECKSUM as FILE_CHECKSUM
 from .storage.base import MANIFEST as MANIFEST
@@ -52,18 +57,13 @@ from .storage.base import StoreError, step_of
 from .storage.base import set_aside_name as set_aside_name
 from .storage.base import step_dir_name as step_dir_name
 
-FORMAT = 4  # the replicated format: one file, state.bin, written by rank 0 (see replicated.py)
-PER_OBJECT_FORMAT = 2  # the replicated format before: one file per object (read, no longer written)
-SHARDED_FORMAT = 3  # the sharded format: one file per rank, and the tensor table (see sharded.py)
-FORMATS = (PER_OBJECT_FORMAT, SHARDED_FORMAT, FORMAT)  # what this version reads
+# the built-in formats' numbers (and the tensor table's check, above) under the names earlier code knew
+# them by; each format owns its number and its fields (formatspec.py), and validate names none
+FORMAT, SHARDED_FORMAT = REPLICATED.number, SHARDED.number
 MAX_FILES = 1 << 16  # a sharded checkpoint has a file per rank
 MAX_FILE_BYTES = 1 << 50
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}\.bin")
 CHECKSUM = re.compile(re.escape(FILE_CHECKSUM) + r":[0-9a-f]{32}")
-MAX_TENSORS = 1 << 20
-MAX_DIMS = 64
-MAX_DIM = 1 << 62
-TENSOR_KEY = re.compile(r"[^\x00-\x1f]{1,1024}")
 META_COUNTS = ("epoch", "batch_in_epoch", "global_step", "sample_in_epoch")  # non-negative ints when present
 MAX_COMMIT = 2**53  # one save a millisecond for 285,000 years; an exact integer in any JSON reader
 MAX_STEP = 10**18 - 1  # what a folder name holds (18 digits); the loop's own counts stop far below (state.MAX_COUNT)
@@ -138,10 +138,6 @@ def parse(raw: bytes, where: Any) -> Any:
     return value
 
 
-def _int(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
 def validate(data: Any, where: Any, step: Optional[int] = None) -> Dict[str, Any]:
     """`data` if it is a valid manifest (of the folder for `step`, when given); else ManifestError."""
 
@@ -150,8 +146,11 @@ def validate(data: Any, where: Any, step: Optional[int] = None) -> Dict[str, Any
 
     if not isinstance(data, dict):
         raise bad(f"not a JSON object (a {type(data).__name__})")
-    if data.get("format") not in FORMATS or isinstance(data.get("format"), bool):
-        raise bad(f"format {str(data.get('format'))[:20]!r}; this version reads formats {', '.join(map(str, FORMATS))}")
+    form = formatspec.spec_of(data.get("format"))
+    if form is None:
+        raise bad(
+            f"format {str(data.get('format'))[:20]!r}; this version reads formats {', '.join(map(str, formatspec.numbers()))}"
+        )
     if not _int(data.get("step"), 0, MAX_STEP):
         raise bad(f"'step' must be an integer from 0 to {MAX_STEP}")
     if step is not None and data["step"] != step:
@@ -190,10 +189,12 @@ def validate(data: Any, where: Any, step: Optional[int] = None) -> Dict[str, Any
         problem = _metric_problem(data[METRIC], data["step"])
         if problem:
             raise bad(f"'{METRIC}': {problem}")
-    if data["format"] == SHARDED_FORMAT:
-        problem = tensor_table_problem(data.get("tensors"), files)
-        if problem:
-            raise bad(f"'tensors': {problem}")
+    try:
+        problem = form.fields(data)
+    except Exception as exc:  # a format's own check that raises: the manifest is unusable all the same
+        problem = f"format {form.number} ({form.name}): its fields cannot be checked ({type(exc).__name__}: {str(exc)[:200]})"
+    if problem:
+        raise bad(problem)
     return data
 
 
@@ -235,75 +236,6 @@ def _param_names_ok(params: Any) -> bool:
         and all(isinstance(g, list) for g in groups)
         and sum(len(g) for g in groups) <= MAX_PARAMS
         and all(n is None or (isinstance(n, str) and TENSOR_KEY.fullmatch(n)) for g in groups for n in g)
-    )
-
-
-def _dims(value: Any, count: Optional[int] = None) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) <= MAX_DIMS
-        and (count is None or len(value) == count)
-        and all(_int(d, 0, MAX_DIM) for d in value)
-    )
-
-
-def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = True) -> Optional[str]:
-    """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
-    dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
-    exactly (their sizes add up to it, and no two overlap: checked at any number of pieces, see overlapping).
-    Without `covering` (one rank's snapshot: its own pieces only) the pieces may cover part of it."""
-    if not isinstance(table, dict) or len(table) > MAX_TENSORS:
-        return f"must be a JSON object of at most {MAX_TENSORS} tensors"
-    for key, entry in table.items():
-        what = f"tensor {key[:80]!r}"
-        if not TENSOR_KEY.fullmatch(key):
-            return f"{what}: not a plain key"
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "pieces"}:
-            return f"{what}: needs exactly dtype, shape and pieces"
-        whole, pieces = entry["shape"], entry["pieces"]
-        if entry["dtype"] not in TORCH_NAMES or not _dims(whole) or not isinstance(pieces, list):
-            return f"{what}: needs a known dtype, a shape of non-negative ints and a list of pieces"
-        total = 0
-        for piece in pieces:
-            if not (
-                isinstance(piece, list)
-                and len(piece) == 3
-                and piece[0] in files
-                and _dims(piece[1], len(whole))
-                and _dims(piece[2], len(whole))
-            ):
-                return f"{what}: a piece must be [a file of the manifest, offset, shape] of its rank"
-            if any(o + n > w for o, n, w in zip(piece[1], piece[2], whole)):
-                return f"{what}: a piece lies outside its shape"
-            total += math.prod(piece[2])
-        if total != math.prod(whole) and (covering or total > math.prod(whole)):
-            return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
-        if overlapping(pieces):
-            return f"{what}: two pieces overlap"
-    return None
-
-
-def overlapping(pieces: List[List[Any]]) -> bool:
-    """Whether two non-empty pieces overlap: a sweep along the first dimension, each piece compared
-    only with those still open there (O(n log n) for pieces split along one dimension, as every
-    saved layout is; no cap on the count). With their sizes adding up to the whole, no overlap means
-    every value is covered exactly once."""
-    boxes = sorted((p for p in pieces if math.prod(p[2])), key=lambda p: p[1][0] if p[1] else 0)
-    if boxes and not boxes[0][1]:
-        return len(boxes) > 1  # 0-d pieces: each is the one value
-    open_: List[Tuple[int, int]] = []  # (end along the first dimension, index in boxes)
-    for i, box in enumerate(boxes):
-        while open_ and open_[0][0] <= box[1][0]:
-            heapq.heappop(open_)
-        if any(_overlap(boxes[j], box) for _, j in open_):
-            return True
-        heapq.heappush(open_, (box[1][0] + box[2][0], i))
-    return False
-
-
-def _overlap(a: List[Any], b: List[Any]) -> bool:
-    return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a[1], a[2], b[1], b[2])) and bool(
-        math.prod(a[2]) and math.prod(b[2])
     )
 
 

@@ -1,4 +1,6 @@
-"""A sharded checkpoint's tables of pieces: the manifest's tensor table, and each rank file's own.
+"""The sharded format's manifest side (no torch): its FormatSpec (format 3, its own field the tensor
+table, checked to cover every tensor exactly: `tensor_table_problem`), and its tables of pieces: the
+manifest's tensor table, and each rank file's own.
 
 Every rank file records in its metadata (`steadfast.pieces`) every tensor key of the objects with its
 dtype code and whole shape, and the pieces the file itself holds: `{"keys": {key: [code, whole]},
@@ -11,11 +13,19 @@ place), or another dtype or shape, is then unusable even where its digest was ma
 
 from __future__ import annotations
 
+import heapq
 import json
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .dtypes import TORCH_NAMES
+from .formatspec import TENSOR_KEY, FormatSpec, integer, register
 
 PIECES_KEY = "steadfast.pieces"  # a rank file's metadata: every key it knows and the pieces it holds
 ByFile = Dict[str, Dict[str, List[List[Any]]]]  # file -> key -> [[code, whole, offset, shape], ...]
+MAX_TENSORS = 1 << 20
+MAX_DIMS = 64
+MAX_DIM = 1 << 62
 
 
 def metadata(keys: Dict[str, List[Any]], pieces: Dict[str, List[Any]]) -> Dict[str, str]:
@@ -89,3 +99,88 @@ def mismatch(name: str, meta: Optional[Dict[str, str]], table: Dict[str, Any], l
                 f"the file says {pieces.get(key)} ([dtype, whole shape, offset, shape])"
             )
     return None
+
+
+# ---- the manifest's tensor table, checked ----------------------------------------------------------
+def _dims(value: Any, count: Optional[int] = None) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMS
+        and (count is None or len(value) == count)
+        and all(integer(d, 0, MAX_DIM) for d in value)
+    )
+
+
+def tensor_table_problem(table: Any, files: Dict[str, Any], covering: bool = True) -> Optional[str]:
+    """Why a sharded checkpoint's tensor table is unusable (None: it is usable). Each tensor: a known
+    dtype, a shape, and pieces [file, offset, shape] inside it, in files of the manifest, covering it
+    exactly (their sizes add up to it, and no two overlap: checked at any number of pieces, see overlapping).
+    Without `covering` (one rank's snapshot: its own pieces only) the pieces may cover part of it."""
+    if not isinstance(table, dict) or len(table) > MAX_TENSORS:
+        return f"must be a JSON object of at most {MAX_TENSORS} tensors"
+    for key, entry in table.items():
+        what = f"tensor {key[:80]!r}"
+        if not TENSOR_KEY.fullmatch(key):
+            return f"{what}: not a plain key"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "pieces"}:
+            return f"{what}: needs exactly dtype, shape and pieces"
+        whole, pieces = entry["shape"], entry["pieces"]
+        if (
+            not isinstance(entry["dtype"], str)
+            or entry["dtype"] not in TORCH_NAMES
+            or not _dims(whole)
+            or not isinstance(pieces, list)
+        ):
+            return f"{what}: needs a known dtype, a shape of non-negative ints and a list of pieces"
+        total = 0
+        for piece in pieces:
+            if not (
+                isinstance(piece, list)
+                and len(piece) == 3
+                and isinstance(piece[0], str)
+                and piece[0] in files
+                and _dims(piece[1], len(whole))
+                and _dims(piece[2], len(whole))
+            ):
+                return f"{what}: a piece must be [a file of the manifest, offset, shape] of its rank"
+            if any(o + n > w for o, n, w in zip(piece[1], piece[2], whole)):
+                return f"{what}: a piece lies outside its shape"
+            total += math.prod(piece[2])
+        if total != math.prod(whole) and (covering or total > math.prod(whole)):
+            return f"{what}: its pieces hold {total} of its {math.prod(whole)} values"
+        if overlapping(pieces):
+            return f"{what}: two pieces overlap"
+    return None
+
+
+def overlapping(pieces: List[List[Any]]) -> bool:
+    """Whether two non-empty pieces overlap: a sweep along the first dimension, each piece compared
+    only with those still open there (O(n log n) for pieces split along one dimension, as every
+    saved layout is; no cap on the count). With their sizes adding up to the whole, no overlap means
+    every value is covered exactly once."""
+    boxes = sorted((p for p in pieces if math.prod(p[2])), key=lambda p: p[1][0] if p[1] else 0)
+    if boxes and not boxes[0][1]:
+        return len(boxes) > 1  # 0-d pieces: each is the one value
+    open_: List[Tuple[int, int]] = []  # (end along the first dimension, index in boxes)
+    for i, box in enumerate(boxes):
+        while open_ and open_[0][0] <= box[1][0]:
+            heapq.heappop(open_)
+        if any(_overlap(boxes[j], box) for _, j in open_):
+            return True
+        heapq.heappush(open_, (box[1][0] + box[2][0], i))
+    return False
+
+
+def _overlap(a: List[Any], b: List[Any]) -> bool:
+    return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a[1], a[2], b[1], b[2])) and bool(
+        math.prod(a[2]) and math.prod(b[2])
+    )
+
+
+def _fields(manifest: Dict[str, Any]) -> Optional[str]:
+    problem = tensor_table_problem(manifest.get("tensors"), manifest["files"])
+    return f"'tensors': {problem}" if problem else None
+
+
+# one file per rank, and the tensor table (sharded.py)
+SHARDED = register(FormatSpec(3, "sharded", _fields))

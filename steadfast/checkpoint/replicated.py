@@ -9,7 +9,8 @@ each per object (for a small state, the fsyncs were most of a save).
 Format 2 (read, no longer written): one file per object, `<name>.bin`, and `ranks.bin` holding
 {"ranks": [...]}.
 
-A snapshot in memory keeps the objects once per node (local rank 0) and each rank's own state.
+A snapshot in memory keeps the objects once per node (local rank 0) and each rank's own state (the
+Codec base's snapshot). Its formats' specs are replicated_spec's (no torch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Dict, List, Tuple
 
 from . import manifest as mf
 from . import tensorfile
-from .codec import OWN, SHARED, Codec, Collectives, Loaded, Planned, Unsaveable
+from .codec import Codec, Collectives, Loaded, Planned, Unsaveable, register
+from .replicated_spec import PER_OBJECT, REPLICATED
 from .storage.base import FileCheckError, Files
 from .tensorformat import gc_paused
 from .tensorwrite import Layout, _place, _Planner
@@ -50,9 +52,11 @@ def plan_state(objects: Dict[str, Any], ranks: List[Any]) -> Layout:
     return Layout(skeleton, planner.entries, _place(planner.entries))
 
 
+@register
 class ReplicatedCodec(Codec):
-    format = mf.FORMAT
+    spec = REPLICATED
     every_rank_writes = False
+    catch_all = True
 
     def wants(self, objects: Dict[str, Any]) -> bool:
         return True
@@ -69,27 +73,13 @@ class ReplicatedCodec(Codec):
         states, ranks = read_state(files, manifest, list(objects), own)
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
-    def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        out = {OWN: tensorfile.plan(own)}
-        if writes_objects:
-            out[SHARED] = tensorfile.plan(objects)
-        return out
 
-    def snapshot_blobs(self) -> List[str]:
-        return [SHARED, OWN]
-
-    def load_snapshot(self, blobs: Dict[str, Any], objects: Dict[str, Any], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        shared = tensorfile.parse(blobs[SHARED], SHARED)
-        mine = tensorfile.parse(blobs[OWN], OWN)
-        if not isinstance(shared, dict) or not all(name in shared for name in objects) or not isinstance(mine, dict):
-            raise tensorfile.TensorFileError("the snapshot does not hold every tracked object", "contents")
-        return shared, mine
-
-
+@register
 class PerObjectCodec(ReplicatedCodec):
     """Format 2, read only: checkpoints written before state.bin still resume."""
 
-    format = mf.PER_OBJECT_FORMAT
+    spec = PER_OBJECT
+    catch_all = False
 
     def wants(self, objects: Dict[str, Any]) -> bool:
         return False
@@ -156,7 +146,7 @@ def load_checked(files: Files, manifest: Dict[str, Any], objects: List[str], per
 
 def read_objects(files: Files, manifest: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
     """The states of the objects `names` of a replicated checkpoint of either format, verified."""
-    if manifest["format"] == mf.FORMAT:
+    if manifest["format"] == REPLICATED.number:
         states = read_state(files, manifest, names, [])[0]
         return {n: states[n] for n in names}
     missing = [n for n in names if f"{n}.bin" not in manifest["files"]]

@@ -28,17 +28,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import manifest as mf
 from . import piecetable as pt
 from . import tensorfile
-from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable
+from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable, register
 from .shards import Box, fill, is_dtensor, like, overlap, piece_of, target_box, volume
 from .sources import BufferSource, Source
 from .storage.base import Files
 from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
 from .tensorwrite import Layout, _place, _Planner
 
-FORMAT = mf.SHARDED_FORMAT
 OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,95}")  # no '.': a tensor's key is "<object>.<path>"
 OBJECTS, RANK_STATE = "objects", "own"  # a rank file's tree: the objects' skeletons (rank 0), its own state
 OWN_PREFIX = "@rank"  # names of this rank's own tensors (object names start with a letter or digit)
@@ -209,7 +207,7 @@ class Reader:
             return self._rows_of(key, code, exact[0], 0, rows).reshape(shape)
         parts = [(p, overlap(box, (p.offset, p.shape)) if p.shape else box) for p in pieces]
         used: List[List[Any]] = [[p.file, list(part[0]), list(part[1])] for p, part in parts if part and volume(part[1])]
-        if mf.overlapping(used) or sum(volume(part[2]) for part in used) != volume(shape):
+        if pt.overlapping(used) or sum(volume(part[2]) for part in used) != volume(shape):
             raise TensorFileError(
                 f"tensor {key[:120]!r}: its pieces do not cover the {volume(shape)} values needed exactly once", "contents"
             )
@@ -320,8 +318,9 @@ def load(
     return states, own
 
 
+@register
 class ShardedCodec(Codec):
-    format = FORMAT
+    spec = pt.SHARDED
     every_rank_writes = True
 
     def wants(self, objects: Dict[str, Any]) -> bool:
@@ -375,7 +374,7 @@ class ShardedCodec(Codec):
             table = pt.of_snapshot(reader.header(OWN).meta, OWN)
         except ValueError as exc:
             raise TensorFileError(str(exc), "format") from None
-        problem = mf.tensor_table_problem(table, {OWN: {}}, covering=False)
+        problem = pt.tensor_table_problem(table, {OWN: {}}, covering=False)
         if problem:
             raise TensorFileError(f"the snapshot's table of pieces: {problem}", "contents")
         reader.table = table
