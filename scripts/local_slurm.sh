@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A single-node Slurm on this machine (slurmctld + slurmd + munge on localhost), for rehearsing
-# cluster=slurm and for tests/test_slurm.py's real-submission tests. Needs root and Debian's
+# cluster=slurm and for tests/launcher/test_slurm.py's real-submission tests. Needs root and Debian's
 # packages: apt-get install -y slurm-wlm munge. Took about a minute here (slurm-wlm 22.05).
 #   bash scripts/local_slurm.sh        start (idempotent)
 #   bash scripts/local_slurm.sh stop   stop the daemons

@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests/ itself too: the test files in its folders import helpers, platform_runs and source_tree from here
 for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
@@ -59,7 +60,7 @@ def _horovod_available() -> bool:
 @pytest.fixture(params=["torchrun", pytest.param("horovod", marks=pytest.mark.extended)])
 def backend(request: pytest.FixtureRequest) -> list[str]:
     """Overrides that select each backend, for tests whose behaviour must be the same on both (Horovod's
-    variant in the extended tier: tests/test_horovod.py covers Horovod's own paths in make test)."""
+    variant in the extended tier: tests/launcher/test_horovod.py covers Horovod's own paths in make test)."""
     if request.param == "horovod" and not _horovod_available():
         pytest.skip("Horovod is not installed: bash scripts/install_horovod.sh $(which python)")
     return [] if request.param == "torchrun" else ["backend=horovod"]

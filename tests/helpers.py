@@ -6,6 +6,7 @@ import csv
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ QUICK = [
     "trainer.max_epochs=4",
     "checkpoint=every_epoch",
     "restart.monitor_interval=0.1",
-    "snapshot=off",  # the disk tier: tests/test_snapshots.py turns the memory tier on where it tests it
+    "snapshot=off",  # the disk tier: tests/checkpoint/test_snapshots.py turns the memory tier on where it tests it
 ]
 
 
@@ -54,6 +55,60 @@ class Recorder:
 
     def of(self, kind: Any) -> List[Dict[str, Any]]:
         return [e for e in self.events if e["event"] == kind.value]
+
+
+def manager(folder: Path, keep_last: int = 2, events: Any = None, **kw: Any) -> Any:
+    """A real CheckpointManager of one rank (no process group) saving to `folder`."""
+    from steadfast.checkpoint.manager import CheckpointManager
+    from steadfast.distributed.comm import Comm
+
+    return CheckpointManager(folder, Comm(), keep_last, {"a": 1}, events or (lambda *a, **k: None), **kw)
+
+
+def model_state(step: int) -> Dict[str, Box]:
+    """A model's state that differs at every step."""
+    import torch
+
+    return {"model": Box({"w": torch.full((1000,), float(step)), "b": torch.arange(7.0) + step})}
+
+
+# ---- the built-in trainer's config composed in this process ---------------------------------------
+CONF = ROOT / "conf"
+
+
+def composed(*overrides: str) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+def problems(*overrides: str) -> List[str]:
+    """What the pre-flight (the library's checks and the trainer's) finds in the composed config."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import pipeline.config as schema
+    from steadfast import preflight as library
+
+    cfg = composed(*overrides)
+    HydraConfig.instance().set_config(cfg)
+    return library.check(cfg) + schema.preflight(cfg)
+
+
+# ---- the documents' marked code ---------------------------------------------------------------------
+GUIDE = ROOT / "docs" / "own-loop.md"
+FILE_BLOCK = re.compile(r"^<!-- file: (\S+) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
+
+
+def marked_files(document: Path) -> Dict[str, str]:
+    """The blocks of `document` marked `<!-- file: PATH -->`, by PATH."""
+    found: Dict[str, str] = {}
+    for path, text in FILE_BLOCK.findall(document.read_text()):
+        assert path not in found, f"{document.name}: two blocks marked {path}"
+        found[path] = text
+    return found
 
 
 def env() -> Dict[str, str]:
@@ -94,6 +149,15 @@ def slurm_answers() -> bool:
         and shutil.which("scontrol")
         and subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30).stdout.count("UP")
     )
+
+
+def free_port() -> int:
+    """A TCP port of localhost nothing listens on now (a rendezvous endpoint, a server's port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_dir(cwd: Path, name: str) -> Path:

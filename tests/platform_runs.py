@@ -1,5 +1,5 @@
 """The own-loop app of docs/own-loop.md as library mode's tests run it under each platform
-(tests/test_platforms.py, test_kubernetes.py, test_ray.py): the app, its overrides, and what the
+(tests/platforms/test_platforms.py, test_kubernetes.py, test_ray.py): the app, its overrides, and what the
 tests read of the workers while they run."""
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from test_docs import GUIDE, marked_files
-
-from helpers import env, events, summary, wait_for
+from helpers import GUIDE, env, events, marked_files, summary, wait_for
 from steadfast.contract.heartbeat import read_heartbeats
 from steadfast.contract.pids import alive
 

@@ -1,5 +1,5 @@
 """Our source read as data, with `ast` (nothing is imported): module names, their imports, the
-import graphs between modules and between packages. tests/test_architecture.py's rules are built on
+import graphs between modules and between packages. tests/repo/test_architecture.py's rules are built on
 it; `make_tree` writes the small broken trees each rule is tested on."""
 
 from __future__ import annotations

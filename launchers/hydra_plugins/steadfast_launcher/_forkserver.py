@@ -11,7 +11,7 @@ it still has exactly one thread and no CUDA context (nothing in PRELOAD calls in
 importing; PYTORCH_NVML_BASED_CUDA_CHECK=1 is set in the server only, so even a
 torch.cuda.is_available() there would not poison fork); it holds no file of a run and none of
 the launcher's descriptors (it gets only its listening socket and a pipe that ends it when the
-launcher exits). tests/test_forkserver.py checks the thread count and that the imports make no
+launcher exits). tests/launcher/test_forkserver.py checks the thread count and that the imports make no
 CUDA call. The server lives as long as the launcher process: every launch and every restart of
 a sweep's jobs reuses it; multiprocessing starts a new one if it died.
 

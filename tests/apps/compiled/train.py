@@ -1,4 +1,4 @@
-"""A loop with a compiled model (tests/test_compile.py): nanoGPT's order, `torch.compile` then
+"""A loop with a compiled model (tests/loop/test_compile.py): nanoGPT's order, `torch.compile` then
 `run.setup` (DDP). Rank 0 prints one line per attempt after its first step: the graph breaks Dynamo
 counted and the compile caches it hit and missed."""
 

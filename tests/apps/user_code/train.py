@@ -1,4 +1,4 @@
-"""An app written the way people write them (tests/test_user_code.py, tests/test_app_keys.py): `from
+"""An app written the way people write them (tests/launcher/test_user_code.py, tests/config/test_app_keys.py): `from
 torch.backends import cudnn` set inside main, a helper of its own that fails, a module-level object
 that cannot be pickled, and a dataclass of its keys."""
 
@@ -19,7 +19,7 @@ LOCK = threading.Lock() if "lock=true" in sys.argv else None  # the test's way t
 
 
 @dataclass
-class Config:  # the app's keys, typed (tests/test_app_keys.py names it: hydra.launcher.app_schema=__main__:Config)
+class Config:  # the app's keys, typed (tests/config/test_app_keys.py names it: hydra.launcher.app_schema=__main__:Config)
     seed: int = 0
     epochs: int = 1
     samples: int = 128

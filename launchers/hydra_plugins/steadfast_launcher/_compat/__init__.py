@@ -4,9 +4,9 @@ A patch here reaches into another project's code (a private attribute, a frame's
 swapped for a while) to make the launcher faster or to keep its stop semantics. Each one is a
 `Patch`: the package and the versions it was written for, and a check of the exact shape of what
 it touches. It is applied only when both hold, whole or not at all; otherwise it is skipped with
-one warning and the launcher runs on the third party's own behaviour. tests/test_compat.py has a
+one warning and the launcher runs on the third party's own behaviour. tests/launcher/test_compat.py has a
 test per patch that fails when the installed version leaves its range or the internal changes, and
-tests/test_architecture.py fails if a third-party private name is touched outside this package.
+tests/repo/test_architecture.py fails if a third-party private name is touched outside this package.
 
   horovod_runner         horovod.run's workers' environment, shutdown events, Gloo check, result store
   hydra_compositions     the sweeper's composition of a job reused by the launcher

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from helpers import ROOT
 from steadfast.checkpoint.state import Progress
 from steadfast.contract import files, summary
 from steadfast.contract.env import TORCH, LaunchEnv
@@ -349,7 +350,7 @@ def _accumulation_snippets() -> List[str]:
     """The python blocks of docs/sharded.md's "Gradient accumulation" section."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "sharded.md").read_text()
+    text = (ROOT / "docs" / "sharded.md").read_text()
     section = text.split("## Gradient accumulation", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^```python\n(.*?)^```$", section, re.M | re.S)
 

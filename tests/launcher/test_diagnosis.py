@@ -3,7 +3,7 @@ crashes (SIGSEGV) or raises; its peer then fails too (its collective finds the c
 torch elastic reports whichever of the two its polling finds first. Each time the events, the
 console, train.log, the final message, summary.json and the report name the chosen rank and its
 cause first, the peer only as a consequence; the console gets one line for the failure and no
-traceback. (A hung rank: tests/test_hang_and_report.py; a slow one: tests/test_stragglers.py.)"""
+traceback. (A hung rank: tests/launcher/test_hang_and_report.py; a slow one: tests/telemetry/test_stragglers.py.)"""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import socket
 import pytest
 import torch
 import torch.nn.functional as F
-from test_config import composed, problems
 
 import pipeline.config as schema
+from helpers import composed, problems
 from pipeline.data import build_data
 from pipeline.models import CharTransformer, build_model
 from pipeline.tasks import TASKS, Classification, LanguageModel, Regression, build_task

@@ -17,9 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from platform_runs import APP, beat_of, kill, make_app, output
-from test_docs import GUIDE, marked_files
 
-from helpers import env, events, run_dir, summary, wait_for
+from helpers import GUIDE, env, events, marked_files, run_dir, summary, wait_for
 from steadfast.contract.exits import RETRIED_BY_KUBEFLOW
 
 K8S_GUIDE = GUIDE.with_name("kubernetes.md")

@@ -388,14 +388,14 @@ def test_the_report_names_the_straggler_and_reads_per_rank_times_validated(tmp_p
     ],
 )
 def test_bad_straggler_keys_are_named(override: str, key: str) -> None:
-    from test_config import problems
+    from helpers import problems
 
     found = problems("fault=slow_rank", override)
     assert len(found) == 1 and found[0].startswith(f"{key}=") and "is not allowed" in found[0], found
 
 
 def test_the_slow_rank_preset_composes_and_naming_can_be_turned_off() -> None:
-    from test_config import composed, problems
+    from helpers import composed, problems
 
     assert problems("fault=slow_rank", "logger.straggler_margin=null") == []
     assert problems("fault=slow_rank", "logger.straggler_margin=0") == []

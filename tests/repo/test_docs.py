@@ -20,23 +20,12 @@ from typing import Dict, List
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import ROOT, env, events, run_dir, summary
+from helpers import GUIDE, ROOT, env, events, marked_files, run_dir, summary
 
-GUIDE = ROOT / "docs" / "own-loop.md"
-FILE_BLOCK = re.compile(r"^<!-- file: (\S+) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
 EXCERPT_BLOCK = re.compile(r"^<!-- excerpt: (\S+) ?(\S*) -->\n```[\w-]*\n(.*?)^```$", re.M | re.S)
 DIFF_BLOCK = re.compile(r"^```diff\n(.*?)^```$", re.M | re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md", ROOT / "BENCHMARKS.md"]
-
-
-def marked_files(document: Path) -> Dict[str, str]:
-    """The blocks of `document` marked `<!-- file: PATH -->`, by PATH."""
-    found: Dict[str, str] = {}
-    for path, text in FILE_BLOCK.findall(document.read_text()):
-        assert path not in found, f"{document.name}: two blocks marked {path}"
-        found[path] = text
-    return found
 
 
 def headings(document: Path) -> List[str]:

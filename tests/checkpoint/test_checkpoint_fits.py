@@ -8,8 +8,8 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from test_checkpoint_safety import Box, Recorder, manager, model_state
 
+from helpers import Box, Recorder, manager, model_state
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint.manager import CheckpointError
 from steadfast.contract.events import Event

@@ -21,6 +21,8 @@ steadfast/'s top level (run, config, preflight, faults, verify_recovery, and the
 - the registry rule: no backend is named outside its own module in `_backends/` and its YAML file;
 - the compat rule: third-party private names are touched (and third-party code patched) only in
   the launcher's `_compat` package.
+- the tests' rule: every test file is in a folder of tests/ that tests/README.md's table names, and
+  its name is unique across the folders.
 
 tests/source_tree.py reads the source (module names, imports, the graphs). The finders of the graph,
 private, `__init__`, `Any` and compat rules are functions over a tree of files, each tested on a small
@@ -242,7 +244,7 @@ def _statements(path: Path) -> int:
 
 def test_no_module_is_over_the_limit() -> None:
     counts = {str(p.relative_to(ROOT)): _statements(p) for p in python_files(ROOT)}
-    assert "steadfast/run.py" in counts and "tests/test_architecture.py" in counts
+    assert "steadfast/run.py" in counts and "tests/repo/test_architecture.py" in counts
     over = {p: n for p, n in counts.items() if n > MAX_STATEMENTS}
     assert not over, f"modules over {MAX_STATEMENTS} statements (split them by job): " + ", ".join(
         f"{p} ({n})" for p, n in sorted(over.items())
@@ -457,3 +459,22 @@ def test_the_compat_rule_sees_a_patch(tmp_path: Path) -> None:
         "reads multiprocessing.forkserver._forkserver" in found
         and "reads multiprocessing.forkserver._forkserver._forkserver_pid" in found
     )
+
+
+# ---- the tests' folders --------------------------------------------------------------------------------
+
+
+def test_every_test_is_in_a_folder_the_tests_readme_names() -> None:
+    """Where a test for X goes is tests/README.md's table: a test file at tests/'s top, or in a folder
+    the table does not name, fails here. Names stay unique (the folders are no packages)."""
+    tests = ROOT / "tests"
+    named = set(re.findall(r"^\| `(\w+)/` \|", (tests / "README.md").read_text(), re.M))
+    files = sorted(p.relative_to(tests) for p in python_files(tests) if p.name.startswith("test_"))
+    assert len(files) > 60 and {"launcher", "checkpoint", "loop"} <= named, (len(files), named)
+    misplaced = [str(f) for f in files if len(f.parts) < 2 or f.parts[0] not in named]
+    assert not misplaced, "test files outside the folders tests/README.md names (add them to one): " + ", ".join(misplaced)
+    by_name: Dict[str, List[str]] = {}
+    for f in files:
+        by_name.setdefault(f.name, []).append(str(f))
+    twins = [" and ".join(v) for v in by_name.values() if len(v) > 1]
+    assert not twins, "test files of one name (pytest imports each by its name alone: rename one): " + "; ".join(twins)

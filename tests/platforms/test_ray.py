@@ -15,9 +15,8 @@ from typing import Any, Dict
 
 import pytest
 from platform_runs import APP, assert_restored_from_memory, beat_of, kill, make_app, output
-from test_docs import GUIDE, marked_files
 
-from helpers import env, events, run_dir, summary, wait_for
+from helpers import GUIDE, env, events, marked_files, run_dir, summary, wait_for
 
 RAY_GUIDE = GUIDE.with_name("ray.md")
 pytestmark = [

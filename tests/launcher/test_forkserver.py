@@ -17,9 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from helpers import ROOT
 from hydra_plugins.steadfast_launcher import _forkserver
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _python(script: str, cwd: Path, timeout: float = 240) -> dict:

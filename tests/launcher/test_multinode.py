@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUICK, event_of, events, run_dir, start_train, stop, summary, wait_for
+from helpers import QUICK, event_of, events, free_port, run_dir, start_train, stop, summary, wait_for
 
 pytestmark = [pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_args(port: int, nnodes: str = "2", name: str = "big", *extra: str) -> list:

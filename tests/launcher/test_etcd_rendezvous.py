@@ -9,9 +9,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-from test_multinode import free_port
 
-from helpers import QUICK, event_of, run_dir, run_train, summary, wait_for
+from helpers import QUICK, event_of, free_port, run_dir, run_train, summary, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 

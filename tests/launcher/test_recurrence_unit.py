@@ -1,7 +1,7 @@
 """Failures that would come back on every attempt, in isolation: the launcher's rule
 (`_diagnosis.recurrence`), what the worker side marks as recurring (contract/failures.py), a failed
 launch that keeps a completed run's summary, and the escaping of what a worker wrote. End to end:
-tests/test_recurring_failures.py."""
+tests/launcher/test_recurring_failures.py."""
 
 from __future__ import annotations
 

@@ -18,33 +18,13 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from helpers import Box
+from helpers import Box, Recorder, manager, model_state
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
-from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
+from steadfast.checkpoint.manager import CheckpointError
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
 from steadfast.checkpoint.storage import fileio
 from steadfast.contract.events import Event
-from steadfast.distributed.comm import Comm
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: List[Dict[str, Any]] = []
-
-    def __call__(self, kind: Event, **fields: Any) -> None:
-        self.events.append({"event": Event(kind).value, **fields})
-
-    def of(self, kind: Event) -> List[Dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind.value]
-
-
-def manager(folder: Path, keep_last: int = 2, events: Any = None, **kw: Any) -> CheckpointManager:
-    return CheckpointManager(folder, Comm(), keep_last, {"a": 1}, events or (lambda *a, **k: None), **kw)
-
-
-def model_state(step: int) -> Dict[str, Box]:
-    return {"model": Box({"w": torch.full((1000,), float(step)), "b": torch.arange(7.0) + step})}
 
 
 def set_aside(folder: Path) -> List[str]:

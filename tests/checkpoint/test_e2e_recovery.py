@@ -69,7 +69,7 @@ def test_crash_in_the_middle_of_writing_a_checkpoint(tmp_path: Path, baseline: d
     assert_same_weights(folder, baseline)
     logged = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert logged.count(20) == 2  # trained and logged again after the resume
-    assert_metrics_csv_matches(folder)  # once in metrics.csv (tests/test_sinks_unit.py: the cases)
+    assert_metrics_csv_matches(folder)  # once in metrics.csv (tests/telemetry/test_sinks_unit.py: the cases)
 
 
 @pytest.mark.extended

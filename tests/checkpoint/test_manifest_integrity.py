@@ -3,7 +3,7 @@ with real CheckpointManagers and real files: every one-bit flip of a manifest is
 an earlier version (no digest) still resumes, with a warning; retention ranks by step; a rank file's
 own table of pieces must match the manifest's; a tensor is read only when its pieces cover it exactly
 once; an optimizer's parameters are checked by name. The same cases with real workers, end to end:
-tests/test_crafted_checkpoints.py."""
+tests/checkpoint/test_crafted_checkpoints.py."""
 
 from __future__ import annotations
 

@@ -6,34 +6,17 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import pipeline.config as schema
+from helpers import CONF, composed, problems
 from hydra_plugins.steadfast_launcher._backends.horovod import HorovodBackendConf
 from hydra_plugins.steadfast_launcher._backends.torchrun import TorchrunBackendConf
 from steadfast import preflight as library
 from steadfast.contract import naming
 from steadfast.contract.schemas import RestartConf
 
-SAFE = list(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "train.yaml").run.safe_to_change)
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def composed(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=True)
-
-
-def problems(*overrides: str) -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    cfg = composed(*overrides)
-    HydraConfig.instance().set_config(cfg)
-    return library.check(cfg) + schema.preflight(cfg)
+SAFE = list(OmegaConf.load(CONF / "train.yaml").run.safe_to_change)
 
 
 def test_defaults_compose_and_pass_preflight() -> None:
