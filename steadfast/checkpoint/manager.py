@@ -119,9 +119,9 @@ class CheckpointManager:
         """Collective: every rank calls it at the same step.
 
         One protocol for every codec; the codec's plan says which ranks write files. Rank 0 stages the
-        save, each rank that has files writes them (`_write`: the one file loop), rank 0 commits from
-        every writer's report (`_commit_written`), and a failure anywhere abandons the staged save and
-        fails it with one message. The one policy is who wrote:
+        save, each rank that has files writes them (`_write`: ranks.write_files, the one file loop),
+        rank 0 commits from every writer's report (`_commit_written`), and a failure anywhere abandons
+        the staged save and fails it with one message. The one policy is who wrote:
           - rank 0 alone (the replicated format: the others' plan is empty, so they return once
             planned): it stages in its writer, its files become durable with the manifest, and its own
             report is the only one: no collective beyond the plan's. Asynchronous: write and commit run
