@@ -8,7 +8,7 @@ The commit protocol and the resume:
   manifest       what makes a checkpoint committed, listing them, which config changes a resume
                  accepts (cheap, no torch: the launcher's pre-flight uses it)
   staging        the blocking part of an asynchronous save: the tensors copied into reused host memory
-  ranks          one rank's part of a save in which every rank writes its own files
+  ranks          one rank's part of a save: the files its codec planned for it, written; its report to rank 0
   optimizers     whether a saved optimizer state fits the live optimizer (parameters by name, shapes, placements)
   storage        where a checkpoint's bytes go: the Store interface (stage, write, commit, list, read, set
                  aside, discard), a folder (posix, fileio: whole, checked writes), an S3 bucket (s3)

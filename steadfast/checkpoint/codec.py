@@ -77,7 +77,7 @@ class Loaded:
 
 class Codec(ABC):
     spec: ClassVar[FormatSpec]  # its format: the manifest's `format` number, its name, the check of its own fields
-    every_rank_writes: ClassVar[bool]  # False: only rank 0 writes files
+    every_rank_writes: ClassVar[bool]  # False: only rank 0 has files (it saves alone: no collective beyond the plan's)
     catch_all: ClassVar[bool] = False  # it stores any state: asked last (the replicated codec)
 
     @property

@@ -3,9 +3,10 @@
 What the files hold is the codec's business (codec.py: the replicated format, rank 0 writes; the
 sharded one, every rank writes its own file); where they go is the store's (storage/: a folder, a
 bucket). The protocol is the same for every codec and store:
-  1. the store stages the save (a folder: `.tmp-step_N-<id>/`) and the files are written into it
-     (every byte, size checked; with the sharded format every rank writes and reads back its own
-     file in parallel, then reports it to rank 0);
+  1. the codec's plan says which ranks write which files (the replicated format: rank 0 all of
+     them; the sharded one: every rank its own); rank 0 stages the save (a folder:
+     `.tmp-step_N-<id>/`) and each rank with files writes them into it (every byte, size checked;
+     where every rank writes, each reads back its own file, in parallel, and reports it to rank 0);
   2. rank 0 builds `manifest.json` (its own digest first, then step, commit sequence, epoch,
      position, world size, training config, size and checksum of every file, each optimizer's
      parameters by name, the codec's own fields) and the store commits: the manifest written last
@@ -39,10 +40,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 from ..contract.events import Event
 from . import manifest as mf
 from . import restore as rs
-from .codec import Codec, Collectives, Unsaveable, state_of
+from .codec import Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
-from .ranks import RankWrite, SaveHooks, write_files, write_own
+from .ranks import RankWrite, SaveHooks, write_own
 from .retention import Policy
 from .staging import HostBuffers, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
@@ -97,10 +98,9 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
         self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
         self._buffers = HostBuffers()
-        self._pending: Optional[Future[str]] = None
+        self._pending: Optional[Future[Optional[str]]] = None
         self._pending_on_rank_0_only = False  # the pending work is rank 0's alone in a save every rank wrote
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
-        self._objects_of_save: List[Any] = []
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
@@ -116,7 +116,21 @@ class CheckpointManager:
 
     # ---- saving -------------------------------------------------------------------------
     def save(self, step: int, objects: Dict[str, Stateful], per_rank: Dict[str, Stateful], meta: Dict[str, Any]) -> None:
-        """Collective: every rank calls it at the same step."""
+        """Collective: every rank calls it at the same step.
+
+        One protocol for every codec; the codec's plan says which ranks write files. Rank 0 stages the
+        save, each rank that has files writes them (`_write`: ranks.write_files, the one file loop),
+        rank 0 commits from every writer's report (`_commit_written`), and a failure anywhere abandons
+        the staged save and fails it with one message. The one policy is who wrote:
+          - rank 0 alone (the replicated format: the others' plan is empty, so they return once
+            planned): it stages in its writer, its files become durable with the manifest, and its own
+            report is the only one: no collective beyond the plan's. Asynchronous: write and commit run
+            in the background at once, the loop blocked only for the host copy.
+          - every rank (the sharded format): rank 0 stages and tells every rank the name (a broadcast),
+            each file is durable and read back before it is reported, and rank 0 gathers the reports and
+            tells every rank the outcome (a gather, a broadcast). Asynchronous: written in the
+            background, committed at a later step boundary by which every rank has written (`busy`,
+            `written_step`, `commit_written`)."""
         clash = sorted(mf.RESERVED & set(meta))
         if clash:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
@@ -124,9 +138,6 @@ class CheckpointManager:
         if self.comm.rank == 0:  # who writes the manifest
             meta = {**meta, **optimizer_fields(objects)}
         codec = for_state(states)
-        self._objects_of_save = list(objects.values())
-        if codec.every_rank_writes:
-            self.wait()
         started = time.perf_counter()
         try:
             planned = codec.plan(states, {name: state_of(obj) for name, obj in per_rank.items()}, self.comm)
@@ -134,59 +145,61 @@ class CheckpointManager:
         except Unsaveable as exc:
             planned, problem = None, f"cannot save {exc.name} at step {step}: {exc.reason}"
         self.last_saved_step = step
-        if codec.every_rank_writes:
-            self._save_every_rank(step, codec, planned, problem, meta, started)
-            return
-        if self.comm.rank != 0:
-            return
-        if problem is not None or planned is None:
+        alone = not codec.every_rank_writes
+        if alone and self.comm.rank != 0:
+            return  # it has no files: rank 0 writes and commits the save without it
+        waited = time.perf_counter()
+        self.wait()  # collective while a save of every rank is written and not committed
+        started += time.perf_counter() - waited
+        if alone and problem is not None:
             raise CheckpointError(problem)
-        self.wait()
-        started = time.perf_counter()
-        layouts, meta = planned.files, {**meta, **codec.manifest_fields([planned.report])}
-        if not self.async_save:
-            pieces = {n: layout.buffers() for n, layout in layouts.items()}
-            final, files = self._write_and_commit(step, pieces, meta, codec.format, started)
-            self._pending = self._pool.submit(self._check_then_retain, step, final, files)
+        writing = RankWrite(step, codec, meta, started, planned, alone, problem=problem)
+        writing.batch = self.store.batch() if alone else None
+        if not alone:
+            self._stage_save(writing)
+        if writing.problem is not None or not self.async_save:
+            files = planned.files if planned is not None and writing.problem is None else {}
+            self._write(writing, {f: layout.buffers() for f, layout in files.items()})
+            self._check_later(writing, self._commit_written(writing))
             return
-        host = self._stage(layouts, objects.values())
+        assert planned is not None
+        host = self._stage(planned.files, objects.values())
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
-        self._pending = self._pool.submit(self._write_staged, step, host, meta, codec.format, started)
+        future = self._pool.submit(self._write_staged, writing, host)
+        if alone:
+            self._pending = future  # committed in the background, as soon as it is written
+        else:
+            writing.future, self._written = future, writing
 
-    def _save_every_rank(
-        self, step: int, codec: Codec, planned: Any, problem: Optional[str], meta: Dict[str, Any], started: float
-    ) -> None:
-        """A save in which every rank writes its own files (the sharded format), in parallel: each
-        writes and reads back its files in the temporary folder and reports them; rank 0 commits
-        (`_commit_written`). A failure on any rank fails the save on every rank, with the same
-        message. Asynchronous: the files are copied to host memory now, written in the background,
-        and committed at a later step boundary at which every rank has written them (`busy`)."""
-        comm, staged, unavailable = self.comm, None, False
-        if comm.rank == 0 and problem is None:
+    def _stage_save(self, writing: RankWrite) -> None:
+        """Rank 0 stages the save; unless it writes alone, every rank is told the name (collective)."""
+        if self.comm.rank == 0 and writing.problem is None:
             try:
-                staged = self.store.stage(step)
-            except OSError as exc:
-                problem, unavailable = f"cannot stage step {step} in {self.where()}: {exc}", isinstance(exc, StoreError)
-        name = comm.broadcast_object(staged)
-        if name is None:
-            problem = problem or "rank 0 could not stage the save"
-        writing = RankWrite(step, codec, meta, started, name, problem, unavailable=unavailable)
-        if problem is not None or not self.async_save:
-            files = (
-                {f: layout.buffers() for f, layout in planned.files.items()} if planned is not None and problem is None else {}
-            )
-            writing.report = write_own(self.store, writing, files, planned, self.comm.rank, self.hooks)
-            self._commit_written(writing)
-            return
-        host = self._stage(planned.files, self._objects_of_save)
-        self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
+                writing.tmp = self.store.stage(writing.step)
+            except Exception as exc:
+                writing.problem = f"cannot stage step {writing.step} in {self.where()}: {exc}"
+                writing.unavailable, writing.failure = isinstance(exc, StoreError), exc
+        if not writing.alone:
+            writing.tmp = self.comm.broadcast_object(writing.tmp)
+            if writing.tmp is None:
+                writing.problem = writing.problem or "rank 0 could not stage the save"
 
-        def background() -> Dict[str, Any]:
-            host.copy_rest()
-            return write_own(self.store, writing, {f: host.pieces(f) for f in host.layouts}, planned, self.comm.rank, self.hooks)
+    def _write(self, writing: RankWrite, pieces: Dict[str, List[Any]]) -> None:
+        """This rank's files written into the staged save (staged first by rank 0 writing alone), reported."""
+        if writing.alone:
+            self._stage_save(writing)
+        writing.report = write_own(self.store, writing, pieces, self.comm.rank, self.hooks)
 
-        writing.future = self._pool.submit(background)
-        self._written = writing
+    def _write_staged(self, writing: RankWrite, host: Staging) -> Optional[str]:
+        """The background part of an asynchronous save: the rest of the host copy, this rank's files
+        written; rank 0 writing alone commits and reads back at once (the committed name)."""
+        host.copy_rest()
+        self._write(writing, {name: host.pieces(name) for name in host.layouts})
+        if not writing.alone:
+            return None  # committed at a step boundary by which every rank has written (commit_written)
+        committed = self._commit_written(writing)
+        assert committed is not None
+        return self._check_then_retain(writing.step, *committed)
 
     def busy(self) -> bool:
         """Whether this rank is still writing its files of an asynchronous sharded save."""
@@ -201,16 +214,23 @@ class CheckpointManager:
         writing, self._written = self._written, None
         if writing is not None:
             assert writing.future is not None
-            writing.report = writing.future.result()
-            self._commit_written(writing)
+            writing.future.result()
+            self._check_later(writing, self._commit_written(writing))
 
-    def _commit_written(self, writing: "RankWrite") -> None:
+    def _commit_written(self, writing: RankWrite) -> Optional[Tuple[str, Dict[str, Dict[str, Any]]]]:
+        """Rank 0 commits the save from every writer's report (its own the only one when it wrote alone:
+        no collective); the committed name and files on rank 0. A failure abandons the staged save and
+        raises StoreUnavailable (its store unreachable) or CheckpointError, on every rank that wrote."""
         comm, step = self.comm, writing.step
-        reports = comm.gather_object(writing.report)
+        reports = [writing.report] if writing.alone else comm.gather_object(writing.report)
         outcome: Optional[Tuple[str, bool]] = None  # (why it failed, whether its store was unavailable)
+        cause: Optional[BaseException] = None
+        committed = None
         if comm.rank == 0:
             staged = writing.tmp
             try:
+                if writing.alone and writing.failure is not None:
+                    raise writing.failure
                 failed = [r for r in reports or [] if "error" in r]
                 if failed or staged is None:
                     if writing.unavailable or (failed and all(r.get("unavailable") for r in failed)):
@@ -218,17 +238,30 @@ class CheckpointManager:
                     raise CheckpointError("; ".join(r["error"] for r in failed) or str(writing.problem))
                 files = {f: spec for r in reports or [] for f, spec in r["files"].items()}
                 fields = {**writing.meta, **writing.codec.manifest_fields(reports or [])}
-                final = self._commit(step, staged, files, fields, writing.codec.format, self.store.batch())
-                self._pending = self._pool.submit(self._check_then_retain, step, final, files, False)
-                self._pending_on_rank_0_only = True
-                self._saved(step, writing.meta, final, files, writing.started)
+                committed = (
+                    self._commit(step, staged, files, fields, writing.codec.format, writing.batch or self.store.batch()),
+                    files,
+                )
             except BaseException as exc:
+                if writing.batch is not None:
+                    writing.batch.close()
                 if staged is not None:
                     self.store.abandon(staged)
-                outcome = (self._failed(step, exc), isinstance(exc, StoreError))
-        outcome = comm.broadcast_object(outcome)
+                outcome, cause = (self._failed(step, exc), isinstance(exc, StoreError)), exc
+        if not writing.alone:
+            outcome = comm.broadcast_object(outcome)
         if outcome is not None:
-            raise (StoreUnavailable if outcome[1] else CheckpointError)(outcome[0])
+            raise (StoreUnavailable if outcome[1] else CheckpointError)(outcome[0]) from cause
+        if committed is not None:
+            self._saved(step, writing.meta, *committed, writing.started)
+        return committed
+
+    def _check_later(self, writing: RankWrite, committed: Optional[Tuple[str, Dict[str, Dict[str, Any]]]]) -> None:
+        """Rank 0 reads the committed save back in the background (checksums too when it wrote every
+        file; else sizes: each writer read its own back). Where every rank wrote, the others go on."""
+        if committed is not None:
+            self._pending = self._pool.submit(self._check_then_retain, writing.step, *committed, writing.alone)
+            self._pending_on_rank_0_only = not writing.alone
 
     def _stage(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Staging:
         """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
@@ -272,29 +305,6 @@ class CheckpointManager:
                 handle.remove()
             self._hooked = weakref.WeakKeyDictionary()
             self._pool.shutdown(wait=True)
-
-    def _write_staged(self, step: int, host: Staging, meta: Dict[str, Any], format: int, started: float) -> str:
-        host.copy_rest()
-        final, files = self._write_and_commit(step, {name: host.pieces(name) for name in host.layouts}, meta, format, started)
-        return self._check_then_retain(step, final, files)
-
-    def _write_and_commit(
-        self, step: int, pieces: Dict[str, List[Any]], meta: Dict[str, Any], format: int, started: float
-    ) -> Any:
-        """Rank 0 writes every file of the save (of a codec in which only it writes: the replicated one)
-        and commits it: (name, files)."""
-        staged, batch = None, self.store.batch()  # the files made durable with the manifest, together
-        try:
-            staged = self.store.stage(step)
-            files = write_files(self.store, staged, step, pieces, self.hooks, batch)
-            final = self._commit(step, staged, files, meta, format, batch)
-        except BaseException as exc:
-            batch.close()
-            if staged is not None:
-                self.store.abandon(staged)
-            raise (StoreUnavailable if isinstance(exc, StoreError) else CheckpointError)(self._failed(step, exc)) from exc
-        self._saved(step, meta, final, files, started)
-        return final, files
 
     def _commit(
         self, step: int, staged: str, files: Dict[str, Dict[str, Any]], fields: Dict[str, Any], format: int, batch: Batch

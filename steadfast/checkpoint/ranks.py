@@ -1,5 +1,5 @@
-"""One rank's part of a save in which every rank writes its own files (the sharded format): what it
-wrote, read back and reports to rank 0, which commits (CheckpointManager._commit_written)."""
+"""One rank's part of a save: what it writes (its files, as the codec planned them), read back where it
+is not the only writer, and reports to rank 0, which commits (CheckpointManager._commit_written)."""
 
 from __future__ import annotations
 
@@ -24,18 +24,25 @@ class SaveHooks(Protocol):
 
 @dataclass
 class RankWrite:
-    """A save under way: its step, codec and fields; the name the store staged it under (None: rank 0
-    could not stage it); a problem that fails it; this rank's report once written (its future, async)."""
+    """A save under way on one rank: its step, codec, fields and plan; whether rank 0 writes it alone
+    (`alone`: the codec planned files for rank 0 only, the replicated format; else every rank writes its
+    own, the sharded one); the name the store staged it under (None: not staged, or rank 0 could not);
+    a problem that fails it; this rank's report once written (its future: an asynchronous save of every
+    rank, committed at a step boundary)."""
 
     step: int
     codec: Codec
     meta: Dict[str, Any]
     started: float
-    tmp: Optional[str]
-    problem: Optional[str]
+    planned: Optional[Planned]
+    alone: bool
+    tmp: Optional[str] = None
+    problem: Optional[str] = None
     report: Dict[str, Any] = field(default_factory=dict)
     unavailable: bool = False  # rank 0: its store could not stage it (unreachable)
-    future: Optional["Future[Dict[str, Any]]"] = None
+    failure: Optional[BaseException] = None  # rank 0 writing alone: what failed it, raised as the cause
+    batch: Optional[Batch] = None  # rank 0 writing alone: its files made durable with the manifest, together
+    future: Optional["Future[Optional[str]]"] = None
 
 
 def write_files(
@@ -55,20 +62,19 @@ def write_files(
 
 
 def write_own(
-    store: Store,
-    save: RankWrite,
-    pieces: Dict[str, List[Any]],
-    planned: Optional[Planned],
-    rank: int,
-    hooks: Optional[SaveHooks],
+    store: Store, save: RankWrite, pieces: Dict[str, List[Any]], rank: int, hooks: Optional[SaveHooks]
 ) -> Dict[str, Any]:
-    """Write this rank's files (name -> its buffers, in order) into the staged save, each durable and read
-    back; the report rank 0 commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or
-    {"error": ...}. Never raises (a failure is reported, and fails the save on every rank)."""
+    """Write this rank's files (name -> its buffers, in order) into the staged save; the report rank 0
+    commits from: {"files": {name: {bytes, checksum}}, ...the codec's} or {"error": ...}. Never raises
+    an Exception (a failure is reported, and fails the save on every rank); rank 0 writing alone keeps
+    any failure, even an interrupt, in `save.failure` (the commit raises it, after abandoning the save)."""
     try:
         if save.problem is not None or save.tmp is None:
             raise RuntimeError(save.problem or "rank 0 could not stage the save")
-        written = write_files(store, save.tmp, save.step, pieces, hooks)  # each read back before it is reported
-        return {"files": written, **(planned.report if planned is not None else {})}
-    except Exception as exc:
+        written = write_files(store, save.tmp, save.step, pieces, hooks, save.batch)
+        return {"files": written, **(save.planned.report if save.planned is not None else {})}
+    except BaseException as exc:
+        if not (save.alone or isinstance(exc, Exception)):
+            raise
+        save.failure = save.failure or exc
         return {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "unavailable": isinstance(exc, StoreError)}

@@ -295,3 +295,41 @@ def test_a_state_on_the_gpu_is_saved_as_its_values(tmp_path: Path, async_save: b
     assert manager(tmp_path).restore({"model": saved_model, "optimizer": Box({}), "big": saved_big}, {}, False).step == 1
     assert all(torch.equal(saved_model.state[k], v) for k, v in expected.items())
     assert all(torch.equal(saved_big.state[k], v.cpu()) for k, v in big.items())
+
+
+class _OneOfTwo(Comm):
+    """Rank `rank` of two in one process: the peer's own state is gathered; every collective counted."""
+
+    world_size = 2
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.calls = rank, []  # type: ignore[misc]
+
+    def gather_object(self, obj: Any) -> Any:
+        self.calls.append("gather_object")
+        return [obj, {"rng": {"seed": 99}}] if self.rank == 0 else None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        self.calls.append("broadcast_object")
+        return obj
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_replicated_save_is_rank_0_s_alone_after_the_plan_s_gather(tmp_path: Path, async_save: bool) -> None:
+    # the one save path: the replicated format's plan gives rank 0 every file and the others none, so
+    # the save costs the plan's gather and nothing more: no staged name, report or outcome exchanged
+    # (rank 1 gone on at once), and an asynchronous one commits in the background, not at a step boundary
+    zero, one = _OneOfTwo(0), _OneOfTwo(1)
+    for comm in (one, zero):
+        m = CheckpointManager(tmp_path, comm, 2, {"a": 1}, lambda *a, **k: None, async_save=async_save)
+        m.save(5, {"model": Box({"w": torch.arange(4.0)})}, {"rng": Box({"seed": comm.rank})}, {"epoch": 0})
+        assert m.written_step() is None and not m.busy()  # nothing left for a step boundary to commit
+        if comm is one:
+            assert not mf.committed(tmp_path) and not list(tmp_path.iterdir())  # rank 1 stages and writes nothing
+        m.close()
+    assert zero.calls == one.calls == ["gather_object"]
+    assert [s for s, _ in mf.committed(tmp_path)] == [5]
+    fresh, rng = Box({}), Box({})
+    restored = manager(tmp_path).restore({"model": fresh}, {"rng": rng}, allow_config_change=False, new_rank=lambda step: None)
+    assert restored is not None and fresh.state["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and rng.state == {"seed": 0}
