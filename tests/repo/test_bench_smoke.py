@@ -51,13 +51,16 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
         "async_total",
         "torch_save",
         "raw_fsync_write",
+        "raw_atomic_commit",
         "restore_warm",
         "raw_read_warm",
     }
     ratios = {
         "project_sync/raw_fsync_write throughput",
+        "project_sync/raw_atomic_commit throughput",
         "torch_save/raw_fsync_write throughput",
         "async_blocked/sync_save time",
+        "async_blocked/allowed time",
         "restore/raw_read throughput (warm)",
     }
     for r in (big, model, small):
