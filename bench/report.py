@@ -24,7 +24,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sh, an = (
+    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sc_alone, sh, an = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -36,6 +36,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "scaling",
             "stop_agreement",
             "step_cost",
+            "step_cost_1rank",
             "sharded",
             "anomalies",
         )
@@ -78,7 +79,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         *checkpoints.rows(ck),
         *horovod.rows(hv),
         *scaling.rows(sc),
-        *step_cost.rows(sa, sc_step),
+        *step_cost.rows(sa, sc_step, sc_alone),
     ]
     if sh:
         rows += sharded.rows(sh)
@@ -92,7 +93,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     lines += checkpoints.section(ck)
     lines += horovod.section(hv)
     lines += scaling.section(sc)
-    lines += step_cost.section(sc_step, sa)
+    lines += step_cost.section(sc_step, sa, sc_alone)
     if sh:
         lines += sharded.section(sh, in_suite="sharded" in ran)
     lines += anomalies.section(an)

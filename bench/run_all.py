@@ -31,6 +31,7 @@ SUITE: List[tuple] = [
     ("checkpoint_io", "bench.checkpoint_io", ["--mb", "128", "--repeats", "3"], (25, 8)),
     ("hot_loop", "bench.hot_loop", [], (130, 60)),
     ("step_cost", "bench.step_cost", [], (75, 35)),
+    ("step_cost_1rank", "bench.step_cost", ["--nproc", "1", "--configs", "bare,run", "--rounds", "60"], (25, 15)),
     ("stop_agreement", "bench.stop_agreement", [], (90, 45)),
     ("startup", "bench.startup", [], (100, 65)),
     ("recovery", "bench.recovery", [], (150, 110)),
@@ -40,8 +41,10 @@ SUITE: List[tuple] = [
     ("sharded", "bench.sharded", [], (380, 170)),
     ("anomalies", "bench.anomalies", [], (90, 50)),
 ]
-QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"]}
+ALONE = ["--nproc", "1", "--configs", "bare,run"]  # step_cost_1rank: one rank alone, with and without steadfast.Run
+QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"], "step_cost_1rank": [*ALONE, "--rounds", "20"]}
 TINY_ARGS = {
+    "step_cost_1rank": ["--tiny", *ALONE],
     "checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"],
     "sharded": ["--tiny", "--no-drop-caches"],
 }

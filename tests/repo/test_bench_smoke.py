@@ -140,6 +140,8 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
 def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "step_cost")
     assert all(_positive(v) for v in r["ms_per_step"].values()) and set(r["ms_per_step"]) >= {"bare", "run_step"}
+    alone = _run_bench(tmp_path, "step_cost", "--nproc", "1", "--configs", "bare,run")  # run.step's target: one rank alone
+    assert alone["nproc"] == 1 and set(alone["ms_per_step"]) == {"bare", "run"} and _positive(alone["run.step_us_per_step"])
     r = _run_bench(tmp_path, "stop_agreement")
     assert _positive(r["collective"]["torchrun"]["median_us"])
     assert all(_positive(r["in_training"][k]["ms_per_step"]) for k in ("every step", "auto (default)", "never"))
