@@ -24,7 +24,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sc_alone, sh, an = (
+    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sc_alone, sh, fsdp, an = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -38,6 +38,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "step_cost",
             "step_cost_1rank",
             "sharded",
+            "fsdp_hot_loop",
             "anomalies",
         )
     )
@@ -81,8 +82,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         *scaling.rows(sc),
         *step_cost.rows(sa, sc_step, sc_alone),
     ]
-    if sh:
-        rows += sharded.rows(sh)
+    rows += sharded.rows(sh, fsdp)
     rows += anomalies.rows(an)
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
@@ -94,8 +94,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     lines += horovod.section(hv)
     lines += scaling.section(sc)
     lines += step_cost.section(sc_step, sa, sc_alone)
-    if sh:
-        lines += sharded.section(sh, in_suite="sharded" in ran)
+    if sh or fsdp:
+        lines += sharded.section(sh, "sharded" in ran, fsdp)
     lines += anomalies.section(an)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():

@@ -38,11 +38,16 @@ SUITE: List[tuple] = [
     ("goodput", "bench.goodput", [], (240, 130)),
     ("horovod", "bench.horovod", [], (60, 35)),
     ("scaling", "bench.scaling", [], (150, 46)),
-    ("sharded", "bench.sharded", [], (380, 170)),
+    ("sharded", "bench.sharded", ["--hot-rounds", "0"], (230, 110)),  # its hot loop: fsdp_hot_loop
+    ("fsdp_hot_loop", "bench.fsdp_hot_loop", [], (270, 140)),
     ("anomalies", "bench.anomalies", [], (90, 50)),
 ]
 ALONE = ["--nproc", "1", "--configs", "bare,run"]  # step_cost_1rank: one rank alone, with and without steadfast.Run
-QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"], "step_cost_1rank": [*ALONE, "--rounds", "20"]}
+QUICK_ARGS = {
+    "checkpoint_io": ["--mb", "32", "--repeats", "2"],
+    "step_cost_1rank": [*ALONE, "--rounds", "20"],
+    "sharded": ["--quick", "--hot-rounds", "0"],
+}
 TINY_ARGS = {
     "step_cost_1rank": ["--tiny", *ALONE],
     "checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"],
