@@ -7,7 +7,20 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .common import RESULTS, ROOT
-from .reports import anomalies, checkpoints, goodput, horovod, hot_loop, recovery, scaling, sharded, startup, step_cost
+from .reports import (
+    anomalies,
+    checkpoints,
+    goodput,
+    horovod,
+    hot_loop,
+    object_store,
+    recovery,
+    refactor,
+    scaling,
+    sharded,
+    startup,
+    step_cost,
+)
 from .reports.cells import f, load, table
 
 OUT = ROOT / "BENCHMARKS.md"
@@ -24,7 +37,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sc_alone, sh, fsdp, an = (
+    hot, st, rec, gp, ck, rf, s3, hv, sc, sa, sc_step, sc_alone, sh, fsdp, an = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -32,6 +45,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "recovery",
             "goodput",
             "checkpoint_io",
+            "checkpoint_refactor",
+            "checkpoint_s3",
             "horovod",
             "scaling",
             "stop_agreement",
@@ -84,6 +99,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     ]
     rows += sharded.rows(sh, fsdp)
     rows += anomalies.rows(an)
+    rows += refactor.rows(rf)
+    rows += object_store.rows(s3)
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
     lines += hot_loop.section(hot)
@@ -97,6 +114,8 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     if sh or fsdp:
         lines += sharded.section(sh, "sharded" in ran, fsdp)
     lines += anomalies.section(an)
+    lines += refactor.section(rf)
+    lines += object_store.section(s3)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

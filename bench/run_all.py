@@ -29,6 +29,8 @@ from .cpu import cpu_counters, foreign_load
 # uses it (full, quick).
 SUITE: List[tuple] = [
     ("checkpoint_io", "bench.checkpoint_io", ["--mb", "128", "--repeats", "3"], (25, 8)),
+    ("checkpoint_refactor", "bench.checkpoint_refactor", [], (180, 120)),
+    ("checkpoint_s3", "bench.checkpoint_s3", [], (45, 25)),  # skipped, with the reason, without `weed`
     ("hot_loop", "bench.hot_loop", [], (130, 60)),
     ("step_cost", "bench.step_cost", [], (75, 35)),
     ("step_cost_1rank", "bench.step_cost", ["--nproc", "1", "--configs", "bare,run", "--rounds", "60"], (25, 15)),

@@ -215,6 +215,28 @@ def test_fsdp_hot_loop_bench_smoke(tmp_path: Path) -> None:
     assert cpu is None or _positive(cpu)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
+def test_checkpoint_refactor_bench_smoke(tmp_path: Path) -> None:
+    """The tree before issue 35's refactor, checked out aside, runs its own checkpoint benchmarks beside this one's."""
+    r = _run_bench(tmp_path, "checkpoint_refactor", timeout=400)
+    assert set(r["ratios"]) == {"A", "B", "C", "sharded save, 2 workers"}
+    for t in r["ratios"].values():
+        assert _positive(t["before"]["median"]) and _positive(t["after"]["median"]) and _positive(t["after/before"])
+    out = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "steadfast-bench-refactor-" not in out  # its checkout is gone
+
+
+@pytest.mark.extended
+def test_checkpoint_s3_bench_smoke(tmp_path: Path) -> None:
+    r = _run_bench(tmp_path, "checkpoint_s3")
+    if r.get("skipped"):
+        assert "weed" in r["skipped"]
+        return
+    assert set(r["median_s"]) == {"raw_put", "project_sync", "project_checked", "restore"}
+    assert all(_positive(v) for v in [*r["median_s"].values(), *r["ratios"].values()])
+
+
 def test_report_renders_from_the_smoke_results(tmp_path: Path) -> None:
     from bench.report import write_report
 
