@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .common import PY, RESULTS, ROOT, command_line, log, machine, median, ratio, spread, write_json
+from .common import PY, RESULTS, ROOT, command_line, fmt, log, machine, median, ratio, spread, write_json
 
 BEFORE = "cc4e9b0~1"
 SHARDED_DRIVER = Path(__file__).with_name("_sharded_save_of_tree.py")
@@ -54,7 +54,9 @@ def checkpoint_io(tree: Path, mb: int, tensors: int, repeats: int, scratch: Path
     cmd += ["--no-drop-caches", "--dir", str(scratch), "--json", str(out)]
     done = subprocess.run(cmd, cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=900)
     if done.returncode or not out.exists():
-        raise RuntimeError(f"checkpoint_io in {tree} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(
+            f"checkpoint_io in {tree} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     result = json.loads(out.read_text())
     out.unlink()
     return {r["case"].split(":")[0]: r["ratios"]["project_sync/raw_fsync_write throughput"] for r in result["results"]}
@@ -70,7 +72,12 @@ def sharded_save(tree: Path, width: int, blocks: int, pairs: int, drop: bool, sc
     out.unlink()
     save = median([s["seconds"] for s in task["sharded_save"]])
     raw = median([s["seconds"] for s in task["raw_fsync_write"]])
-    return {"sharded/raw throughput": ratio(raw, save), "save_s": save, "raw_s": raw, "foreign_share": task["load"]["foreign_share"]}
+    return {
+        "sharded/raw throughput": ratio(raw, save),
+        "save_s": save,
+        "raw_s": raw,
+        "foreign_share": task["load"]["foreign_share"],
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -115,13 +122,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 s = sharded_save(trees[name], args.width, args.blocks, args.pairs, drop, work)
                 runs[name].setdefault("sharded save, 2 workers", []).append(s["sharded/raw throughput"])
                 runs[name].setdefault("sharded runs", []).append(s)
-                log(f"  round {r + 1} {name:<6} sharded save / raw {s['sharded/raw throughput']:.3f} (foreign {s['foreign_share']:.0%})")
+                log(
+                    f"  round {r + 1} {name:<6} sharded save / raw {s['sharded/raw throughput']:.3f} (foreign {s['foreign_share']:.0%})"
+                )
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
         subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     cases = [c for c in runs["after"] if c != "sharded runs"]
-    table = {
+    table: Dict[str, Dict[str, Any]] = {
         case: {
             "before": spread(runs["before"][case]),
             "after": spread(runs["after"][case]),
@@ -143,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     print(f"\n{'case':<26}{'before':>10}{'after':>10}{'after/before':>14}")
     for case, t in table.items():
-        print(f"{case:<26}{t['before']['median']:>10.3f}{t['after']['median']:>10.3f}{t['after/before'] or 0:>14.3f}")
+        print(f"{case:<26}{fmt(t['before']['median']):>10}{fmt(t['after']['median']):>10}{fmt(t['after/before']):>14}")
     write_json(args.json, out)
     return 0
 

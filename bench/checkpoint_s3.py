@@ -18,7 +18,6 @@ Without `weed` (and no AWS_ENDPOINT_URL) the benchmark is skipped, and its JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil

@@ -90,7 +90,9 @@ def measure(
         makers.append(
             (
                 "hand_written",
-                lambda: run_baseline(work, "horovod-baseline", job, timeout, sample_cpu=True, loader="slices", script=script, horovod=True),
+                lambda: run_baseline(
+                    work, "horovod-baseline", job, timeout, sample_cpu=True, loader="slices", script=script, horovod=True
+                ),
             )
         )
         makers += [
@@ -179,7 +181,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tuning", action="store_true", help="also Horovod's own defaults, cycle times, tensor fusion off")
     p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
-    p.add_argument("--tiny", action="store_true", help="one Horovod run and one hand-written of a tiny job, no torchrun (smoke test)")
+    p.add_argument(
+        "--tiny", action="store_true", help="one Horovod run and one hand-written of a tiny job, no torchrun (smoke test)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
     job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds

@@ -279,9 +279,7 @@ def _worker(args: argparse.Namespace) -> None:
         )
 
 
-def measure(
-    rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot", nproc: int = 2
-) -> Dict[str, Any]:
+def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot", nproc: int = 2) -> Dict[str, Any]:
     from steadfast.loop.memory_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env

@@ -31,7 +31,14 @@ def rows(ck: Optional[Dict[str, Any]]) -> List[List[str]]:
             share = f(rr.get("async_blocked/sync_save time"), 3)
             if allowed is None:  # an older result: the target was 0.05 of a sync save alone
                 rows.append(
-                    target("5", f"checkpoint {tag}: async save, time blocked / sync save time", rr.get("async_blocked/sync_save time"), "<=", 0.05, 3)
+                    target(
+                        "5",
+                        f"checkpoint {tag}: async save, time blocked / sync save time",
+                        rr.get("async_blocked/sync_save time"),
+                        "<=",
+                        0.05,
+                        3,
+                    )
                 )
             else:
                 rows.append(

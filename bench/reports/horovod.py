@@ -25,7 +25,9 @@ def rows(hv: Optional[Dict[str, Any]]) -> List[List[str]]:
                     shown=f"{f(v, 3)} ({f(paired, 3)}; {f(r.get('horovod/hand_written steps per CPU-second'), 3)})",
                 )
             )
-            rows.append(reported("6", "Horovod: time to first step, ours / hand-written", f(r.get("horovod/hand_written ttfs"), 2)))
+            rows.append(
+                reported("6", "Horovod: time to first step, ours / hand-written", f(r.get("horovod/hand_written ttfs"), 2))
+            )
         v = r.get("horovod/torchrun steps_per_s")
         if "horovod/hand_written steps_per_s" not in r:  # an older result
             rows.append(target("6", "Horovod / torchrun: steps/s (default settings)", v, ">=", 0.95))
@@ -60,7 +62,16 @@ def section(hv: Optional[Dict[str, Any]]) -> List[str]:
             ]
             cpu = hv.get("cpu_s_per_step", {})
             lines += table(
-                ["run", "settings", "steps/s", "/ hand-written", "/ torchrun", "CPU ms per step", "time to first step (s)", "wall (s)"],
+                [
+                    "run",
+                    "settings",
+                    "steps/s",
+                    "/ hand-written",
+                    "/ torchrun",
+                    "CPU ms per step",
+                    "time to first step (s)",
+                    "wall (s)",
+                ],
                 [
                     [
                         k,

@@ -14,8 +14,16 @@ def rows(s3: Optional[Dict[str, Any]]) -> List[List[str]]:
         return []
     r = s3["ratios"]
     return [
-        reported(SECTION, "object store (local SeaweedFS): project sync save / raw put_object of the same bytes, throughput", f(r.get("project_sync/raw_put throughput"), 2)),
-        reported(SECTION, "the same, save + read-back and retention (wait()) / raw put_object", f(r.get("project_checked/raw_put throughput"), 2)),
+        reported(
+            SECTION,
+            "object store (local SeaweedFS): project sync save / raw put_object of the same bytes, throughput",
+            f(r.get("project_sync/raw_put throughput"), 2),
+        ),
+        reported(
+            SECTION,
+            "the same, save + read-back and retention (wait()) / raw put_object",
+            f(r.get("project_checked/raw_put throughput"), 2),
+        ),
     ]
 
 

@@ -18,7 +18,9 @@ def rows(rf: Optional[Dict[str, Any]]) -> List[List[str]]:
         label = case if case.startswith("sharded") else f"checkpoint {case}"
         what = f"{label}: save / raw write, after / before the refactor ({rf['before']['commit']}) (before; after)"
         shown = f"{f(t['after/before'], 3)} ({f(t['before']['median'])}; {f(t['after']['median'])})"
-        out.append(target(SECTION, what, t["after/before"], ">=", UNCHANGED, 3, shown=shown, goal_text=f">= {UNCHANGED} (unchanged)"))
+        out.append(
+            target(SECTION, what, t["after/before"], ">=", UNCHANGED, 3, shown=shown, goal_text=f">= {UNCHANGED} (unchanged)")
+        )
     return out
 
 

@@ -89,9 +89,7 @@ def rows(
     return rows
 
 
-def section(
-    sc_step: Optional[Dict[str, Any]], sa: Optional[Dict[str, Any]], alone: Optional[Dict[str, Any]] = None
-) -> List[str]:
+def section(sc_step: Optional[Dict[str, Any]], sa: Optional[Dict[str, Any]], alone: Optional[Dict[str, Any]] = None) -> List[str]:
     lines: List[str] = []
     if sc_step or sa or alone:
         lines += ["## 8. Per-step cost and the stop agreement", ""]
