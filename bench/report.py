@@ -77,6 +77,17 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         " benchmark's JSON records, per run, how much CPU other tenants used (`foreign_share`).",
         "",
     ]
+    earlier: Dict[str, List[str]] = {}  # benchmarks a partial run (--only) did not run: their run, and them
+    for k, v in run_all.get("benchmarks", {}).items():
+        if v.get("earlier_run"):
+            e = v["earlier_run"]
+            earlier.setdefault(f"`{e.get('command')}` of {e.get('started')} at commit {e.get('commit')}", []).append(k)
+    if earlier:
+        lines += [
+            f"This run measured {', '.join(k for k, v in ran.items() if not v.get('earlier_run'))} only; the other figures are"
+            " from earlier runs: " + "; ".join(f"{', '.join(names)} from {run}" for run, names in earlier.items()) + ".",
+            "",
+        ]
     forms = {k: v.get("form") for k, v in run_all.get("benchmarks", {}).items()}
     if any(v != "full" for v in forms.values()):
         lines += ["Forms that ran (quick/tiny forms have fewer rounds): " + ", ".join(f"{k} {v}" for k, v in forms.items()), ""]

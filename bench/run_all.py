@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,24 @@ def git_state() -> Dict[str, Any]:
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "pipeline", "launchers").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes_in": dirty}
+
+
+def carry_over(previous: Path, record: Dict[str, Any]) -> None:
+    """A run of some benchmarks (--only) keeps the earlier run's entries of the others, each marked with
+    the run it came from, so BENCHMARKS.md can say which figures are older."""
+    try:
+        before = json.loads(previous.read_text())
+        entries = dict(before["benchmarks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    origin = {
+        "started": before.get("started"),
+        "commit": (before.get("git") or {}).get("commit"),
+        "command": before.get("command"),
+    }
+    for name, entry in entries.items():
+        if name not in record["benchmarks"] and isinstance(entry, dict):
+            record["benchmarks"][name] = {**entry, "earlier_run": entry.get("earlier_run") or origin}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -159,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"=== {name}: {entry['seconds']} s")
     record["total_s"] = round(time.time() - started, 1)
     record["failed"] = failed
+    if only:
+        carry_over(args.results / "run_all.json", record)
     write_json(args.results / "run_all.json", record)
     if not args.no_report:
         from .report import write_report
