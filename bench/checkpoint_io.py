@@ -46,6 +46,7 @@ import torch
 
 from pipeline.models import MLP
 from steadfast.checkpoint.manager import CheckpointManager
+from steadfast.checkpoint.storage.fileio import fsync_dir
 from steadfast.distributed.comm import Comm
 
 MiB = 1 << 20
@@ -228,14 +229,6 @@ def reads(case: Case, ckpt: Path, cold: bool, restore_first: bool) -> Dict[str, 
     return out
 
 
-def fsync_folder(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_atomic_commit(case: Case, folder: Path) -> Dict[str, float]:
     """The least a correct commit of the same bytes costs: one file in a temporary folder, fsynced, the
     folder fsynced (the file's name), renamed into place, the parent fsynced (the rename). No manifest,
@@ -250,9 +243,9 @@ def raw_atomic_commit(case: Case, folder: Path) -> Dict[str, float]:
             for v in views:
                 f.write(v)
             os.fsync(f.fileno())
-        fsync_folder(staging)
+        fsync_dir(staging)
         os.rename(staging, final)
-        fsync_folder(folder)
+        fsync_dir(folder)
 
     return {"raw_atomic_commit": timed(commit)}
 

@@ -127,29 +127,25 @@ def measure(
         "foreign_load": {k: foreign(v) for k, v in runs.items()},
         "ratios": {},
     }
-    for name in variants:
-        out["ratios"].update(
-            {
-                f"{name}/hand_written steps_per_s": ratio(median(rates[name]), median(rates["hand_written"])),
-                f"{name}/hand_written steps_per_s (median of paired rounds)": median(
-                    [ratio(h, b) for h, b in zip(rates[name], rates["hand_written"])]
-                ),
-                f"{name}/hand_written steps per CPU-second": ratio(median(cpu["hand_written"]), median(cpu[name])),
-            }
-        )
-    if "horovod" in variants:
-        out["ratios"]["horovod/hand_written ttfs"] = ratio(median(ttfs["horovod"]), median(ttfs["hand_written"]))
-    if torchrun:
+
+    def against(base: str) -> None:
+        """Each variant's steps/s over `base`'s: ratio of the medians, median of the paired rounds, per CPU-second."""
         for name in variants:
             out["ratios"].update(
                 {
-                    f"{name}/torchrun steps_per_s": ratio(median(rates[name]), median(rates["torchrun"])),
-                    f"{name}/torchrun steps_per_s (median of paired rounds)": median(
-                        [ratio(h, t) for h, t in zip(rates[name], rates["torchrun"])]
+                    f"{name}/{base} steps_per_s": ratio(median(rates[name]), median(rates[base])),
+                    f"{name}/{base} steps_per_s (median of paired rounds)": median(
+                        [ratio(v, b) for v, b in zip(rates[name], rates[base])]
                     ),
-                    f"{name}/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu[name])),
+                    f"{name}/{base} steps per CPU-second": ratio(median(cpu[base]), median(cpu[name])),
                 }
             )
+
+    against("hand_written")
+    if "horovod" in variants:
+        out["ratios"]["horovod/hand_written ttfs"] = ratio(median(ttfs["horovod"]), median(ttfs["hand_written"]))
+    if torchrun:
+        against("torchrun")
         if "horovod" in variants:
             out["ratios"].update(
                 {
