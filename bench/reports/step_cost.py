@@ -40,7 +40,7 @@ def rows(
             direct,
             "<=",
             20.0,
-            shown=f"{f(direct, 1)} us",
+            shown=None if direct is None else f"{f(direct, 1)} us",
             goal_text="<= 20 us",
         )
     )
