@@ -100,7 +100,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiny:
         args.rounds, args.mb, args.tensors, args.repeats, args.width, args.blocks, args.pairs = 1, 4, 4, 1, 256, 4, 1
     drop = not args.no_drop_caches and os.geteuid() == 0
-    rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True, check=True)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
+    if rev.returncode:  # a shallow clone, or a copy without its history
+        reason = f"{args.before} is not in this repository's history (git: {rev.stderr.strip()[:200]})"
+        print(f"checkpoint_refactor: skipped: {reason}")
+        write_json(
+            args.json,
+            {
+                "benchmark": "checkpoint_refactor",
+                "command": command_line("bench.checkpoint_refactor", argv),
+                "machine": machine(),
+                "skipped": reason,
+            },
+        )
+        return 0
     after_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
     work = Path(tempfile.mkdtemp(prefix="steadfast-bench-refactor-"))
     before = work / "before"

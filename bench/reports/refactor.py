@@ -12,7 +12,7 @@ UNCHANGED = 0.95  # after / before at least this: unchanged, within the ±5% sep
 
 def rows(rf: Optional[Dict[str, Any]]) -> List[List[str]]:
     out: List[List[str]] = []
-    if not rf:
+    if not rf or rf.get("skipped"):
         return out
     for case, t in rf["ratios"].items():
         label = case if case.startswith("sharded") else f"checkpoint {case}"
@@ -27,6 +27,8 @@ def rows(rf: Optional[Dict[str, Any]]) -> List[List[str]]:
 def section(rf: Optional[Dict[str, Any]]) -> List[str]:
     if not rf:
         return []
+    if rf.get("skipped"):
+        return [f"## {SECTION}. Checkpoint speed before and after the refactor", "", f"Skipped: {rf['skipped']}.", ""]
     ck, sh = rf["checkpoint_io_args"], rf["sharded_args"]
     lines = [
         f"## {SECTION}. Checkpoint speed before and after the refactor",
