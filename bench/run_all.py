@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -29,19 +30,29 @@ from .cpu import cpu_counters, foreign_load
 # uses it (full, quick).
 SUITE: List[tuple] = [
     ("checkpoint_io", "bench.checkpoint_io", ["--mb", "128", "--repeats", "3"], (25, 8)),
+    ("checkpoint_refactor", "bench.checkpoint_refactor", [], (180, 120)),
+    ("checkpoint_s3", "bench.checkpoint_s3", [], (45, 25)),  # skipped, with the reason, without `weed`
     ("hot_loop", "bench.hot_loop", [], (130, 60)),
     ("step_cost", "bench.step_cost", [], (75, 35)),
+    ("step_cost_1rank", "bench.step_cost", ["--nproc", "1", "--configs", "bare,run", "--rounds", "60"], (25, 15)),
     ("stop_agreement", "bench.stop_agreement", [], (90, 45)),
     ("startup", "bench.startup", [], (100, 65)),
     ("recovery", "bench.recovery", [], (150, 110)),
     ("goodput", "bench.goodput", [], (240, 130)),
-    ("horovod", "bench.horovod", [], (60, 35)),
+    ("horovod", "bench.horovod", [], (130, 50)),  # 4 rounds of ours, the hand-written script and torchrun
     ("scaling", "bench.scaling", [], (150, 46)),
-    ("sharded", "bench.sharded", [], (380, 170)),
+    ("sharded", "bench.sharded", ["--hot-rounds", "0"], (230, 110)),  # its hot loop: fsdp_hot_loop
+    ("fsdp_hot_loop", "bench.fsdp_hot_loop", [], (270, 140)),
     ("anomalies", "bench.anomalies", [], (90, 50)),
 ]
-QUICK_ARGS = {"checkpoint_io": ["--mb", "32", "--repeats", "2"]}
+ALONE = ["--nproc", "1", "--configs", "bare,run"]  # step_cost_1rank: one rank alone, with and without steadfast.Run
+QUICK_ARGS = {
+    "checkpoint_io": ["--mb", "32", "--repeats", "2"],
+    "step_cost_1rank": [*ALONE, "--rounds", "20"],
+    "sharded": ["--quick", "--hot-rounds", "0"],
+}
 TINY_ARGS = {
+    "step_cost_1rank": ["--tiny", *ALONE],
     "checkpoint_io": ["--mb", "4", "--tensors", "4", "--repeats", "1", "--no-drop-caches"],
     "sharded": ["--tiny", "--no-drop-caches"],
 }
@@ -56,6 +67,24 @@ def git_state() -> Dict[str, Any]:
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "pipeline", "launchers").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes_in": dirty}
+
+
+def carry_over(previous: Path, record: Dict[str, Any]) -> None:
+    """A run of some benchmarks (--only) keeps the earlier run's entries of the others, each marked with
+    the run it came from, so BENCHMARKS.md can say which figures are older."""
+    try:
+        before = json.loads(previous.read_text())
+        entries = dict(before["benchmarks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    origin = {
+        "started": before.get("started"),
+        "commit": (before.get("git") or {}).get("commit"),
+        "command": before.get("command"),
+    }
+    for name, entry in entries.items():
+        if name not in record["benchmarks"] and isinstance(entry, dict):
+            record["benchmarks"][name] = {**entry, "earlier_run": entry.get("earlier_run") or origin}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -149,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"=== {name}: {entry['seconds']} s")
     record["total_s"] = round(time.time() - started, 1)
     record["failed"] = failed
+    if only:
+        carry_over(args.results / "run_all.json", record)
     write_json(args.results / "run_all.json", record)
     if not args.no_report:
         from .report import write_report

@@ -318,7 +318,12 @@ def hot_loop(rounds: int, job: Any, timeout: float = 600) -> Dict[str, Any]:
         "ours/baseline steps_per_s (median of paired rounds)": median(
             [ratio(o, b) for o, b in zip(clean["ours"], clean["baseline"])]
         ),
+        # each round's ratio (ours and the baseline ran back to back): their spread tells the code from the noise
+        "ours/baseline steps_per_s, paired rounds": spread([ratio(o, b) for o, b in zip(clean["ours"], clean["baseline"])]),
         "ours/baseline steps per CPU-second": ratio(cpu_med("baseline"), cpu_med("ours")),
+        "ours/baseline steps per CPU-second, paired rounds": spread(
+            [ratio(b.get("total_cpu_s_per_step"), o.get("total_cpu_s_per_step")) for o, b in zip(cpu["ours"], cpu["baseline"])]
+        ),
     }
 
 
@@ -340,6 +345,21 @@ def figures(state: Dict[str, Any], hot: Dict[str, Any]) -> Dict[str, Any]:
     for w in ("1", "3"):
         out[f"restore time, saved on 2 loaded on {w} / on 2 ({mode})"] = (rs.get(w) or {}).get(f"/2 workers ({mode})")
     return out
+
+
+def hot_report(hot: Dict[str, Any]) -> None:
+    from .common import fmt
+
+    sp = hot["steps_per_s (median interval)"]
+    print(
+        f"  FSDP hot loop: ours {fmt(sp['ours']['median'], 1)} steps/s, baseline {fmt(sp['baseline']['median'], 1)} steps/s"
+        f"  CPU ms/step ours {fmt(hot['cpu_ms_per_step']['ours']['median'], 2)} baseline {fmt(hot['cpu_ms_per_step']['baseline']['median'], 2)}"
+    )
+    paired = hot.get("ours/baseline steps_per_s, paired rounds") or {}
+    print(
+        f"  per round, ours/baseline steps/s: median {fmt(paired.get('median'))} (min {fmt(paired.get('min'))},"
+        f" max {fmt(paired.get('max'))}, {paired.get('n', 0)} rounds)"
+    )
 
 
 def report(out: Dict[str, Any]) -> None:
@@ -373,11 +393,8 @@ def report(out: Dict[str, Any]) -> None:
             )
             + f"  read per rank {', '.join(fmt(x, 0) for x in r.get('warm_rchar_MB_per_rank', []))} MB (warm)"
         )
-    sp = hot["steps_per_s (median interval)"]
-    print(
-        f"  FSDP hot loop: ours {fmt(sp['ours']['median'], 1)} steps/s, baseline {fmt(sp['baseline']['median'], 1)} steps/s"
-        f"  CPU ms/step ours {fmt(hot['cpu_ms_per_step']['ours']['median'], 2)} baseline {fmt(hot['cpu_ms_per_step']['baseline']['median'], 2)}"
-    )
+    if hot:
+        hot_report(hot)
     for name, value in out["ratios"].items():
         target = ""
         if name in out["targets"]:
@@ -396,7 +413,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--restores", type=int, default=2, help="restores per group (each cold and warm)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--hot-rounds", type=int, default=3)
+    p.add_argument("--hot-rounds", type=int, default=3, help="rounds of the FSDP2 hot loop (0: none; bench.fsdp_hot_loop)")
     p.add_argument("--quick", action="store_true", help="a state of 75 MB, 1 round; the hot loop on half the data, 2 rounds")
     p.add_argument("--tiny", action="store_true", help="a 3 MB state, 1 sample of each; a tiny hot loop (smoke test)")
     p.add_argument("--no-drop-caches", action="store_true", help="never drop the page cache (warm restores only)")
@@ -415,10 +432,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     job = dataclasses.replace(HOT, epochs=1)
     if args.quick:
-        size, rounds, pairs, restores, hot_rounds = Size(1024, 6), 1, 3, 2, 2
+        size, rounds, pairs, restores, hot_rounds = Size(1024, 6), 1, 3, 2, min(2, args.hot_rounds)
         job = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2)
     if args.tiny:
-        size, rounds, pairs, restores, hot_rounds = Size(256, 4), 1, 1, 1, 1
+        size, rounds, pairs, restores, hot_rounds = Size(256, 4), 1, 1, 1, min(1, args.hot_rounds)
         job = dataclasses.replace(HOT, num_samples=2048, num_features=16, hidden=(64, 64), log_every=2)
     drop = not args.no_drop_caches and drop_caches(True)
     log(
@@ -446,7 +463,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ]
     shares = [g["load"]["foreign_share"] for g in groups]
     state["foreign_load"] = {"median": statistics.median(shares), "max": max(shares), "n": len(shares)}
-    hot = hot_loop(hot_rounds, job)
+    hot = hot_loop(hot_rounds, job) if hot_rounds else {}  # 0: run_all measures it as fsdp_hot_loop, with more rounds
     out = {
         "benchmark": "sharded",
         "command": command_line("bench.sharded", argv),
@@ -463,7 +480,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "state": state,
         "hot_loop": hot,
         "seconds": round(time.time() - started, 1),
-        "foreign_load": {"state groups": state["foreign_load"], "hot loop": hot["foreign_load"]},
+        "foreign_load": {"state groups": state["foreign_load"], "hot loop": hot.get("foreign_load")},
     }
     out["ratios"] = figures(state, hot)
     report(out)

@@ -1,6 +1,6 @@
 """Where a training step's time goes: the library's per-step work, piece by piece, inside one run.
 
-    python -m bench.step_cost [--rounds 12] [--block 40] [--job hot|tiny] [--quick | --tiny] [--json PATH]
+    python -m bench.step_cost [--rounds 12] [--block 40] [--job hot|tiny] [--nproc 2] [--configs bare,run] [--quick | --tiny] [--json PATH]
 
 Wall-clock ratios between separate runs move with other tenants' load (+-10% here); this
 benchmark measures inside one pair of processes instead. Two workers under torchrun train the
@@ -32,7 +32,9 @@ machine, which other tenants' load hardly moves):
               which cost <= 2% of N steps (steadfast.loop.memory_cadence.auto_interval); the result
               reports that interval and its cost per step
 
-Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step).
+Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step). `--nproc 1`: one rank alone (the
+same job and harness, world size 1), so the library's own per-step work is timed with a core to
+itself, not against the other rank's and Gloo's threads on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ def _worker(args: argparse.Namespace) -> None:
         )
 
 
-def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot") -> Dict[str, Any]:
+def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot", nproc: int = 2) -> Dict[str, Any]:
     from steadfast.loop.memory_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env
@@ -288,7 +290,7 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, jo
             TORCHRUN,
             "--standalone",
             "--nproc_per_node",
-            "2",
+            str(nproc),
             str(Path(__file__).resolve()),
             "--worker",
             "--rounds",
@@ -325,6 +327,7 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, jo
         }
     return {
         "job": job,
+        "nproc": nproc,
         "rounds": rounds,
         "block_steps": block,
         "agreement_every": raw["agreement_every"],
@@ -350,7 +353,7 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, jo
 
 def report(res: Dict[str, Any]) -> None:
     print(
-        f"\nStep cost ({res['job']} job, {res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every"
+        f"\nStep cost ({res['job']} job, {res.get('nproc', 2)} rank(s), {res['rounds']} rounds of {res['block_steps']}-step blocks; agreement every"
         f" {res['agreement_every']} steps, {res['run_agreement_every']} in `run`)"
     )
     if res.get("run.step_us_per_step") is not None:
@@ -381,6 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--configs", default="", help=f"comma-separated, from {', '.join(CONFIGS)} (NAME@N: the agreement every N steps)"
     )
     p.add_argument("--job", choices=("hot", "tiny"), default="hot", help="the hot-loop job, or section 7's tiny model")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (1: one rank alone, a core to itself)")
     p.add_argument("--quick", action="store_true", help="15 rounds")
     p.add_argument("--tiny", action="store_true", help="1 round of 5-step blocks (smoke test)")
     p.add_argument("--json", type=Path, default=None)
@@ -396,12 +400,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     rounds, block = (15 if args.quick else args.rounds), args.block
     if args.tiny:
         rounds, block = 1, 5
-    log(f"step cost: {rounds} rounds of {block}-step blocks")
+    log(f"step cost: {args.nproc} rank(s), {rounds} rounds of {block}-step blocks")
     out = {
         "benchmark": "step_cost",
         "command": command_line("bench.step_cost", argv),
         "machine": machine(),
-        **measure(rounds, block, args.configs, job=args.job),
+        **measure(rounds, block, args.configs, job=args.job, nproc=args.nproc),
     }
     report(out)
     write_json(args.json or RESULTS / "step_cost.json", out)

@@ -51,13 +51,16 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
         "async_total",
         "torch_save",
         "raw_fsync_write",
+        "raw_atomic_commit",
         "restore_warm",
         "raw_read_warm",
     }
     ratios = {
         "project_sync/raw_fsync_write throughput",
+        "project_sync/raw_atomic_commit throughput",
         "torch_save/raw_fsync_write throughput",
         "async_blocked/sync_save time",
+        "async_blocked/allowed time",
         "restore/raw_read throughput (warm)",
     }
     for r in (big, model, small):
@@ -129,7 +132,9 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "horovod")
     if r.get("skipped"):
         return  # set up without Horovod
-    assert _positive(r["steps_per_s"]["horovod"]["median"]) and _positive(r["ttfs_s"]["horovod"]["median"])
+    for name in ("horovod", "hand_written"):  # ours and bench/baseline_horovod.py under horovodrun
+        assert _positive(r["steps_per_s"][name]["median"]) and _positive(r["ttfs_s"][name]["median"]), name
+    assert _positive(r["ratios"]["horovod/hand_written steps_per_s"])
 
 
 @pytest.mark.extended
@@ -137,6 +142,8 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
 def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "step_cost")
     assert all(_positive(v) for v in r["ms_per_step"].values()) and set(r["ms_per_step"]) >= {"bare", "run_step"}
+    alone = _run_bench(tmp_path, "step_cost", "--nproc", "1", "--configs", "bare,run")  # run.step's target: one rank alone
+    assert alone["nproc"] == 1 and set(alone["ms_per_step"]) == {"bare", "run"} and _positive(alone["run.step_us_per_step"])
     r = _run_bench(tmp_path, "stop_agreement")
     assert _positive(r["collective"]["torchrun"]["median_us"])
     assert all(_positive(r["in_training"][k]["ms_per_step"]) for k in ("every step", "auto (default)", "never"))
@@ -169,7 +176,7 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
 @pytest.mark.extended
 @pytest.mark.slow
 def test_sharded_bench_smoke(tmp_path: Path) -> None:
-    r = _run_bench(tmp_path, "sharded", "--no-drop-caches", "--dir", str(tmp_path), timeout=400)
+    r = _run_bench(tmp_path, "sharded", "--no-drop-caches", "--hot-rounds", "0", "--dir", str(tmp_path), timeout=400)
     st = r["state"]
     assert set(st["throughput"]) == {"2", "3"} and set(st["memory"]) == {"2", "3"} and set(st["restore"]) == {"1", "2", "3"}
     for t in st["throughput"].values():
@@ -180,11 +187,7 @@ def test_sharded_bench_smoke(tmp_path: Path) -> None:
     assert all(e["verified"] and _positive(e["warm_s"]["median"]) for e in st["restore"].values())
     assert len(st["restore"]["3"]["warm_rchar_MB_per_rank"]) == 3
     assert isinstance(st["memory_vs_ranks"]["sharded rank0 peak does not grow with the ranks"], bool)
-    assert _positive(r["hot_loop"]["ours/baseline steps_per_s"])
-    # the CPU view needs two of the sampler's reads (every 0.2 s) inside a run's measured window: the
-    # --tiny form's few steps can fall between them on a loaded machine (then None, not a wrong figure)
-    cpu = r["hot_loop"]["ours/baseline steps per CPU-second"]
-    assert cpu is None or _positive(cpu)
+    assert r["hot_loop"] == {}  # measured by bench.fsdp_hot_loop (its own smoke test below)
     assert set(r["targets"]) >= {
         "save throughput per rank, sharded / raw fsync write (2 workers)",
         "hot loop steps/s, ours / hand-written FSDP2",
@@ -199,6 +202,39 @@ def test_sharded_bench_smoke(tmp_path: Path) -> None:
     (tmp_path / "results.json").rename(results / "sharded.json")
     text = write_report(results, tmp_path / "BENCHMARKS.md").read_text()
     assert "## 9. Sharded state (FSDP2)" in text and "| 9 | sharded save throughput per rank" in text
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_fsdp_hot_loop_bench_smoke(tmp_path: Path) -> None:
+    hot = _run_bench(tmp_path, "fsdp_hot_loop")["hot_loop"]
+    assert _positive(hot["ours/baseline steps_per_s"]) and hot["ours/baseline steps_per_s, paired rounds"]["n"] == 1
+    # the CPU view needs two of the sampler's reads (every 0.2 s) inside a run's measured window: the
+    # --tiny form's few steps can fall between them on a loaded machine (then None, not a wrong figure)
+    cpu = hot["ours/baseline steps per CPU-second"]
+    assert cpu is None or _positive(cpu)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_checkpoint_refactor_bench_smoke(tmp_path: Path) -> None:
+    """The tree before issue 35's refactor, checked out aside, runs its own checkpoint benchmarks beside this one's."""
+    r = _run_bench(tmp_path, "checkpoint_refactor", timeout=400)
+    assert set(r["ratios"]) == {"A", "B", "C", "sharded save, 2 workers"}
+    for t in r["ratios"].values():
+        assert _positive(t["before"]["median"]) and _positive(t["after"]["median"]) and _positive(t["after/before"])
+    out = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "steadfast-bench-refactor-" not in out  # its checkout is gone
+
+
+@pytest.mark.extended
+def test_checkpoint_s3_bench_smoke(tmp_path: Path) -> None:
+    r = _run_bench(tmp_path, "checkpoint_s3")
+    if r.get("skipped"):
+        assert "weed" in r["skipped"]
+        return
+    assert set(r["median_s"]) == {"raw_put", "project_sync", "project_checked", "restore"}
+    assert all(_positive(v) for v in [*r["median_s"].values(), *r["ratios"].values()])
 
 
 def test_report_renders_from_the_smoke_results(tmp_path: Path) -> None:
