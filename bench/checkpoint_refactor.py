@@ -128,9 +128,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r in range(args.rounds):
             order = names[r % 2 :] + names[: r % 2]
             for name in order:
-                for case, value in checkpoint_io(trees[name], args.mb, args.tensors, args.repeats, work).items():
+                ratios = checkpoint_io(trees[name], args.mb, args.tensors, args.repeats, work)
+                for case, value in ratios.items():
                     runs[name].setdefault(case, []).append(value)
-                log(f"  round {r + 1} {name:<6} checkpoint_io " + ", ".join(f"{c} {v[-1]:.3f}" for c, v in runs[name].items()))
+                log(f"  round {r + 1} {name:<6} checkpoint_io " + ", ".join(f"{c} {v:.3f}" for c, v in ratios.items()))
             for name in order:
                 s = sharded_save(trees[name], args.width, args.blocks, args.pairs, drop, work)
                 runs[name].setdefault("sharded save, 2 workers", []).append(s["sharded/raw throughput"])
