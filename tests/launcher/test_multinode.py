@@ -97,7 +97,12 @@ def test_elastic_node_lost_then_back(tmp_path: Path) -> None:
         "data.num_samples=1024",
         "restart.preemption_grace_s=5",
         "backend.rdzv_last_call_s=3",
-        "backend.rdzv_node_timeout_s=6",
+        # torch's default (15 s). With 6 s, a fresh-clone run with both cores busy went red: node A's
+        # agent missed its keep-alives for 6 s while the machine crawled (B's relaunch took 27 s to
+        # start), so B, relaunched, found A "dead", took it out of the rendezvous and formed a round
+        # alone instead of joining A's. B's loss is found by A's worker (its peer's connection closes),
+        # not by this timeout, so the longer one costs the test nothing
+        "backend.rdzv_node_timeout_s=15",
         "restart.max_restarts=5",
         "restart.collective_timeout_s=60",
         # node A alone holds at step 200 until it is asked to stop (B rejoining stops it); B is
