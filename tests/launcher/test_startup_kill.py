@@ -87,6 +87,17 @@ def _one_of(phase: Optional[str], wanted: tuple) -> Optional[str]:
     return phase if phase in wanted else None
 
 
+def _where(folder: Path, pid: int) -> str:
+    """A live process's heartbeat phase, scheduler state and kernel wait: what a failure message needs
+    to tell a worker blocked in C++ from one that never got the signal."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return f"{pid} gone"
+    return f"{pid} phase {phase_of(folder, pid)}, state {state}, waiting in {wchan or '?'}"
+
+
 def rendezvous(folder: Path, restart: int) -> Any:
     return [e for e in events(folder) if e["event"] == "rendezvous" and e.get("restart") == restart]
 
@@ -136,12 +147,15 @@ def test_workers_killed_during_start_up_are_restarted_and_the_run_ends_exactly(t
             kills.append((restart, victim, when, phase))
             # the agent stops the group and starts the next one within seconds (its own fallback for a
             # worker that ignores its SIGTERM is 30 s; before the payload file, it never came back)
-            workers = poll(
-                lambda: new_pair(proc.pid, seen),
-                RESTART_WITHIN_S,
-                f"restart {restart + 1}'s workers after killing {victim} ({when}, phase {phase}); seed {seed}",
-                proc,
-            )
+            try:
+                workers = poll(
+                    lambda: new_pair(proc.pid, seen),
+                    RESTART_WITHIN_S,
+                    f"restart {restart + 1}'s workers after killing {victim} ({when}, phase {phase}); seed {seed}",
+                    proc,
+                )
+            except AssertionError as late:
+                raise AssertionError(f"{late}; the peer then: {_where(folder, peer)}") from None
             respawned = time.monotonic() - killed
             wait_for(
                 lambda restart=restart: rendezvous(folder, restart + 1),

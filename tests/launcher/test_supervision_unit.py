@@ -60,6 +60,47 @@ def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
 
 
+# ---- the start-up guard -------------------------------------------------------------------------
+EARLY_STOP = r"""
+import os, signal, sys, time
+from pathlib import Path
+from steadfast.contract import heartbeat as hb, stop
+from hydra_plugins.steadfast_launcher import _worker
+run_dir = Path(sys.argv[1])
+stop.install_stop_handlers()
+os.kill(os.getpid(), signal.SIGTERM)  # the backend stops the group before this worker's guard is up
+hb.start_heartbeat(run_dir, 0)  # phase "start"
+_worker._guard_start_up(run_dir)
+print("guard up", flush=True)
+while True:  # blocked as in torch's C++ start-up: nothing here acts on the stop flag
+    time.sleep(0.05)
+"""
+
+
+def test_a_stop_signal_before_the_start_up_guard_is_up_still_ends_the_worker(tmp_path: Path) -> None:
+    """The stop handlers are installed first; a SIGTERM that lands before the guard is up was only
+    seen by the handler's flag, and must still end a worker that has not started (torch elastic would
+    otherwise wait out its 30 s before SIGKILL, and the restart would come that much later)."""
+    e = env()
+    e[launch_env.ENV_RUN_DIR], e[launch_env.ENV_LAUNCH_ID] = str(tmp_path), "L1"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", EARLY_STOP, str(tmp_path)],
+        env=e,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = worker.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        out, err = worker.communicate()
+        pytest.fail(f"the worker was never ended by its start-up guard: {out} {err}")
+    assert worker.returncode == 128 + signal.SIGTERM, (out, err)
+    assert "SIGTERM during start-up" in err, err
+
+
 # ---- reading stacks ------------------------------------------------------------------------------
 def test_main_thread_is_found_in_a_faulthandler_dump(tmp_path: Path) -> None:
     stop = threading.Event()

@@ -23,7 +23,7 @@ from steadfast.contract.env import ENV_LAUNCH_ID, LaunchEnv, current_rank, resta
 from steadfast.contract.exits import EXIT_ORPHANED
 from steadfast.contract.failures import recurs
 from steadfast.contract.heartbeat import DONE_PHASE, STARTUP_PHASES, enable_stack_dumps, heartbeat, start_heartbeat, stop_marker
-from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers
+from steadfast.contract.stop import STOP_SIGNALS, StopRun, ignore_stop_signals, install_stop_handlers, stop_requested
 
 from . import _backends, _forkserver, _payload  # noqa: F401  (_backends: registers every backend)
 from ._compat.elastic_worker import end_once_returned
@@ -173,7 +173,8 @@ def _guard_start_up(folder: Path) -> None:
     for that peer (connecting to its store, a rendezvous barrier), where its Python stop handler
     cannot run, so the backend would wait out its own timeout (torch elastic: 30 s) before it kills
     it. It has nothing to save yet. The signal reaches a thread at once through the wakeup fd
-    (written by the C-level handler); a stop request from the launcher (it writes its stop marker
+    (written by the C-level handler), or, when it came before this guard was up, through the stop
+    handler's flag; a stop request from the launcher (it writes its stop marker
     before it signals) is left to the stop handler, as at any other time.
     """
     launch_id = os.environ.get(ENV_LAUNCH_ID, "")
@@ -199,9 +200,12 @@ def _starting() -> bool:
 def _start_up_watch(readable: int, marker: Path) -> None:
     stops = {int(s) for s in STOP_SIGNALS}
     while _starting():
-        if not select.select([readable], [], [], 0.2)[0]:
-            continue
-        received = set(os.read(readable, 64)) & stops
+        woken = select.select([readable], [], [], 0.2)[0]
+        received = set(os.read(readable, 64)) & stops if woken else set()
+        early = stop_requested()
+        if not received and early is not None:
+            # it came between the stop handlers and this guard: only the handler's flag saw it
+            received = {early}
         if not received:
             continue
         deadline = time.monotonic() + MARKER_WAIT_S
