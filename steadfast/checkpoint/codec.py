@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type
+from functools import partial
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type
 
 import torch
 
 from . import formatspec, tensorfile
 from .formatspec import FormatSpec
 from .storage.base import Files
+from .tensorformat import CODES
 from .tensorwrite import Layout
 
 SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
@@ -50,6 +52,15 @@ def state_of(obj: Any) -> Any:
     return obj.state_dict()
 
 
+def flat(state: Any) -> bool:
+    """Whether a state is a flat name -> value dict (a model's state_dict), what a tensor export takes."""
+    return isinstance(state, dict) and all(isinstance(k, str) for k in state)
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class Unsaveable(ValueError):
     """An object's state cannot be stored (its name, and why)."""
 
@@ -73,6 +84,23 @@ class Loaded:
     objects: Dict[str, Any]  # name -> state, for each tracked object
     own: Optional[Dict[str, Any]]  # this rank's own states (None: the checkpoint has no such rank)
     world_size: int  # how many ranks saved it
+
+
+@dataclass
+class Whole:
+    """A checkpoint read in one process, with whole tensors: each object's state, and each saved rank's own states."""
+
+    objects: Dict[str, Any]
+    ranks: List[Any]
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor of a checkpoint not read yet: its dtype (the tensor format's code), whole shape, and how to read it."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    read: Callable[[], torch.Tensor]
 
 
 class Codec(ABC):
@@ -105,6 +133,25 @@ class Codec(ABC):
         """This rank's states from a committed checkpoint's `files` (its store's; its manifest validated),
         every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
+
+    @abstractmethod
+    def read_whole(self, files: Files, manifest: Dict[str, Any], names: Optional[Sequence[str]] = None) -> Whole:
+        """The checkpoint in one process (comparing two runs, sampling from a trained model): the objects
+        `names` (None: every one), whole tensors, and every saved rank's own states, every file read
+        verified. Raises FileCheckError "missing" for a name it does not hold, else as `load`."""
+
+    def tensors(self, files: Files, manifest: Dict[str, Any], name: str) -> Optional[Dict[str, LazyTensor]]:
+        """The tensors of object `name`'s state when it is flat (a model's state_dict: key -> tensor;
+        None when it is not), each read when asked: a codec that can read one tensor alone keeps one in
+        memory at a time. Raises as `read_whole`."""
+        state = self.read_whole(files, manifest, [name]).objects[name]
+        if not flat(state):
+            return None
+        return {
+            k: LazyTensor(CODES[t.dtype], tuple(t.shape), partial(_itself, t))
+            for k, t in state.items()
+            if isinstance(t, torch.Tensor) and t.dtype in CODES
+        }
 
     # A snapshot in memory, unless a codec keeps its own: the objects once per node (local rank 0)
     # and each rank's own state, each a tensor file.

@@ -15,11 +15,9 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 import numpy as np
 import torch
 
+from . import formats
 from . import manifest as mf
 from . import restore as rs
-from .replicated import RANKS, load_checked, read_state
-from .replicated_spec import PER_OBJECT, REPLICATED
-from .sharded import OBJECTS, RANK_STATE, Reader, assemble, file_name
 
 # what a person sees, not what is trained: the loss sums not yet logged are summed in another order
 # after a resume (float32 in the checkpoint, float64 as the steps go), and differ without harm
@@ -42,22 +40,9 @@ def read_states(checkpoint: Union[str, Path]) -> States:
     problem = rs.verify_at(checkpoint)
     if problem:
         raise ValueError(f"{checkpoint} does not verify: {problem}")
-    step = int(manifest["step"])
-    with rs.files_at(checkpoint, manifest) as source:
-        if manifest["format"] == REPLICATED.number:
-            objects, ranks = read_state(source, manifest, [], [])
-            return States(step, dict(objects), list(ranks))
-        if manifest["format"] == PER_OBJECT.number:
-            states = load_checked(source, manifest, [], [])
-            ranks = states.pop(RANKS)[RANKS]
-            return States(step, states, list(ranks))
-        reader = Reader(source, manifest["tensors"])
-        skeletons = reader.tree(file_name(0)).get(OBJECTS)
-        if not isinstance(skeletons, dict):
-            raise ValueError(f"{checkpoint}: rank 0's file holds no objects")
-        objects = {name: assemble(node, None, reader, (), lambda _path: None) for name, node in skeletons.items()}
-        ranks = [reader.tree(file_name(r))[RANK_STATE] for r in range(int(manifest["world_size"]))]
-        return States(step, objects, ranks)
+    with rs.files_at(checkpoint, manifest) as files:
+        whole = formats.for_manifest(manifest).read_whole(files, manifest)
+    return States(int(manifest["step"]), whole.objects, whole.ranks)
 
 
 def _same_array(a: Any, b: Any) -> bool:

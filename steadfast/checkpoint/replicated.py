@@ -15,11 +15,11 @@ Codec base's snapshot). Its formats' specs are replicated_spec's (no torch).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import manifest as mf
 from . import tensorfile
-from .codec import Codec, Collectives, Loaded, Planned, Unsaveable, register
+from .codec import Codec, Collectives, Loaded, Planned, Unsaveable, Whole, register
 from .replicated_spec import PER_OBJECT, REPLICATED
 from .storage.base import FileCheckError, Files
 from .tensorformat import gc_paused
@@ -73,6 +73,10 @@ class ReplicatedCodec(Codec):
         states, ranks = read_state(files, manifest, list(objects), own)
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
 
+    def read_whole(self, files: Files, manifest: Dict[str, Any], names: Optional[Sequence[str]] = None) -> Whole:
+        states, ranks = read_state(files, manifest, list(names or []), [])
+        return Whole(dict(states) if names is None else {n: states[n] for n in names}, list(ranks))
+
 
 @register
 class PerObjectCodec(ReplicatedCodec):
@@ -93,6 +97,19 @@ class PerObjectCodec(ReplicatedCodec):
         states = load_checked(files, manifest, list(objects), own)
         ranks = states.pop(RANKS)[RANKS]
         return Loaded(states, ranks[rank] if rank < len(ranks) else None, len(ranks))
+
+    def read_whole(self, files: Files, manifest: Dict[str, Any], names: Optional[Sequence[str]] = None) -> Whole:
+        if names is None:
+            states = load_checked(files, manifest, [], [])
+            return Whole(states, list(states.pop(RANKS)[RANKS]))
+        missing = [n for n in names if f"{n}.bin" not in manifest["files"]]
+        if missing:
+            raise FileCheckError(f"{files.where('')}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
+        ranks = _load(files, "ranks.bin", manifest["files"]["ranks.bin"]) if "ranks.bin" in manifest["files"] else None
+        objects = {n: _load(files, f"{n}.bin", manifest["files"][f"{n}.bin"]) for n in names}
+        return Whole(
+            objects, _check_ranks(ranks.get(RANKS) if isinstance(ranks, dict) else None, files.where("ranks.bin"), manifest, [])
+        )
 
 
 def _check_ranks(ranks: Any, where: str, manifest: Dict[str, Any], per_rank: List[str]) -> List[Any]:
@@ -142,14 +159,3 @@ def load_checked(files: Files, manifest: Dict[str, Any], objects: List[str], per
     ranks = states[RANKS].get(RANKS) if isinstance(states[RANKS], dict) else None
     _check_ranks(ranks, files.where("ranks.bin"), manifest, per_rank)
     return states
-
-
-def read_objects(files: Files, manifest: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
-    """The states of the objects `names` of a replicated checkpoint of either format, verified."""
-    if manifest["format"] == REPLICATED.number:
-        states = read_state(files, manifest, names, [])[0]
-        return {n: states[n] for n in names}
-    missing = [n for n in names if f"{n}.bin" not in manifest["files"]]
-    if missing:
-        raise FileCheckError(f"{files.where('')}: no {', '.join(n + '.bin' for n in missing)} in its manifest", "missing")
-    return {n: _load(files, f"{n}.bin", manifest["files"][f"{n}.bin"]) for n in names}

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import piecetable as pt
 from . import tensorfile
-from .codec import OWN, Codec, Collectives, Loaded, Planned, Unsaveable, register
+from .codec import OWN, Codec, Collectives, LazyTensor, Loaded, Planned, Unsaveable, Whole, flat, register
 from .shards import Box, fill, is_dtensor, like, overlap, piece_of, target_box, volume
 from .sources import BufferSource, Source
-from .storage.base import Files
+from .storage.base import FileCheckError, Files
 from .tensorformat import CODES, DTYPES, ITEMSIZE, TensorFileError, gc_paused
 from .tensorwrite import Layout, _place, _Planner
 
@@ -361,6 +362,25 @@ class ShardedCodec(Codec):
             raise TensorFileError(f"{files.where(file_name(rank))}: does not hold this rank's {own}", "contents")
         return Loaded(states, own_state, saved)
 
+    def read_whole(self, files: Files, manifest: Dict[str, Any], names: Optional[Sequence[str]] = None) -> Whole:
+        reader, skeletons = _whole_reader(files, manifest, names)
+        wanted = list(skeletons) if names is None else list(names)
+        objects = {n: assemble(skeletons[n], None, reader, (), lambda _path: None) for n in wanted}
+        return Whole(objects, [reader.tree(file_name(r))[RANK_STATE] for r in range(int(manifest["world_size"]))])
+
+    def tensors(self, files: Files, manifest: Dict[str, Any], name: str) -> Optional[Dict[str, LazyTensor]]:
+        reader, skeletons = _whole_reader(files, manifest, [name])
+        state, table = skeletons[name], manifest["tensors"]
+        if not flat(state):
+            return None
+
+        def read(key: str) -> torch.Tensor:
+            whole = tuple(table[key]["shape"])
+            return reader.region(key, ((0,) * len(whole), whole))
+
+        refs = {k: v.key for k, v in state.items() if isinstance(v, tensorfile.ShardRef)}
+        return {k: LazyTensor(table[key]["dtype"], tuple(table[key]["shape"]), partial(read, key)) for k, key in refs.items()}
+
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         return {OWN: plan(objects, own, skeleton=True, replicated=True).layout}
 
@@ -380,3 +400,18 @@ class ShardedCodec(Codec):
         reader.table = table
         states, own_state = load(reader, OWN, objects, root_file=OWN)
         return states, own_state
+
+
+def _whole_reader(files: Files, manifest: Dict[str, Any], names: Optional[Sequence[str]]) -> Tuple[Reader, Dict[str, Any]]:
+    """A reader of every rank's file (each one's table of pieces checked against the manifest's) and the
+    objects' skeletons, holding `names`."""
+    reader = Reader(files, manifest["tensors"])
+    for file in manifest["files"]:
+        reader.header(file)
+    skeletons = reader.tree(file_name(0)).get(OBJECTS)
+    if not isinstance(skeletons, dict):
+        raise TensorFileError(f"{files.where(file_name(0))}: holds no objects' skeleton", "format")
+    missing = [n for n in names or [] if n not in skeletons]
+    if missing:
+        raise FileCheckError(f"{files.where('')}: holds no {', '.join(missing)} (it holds {sorted(skeletons)})", "missing")
+    return reader, skeletons

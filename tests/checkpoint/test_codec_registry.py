@@ -17,10 +17,13 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from helpers import Box, Recorder, env
 from steadfast.checkpoint import codec, formats, formatspec
 from steadfast.checkpoint import manifest as mf
+from steadfast.checkpoint.compare import read_states
+from steadfast.checkpoint.consolidate import ConsolidateError, consolidate, load_whole
 from steadfast.checkpoint.formatspec import FormatSpec
 from steadfast.checkpoint.manager import CheckpointManager
 from steadfast.checkpoint.replicated import ReplicatedCodec
@@ -34,7 +37,7 @@ TOY_MODULE = '''
 from typing import Any, Dict, List, Optional
 
 from steadfast.checkpoint import tensorfile
-from steadfast.checkpoint.codec import Codec, Collectives, Loaded, Planned, register
+from steadfast.checkpoint.codec import Codec, Collectives, Loaded, Planned, Whole, register
 from steadfast.checkpoint.formatspec import FormatSpec
 from steadfast.checkpoint.storage.base import FileCheckError, Files
 
@@ -75,6 +78,14 @@ class ToyCodec(Codec):
             raise FileCheckError(f"{files.where(FILE)}: does not hold the objects its manifest lists", "contents")
         ranks = tree["ranks"]
         return Loaded(tree["objects"], ranks[rank] if rank < len(ranks) else None, len(ranks))
+
+    def read_whole(self, files: Files, manifest: Dict[str, Any], names: Optional[List[str]] = None) -> Whole:
+        spec = manifest["files"][FILE]
+        tree = tensorfile.parse(files.read_verified(FILE, spec["bytes"], spec["checksum"]), files.where(FILE))
+        missing = [n for n in names or [] if n not in tree["objects"]]
+        if missing:
+            raise FileCheckError(f"{files.where(FILE)}: holds no {missing}", "missing")
+        return Whole({n: tree["objects"][n] for n in (names or tree["objects"])}, tree["ranks"])
 '''
 
 
@@ -132,6 +143,13 @@ def test_a_new_format_is_one_module_and_its_registration(tmp_path: Path, toy: An
         written = mf.read(folder / mf.step_dir_name(step))
         assert (written["format"], written["toy_objects"], list(written["files"])) == (99, ["model"], [toy.FILE])
     assert restored_step(m) == 3
+    # read whole in one process (steadfast-verify, steadfast-consolidate) through the toy's own reader
+    whole = read_states(folder / mf.step_dir_name(3))
+    assert whole.step == 3 and float(whole.objects["model"]["w"][0]) == 3 and int(whole.ranks[0]["rng"]["seed"][0]) == 3
+    consolidate(folder / mf.step_dir_name(2), tmp_path / "model.safetensors")
+    assert float(load_file(tmp_path / "model.safetensors")["w"][0]) == 2
+    with pytest.raises(ConsolidateError, match="holds no"):
+        load_whole(folder / mf.step_dir_name(2), ["optimizer"])
     # the toy's own field damaged where the digest cannot see it: its own check refuses it, and the
     # resume falls back; the manifest's common fields never knew of the field
     reseal(folder, 3, lambda d: d.update(toy_objects="model"))
