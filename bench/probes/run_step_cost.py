@@ -1,7 +1,7 @@
 """What `run.step` costs, timed around the call itself, step by step, in a real loop.
 
     .venv/bin/python bench/probes/run_step_cost.py [--job tiny|hot] [--steps 4000] [--skip 500] [--log-every 10]
-        [--progress lines|none] [--launched] [--checkpoint-every N] [--profile N]
+        [--progress lines|none] [--launched] [--control-every N] [--checkpoint-every N] [--profile N]
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/probes/run_step_cost.py   # two ranks
 
 A `steadfast.Run` trains a model on random data for one epoch (`--job tiny`: section 7's tiny model
@@ -23,7 +23,8 @@ read from the run's state before the call:
 Per category: the steps, the mean CPU us per step, and its share of the amortised cost (the mean
 over every step). `--launched`: as a worker of steadfast's launcher, with the heartbeat file and the
 launch's snapshot folder in shared memory (snapshot.every_n_steps=auto); without it, as
-bench.step_cost's `run` (neither). `--profile N`: cProfile around the calls of run.step only, the N
+bench.step_cost's `run` (neither). `--control-every N`: the control plane's message every N steps
+(its automatic interval follows the wall-clock time of a step, which a loaded machine moves). `--profile N`: cProfile around the calls of run.step only, the N
 functions with the most internal time, then the N with the most cumulative time.
 Alone (no torchrun) it runs as the one rank of a one-rank group; under torchrun rank 0 prints.
 
@@ -109,6 +110,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--progress", default="lines", choices=["lines", "none"])
     p.add_argument("--launched", action="store_true", help="the heartbeat and the snapshot folder of a launched worker")
+    p.add_argument("--control-every", type=int, default=None, help="stop_check_every_n_steps (default: automatic)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint.every_n_steps (default: none)")
     p.add_argument("--profile", type=int, default=0, help="cProfile run.step; print this many functions")
     args = p.parse_args()
@@ -144,8 +146,8 @@ def _train(folder: Path, args: argparse.Namespace) -> None:
         "logger": {"progress": args.progress},
         "checkpoint": {"every_n_epochs": None, "every_n_steps": args.checkpoint_every},
     }
-    profile = cProfile.Profile() if args.profile else None
-    with Run(cfg, log_every_n_steps=args.log_every, num_threads=1) as run:
+    profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU time: a loaded machine hardly moves it
+    with Run(cfg, log_every_n_steps=args.log_every, stop_check_every_n_steps=args.control_every, num_threads=1) as run:
         torch.manual_seed(0)
         layers: List[nn.Module] = []
         for a, b in zip(widths, widths[1:]):
