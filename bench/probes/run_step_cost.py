@@ -180,7 +180,9 @@ def _train(folder: Path, args: argparse.Namespace) -> None:
             _report(run, stepping, args, profile)
 
 
-def _report(run: Run, stepping: List[Tuple[str, float, float]], args: argparse.Namespace, profile: Optional[cProfile.Profile]) -> None:
+def _report(
+    run: Run, stepping: List[Tuple[str, float, float]], args: argparse.Namespace, profile: Optional[cProfile.Profile]
+) -> None:
     timed = stepping[args.skip :]
     memory = run.boundary.memory
     print(
@@ -191,8 +193,8 @@ def _report(run: Run, stepping: List[Tuple[str, float, float]], args: argparse.N
     print(_summary("run.step wall (perf_counter)", [w for _, _, w in stepping], args.skip))
     total = sum(s for _, s, _ in timed)
     by: Dict[str, List[float]] = defaultdict(list)
-    for kind, used, _ in timed:
-        by[kind].append(used)
+    for kind, cpu_s, _ in timed:
+        by[kind].append(cpu_s)
     print(f"{'category':<32}{'steps':>7}{'CPU us/step':>13}{'median':>9}{'amortised us':>14}{'share':>8}")
     for kind, used in sorted(by.items(), key=lambda kv: -sum(kv[1])):
         print(
