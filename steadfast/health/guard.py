@@ -68,11 +68,6 @@ class Guard:
         self.posted_through, self._print = healthy, None
 
     # ---- per step ---------------------------------------------------------------------------
-    @property
-    def judges_on_host(self) -> bool:
-        """Whether a CPU loss is judged as a number at once (so the step boundary may read it once, for both)."""
-        return not self.watch.judge_later
-
     def observe(self, step: int, loss: Any, grad_norm: Any) -> None:
         self.watch.observe(step, loss, grad_norm)
         p = self.progress

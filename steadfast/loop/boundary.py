@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Protocol, Tuple
 
-import torch
-
 from ..checkpoint.tracked import Checkpointer
 from ..contract.heartbeat import Heartbeat
 from ..faults import FaultInjector
@@ -35,9 +33,6 @@ class Due:
     over_memory: Optional[Tuple[int, float]] = None  # (rank, MB): a rank's peak memory passed max_rss_mb
 
 
-NOTHING_DUE = Due()  # most whole boundaries: nothing asked of the run (no allocation)
-
-
 class Guard(Protocol):
     """What a step boundary asks of the ranks' health guard (steadfast/health/guard.py)."""
 
@@ -48,9 +43,6 @@ class Guard(Protocol):
     def take(self) -> Optional[object]: ...
 
     def next_due(self, step: int) -> Optional[int]: ...
-
-    @property
-    def judges_on_host(self) -> bool: ...
 
 
 class StepBoundary:
@@ -76,12 +68,9 @@ class StepBoundary:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
-        guard = self.guard
-        if isinstance(loss, torch.Tensor) and loss.is_cpu and (guard is None or guard.judges_on_host):
-            loss = loss.item()  # read once, for the window and the watch
         self.telemetry.quiet_step(step, epoch, loss)
-        if guard is not None:
-            guard.observe(step, loss, grad_norm)
+        if self.guard is not None:
+            self.guard.observe(step, loss, grad_norm)
         if self.heartbeat is not None:
             self.heartbeat.beat(step, "train")
         return True
@@ -89,8 +78,6 @@ class StepBoundary:
     def due(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
         The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
-        if isinstance(loss, torch.Tensor) and loss.is_cpu and (self.guard is None or self.guard.judges_on_host):
-            loss = loss.item()
         self.telemetry.add_loss(loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
@@ -108,8 +95,7 @@ class StepBoundary:
         found = self.guard.take() if self.guard is not None else None
         if found is not None and self.act(found):  # this step is no longer trained: only a stop agreed now is due
             return Due(False, control.stop, over)
-        save = self.cadence.step_due(step) or control.save_due
-        return Due(save, control.stop, over) if save or control.stop is not None or over is not None else NOTHING_DUE
+        return Due(self.cadence.step_due(step) or control.save_due, control.stop, over)
 
     def after(self, step: int) -> None:
         """The end of a whole boundary (after a save it asked for): this step's snapshot if one is due,

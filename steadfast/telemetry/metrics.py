@@ -113,9 +113,7 @@ class Telemetry:
     def add_loss(self, loss: Loss) -> None:
         if loss is None:
             return
-        if isinstance(loss, float):  # a CPU loss the step boundary read
-            self._total += loss
-        elif not isinstance(loss, torch.Tensor):
+        if not isinstance(loss, torch.Tensor):
             self._total += float(loss)
         elif loss.is_cpu:
             self._total += loss.item()  # waits for nothing on the CPU (and, unlike float(), warns of no graph)
