@@ -278,10 +278,12 @@ def test_store_race_probe_smoke(tmp_path: Path) -> None:
 @pytest.mark.extended
 def test_run_step_cost_probe_smoke(tmp_path: Path) -> None:
     out = _run_probe(tmp_path, "run_step_cost", "--steps", "80", "--skip", "20")
-    assert "1 rank(s), 60 steps timed" in out, out
-    for name in ("run.step", "a batch", "the forward"):
+    assert "1 rank(s), tiny job, 60 steps timed" in out, out
+    for name in ("run.step CPU (thread_time)", "run.step wall (perf_counter)"):
         (line,) = [line for line in out.splitlines() if line.startswith(f"{name}: median")]
         assert all(_positive(x) for x in _figures(line)), line
+    (total,) = [line for line in out.splitlines() if line.startswith("all (amortised)")]
+    assert re.fullmatch(r"all \(amortised\) +60 +\d+\.\d", total), total  # every timed step in one category
     assert list(tmp_path.iterdir()) == []  # its run folder was a scratch folder
 
 
