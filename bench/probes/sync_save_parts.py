@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 from bench.checkpoint_io import model_case  # noqa: E402
 from steadfast.checkpoint import manager as mg  # noqa: E402
 from steadfast.checkpoint import manifest as mf  # noqa: E402
-from steadfast.checkpoint import ranks  # noqa: E402
 from steadfast.checkpoint.storage import fileio, posix  # noqa: E402
 from steadfast.distributed.comm import Comm  # noqa: E402
 
@@ -46,7 +45,6 @@ PROFILE = "--profile" in sys.argv
 CONFIG = "--config" in sys.argv
 DIR = sys.argv[sys.argv.index("--dir") + 1] if "--dir" in sys.argv else None
 
-Sample = Dict[str, List[float]]  # part -> [cpu, wall] accumulated in the current save
 current: Dict[str, List[float]] = {}
 
 
@@ -86,7 +84,11 @@ def instrument() -> None:
     wrap(mg, "for_state", "codec choice")
     wrap(mg, "write_own", "write state.bin")
     wrap(mf, "next_commit", "next commit (scan)")
+    if hasattr(mf, "Commits"):  # the trees before and after the commit sequence was followed
+        wrap(mf.Commits, "next", "next commit (listing)")
     wrap(mf, "seal", "seal manifest")
+    if hasattr(mf, "Sealer"):
+        wrap(mf.Sealer, "seal", "seal+check manifest")
     wrap(mf, "validate", "validate manifest")
     wrap(mf, "parse", "parse manifest")
     wrap(posix.FolderStore, "stage", "stage (mkdir)")
@@ -127,13 +129,17 @@ def one(m: mg.CheckpointManager, step: int, case: Any) -> Tuple[float, float, Di
 def summary(label: str, rows: List[Tuple[float, float, Dict[str, List[float]]]]) -> None:
     print(f"\n{label}: {len(rows)} saves, ms per save (calling thread)")
     print(f"  {'part':<24}{'cpu med':>9}{'cpu mean':>10}{'wall med':>10}")
-    print(f"  {'save() total':<24}{statistics.median(r[0] for r in rows) * 1e3:>9.3f}"
-          f"{statistics.mean(r[0] for r in rows) * 1e3:>10.3f}{statistics.median(r[1] for r in rows) * 1e3:>10.3f}")
+    print(
+        f"  {'save() total':<24}{statistics.median(r[0] for r in rows) * 1e3:>9.3f}"
+        f"{statistics.mean(r[0] for r in rows) * 1e3:>10.3f}{statistics.median(r[1] for r in rows) * 1e3:>10.3f}"
+    )
     names = sorted({k for r in rows for k in r[2]}, key=lambda k: -statistics.median(r[2].get(k, [0, 0])[0] for r in rows))
     for k in names:
         cpu = [r[2].get(k, [0.0, 0.0])[0] for r in rows]
         wall = [r[2].get(k, [0.0, 0.0])[1] for r in rows]
-        print(f"  {k:<24}{statistics.median(cpu) * 1e3:>9.3f}{statistics.mean(cpu) * 1e3:>10.3f}{statistics.median(wall) * 1e3:>10.3f}")
+        print(
+            f"  {k:<24}{statistics.median(cpu) * 1e3:>9.3f}{statistics.mean(cpu) * 1e3:>10.3f}{statistics.median(wall) * 1e3:>10.3f}"
+        )
 
 
 def main() -> None:
