@@ -107,8 +107,9 @@ def config_of_a_run() -> Tuple[Dict[str, Any], Dict[str, Any]]:
         return {}, {}
     from omegaconf import OmegaConf
 
-    resolved = OmegaConf.to_container(OmegaConf.load(ROOT / "steadfast" / "conf" / "steadfast.yaml"), resolve=False)
-    assert isinstance(resolved, dict)
+    loaded = OmegaConf.to_container(OmegaConf.load(ROOT / "steadfast" / "conf" / "steadfast.yaml"), resolve=False)
+    assert isinstance(loaded, dict)
+    resolved: Dict[str, Any] = {str(k): v for k, v in loaded.items()}
     return mf.training_config(resolved), dict(mf.flatten(resolved))
 
 
