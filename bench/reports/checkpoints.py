@@ -7,8 +7,9 @@ from typing import Any, Dict, List, Optional
 from .cells import f, reported, table, target
 
 # Each case's save against its limit (bench/checkpoint_io.py's TARGETS): A and C against one fsync'd
-# write of the bytes, B (0.1 MiB: its fsyncs are its cost) against a minimal atomic commit of them.
-SAVE_GOALS = {"A": ("raw_fsync_write", 0.9), "B": ("raw_atomic_commit", 0.8), "C": ("raw_fsync_write", 0.8)}
+# write of the bytes, B (0.1 MiB: its fsyncs are its cost) against a minimal atomic commit of them with
+# a manifest (the one without is reported).
+SAVE_GOALS = {"A": ("raw_fsync_write", 0.9), "B": ("raw_atomic_commit_manifest", 0.8), "C": ("raw_fsync_write", 0.8)}
 LIMITS = {
     "raw_fsync_write": "raw fsync write",
     "raw_atomic_commit": "minimal atomic commit (raw_atomic_commit)",
