@@ -7,9 +7,14 @@ from typing import Any, Dict, List, Optional
 from .cells import f, reported, table, target
 
 # Each case's save against its limit (bench/checkpoint_io.py's TARGETS): A and C against one fsync'd
-# write of the bytes, B (0.1 MiB: its fsyncs are its cost) against a minimal atomic commit of them.
-SAVE_GOALS = {"A": ("raw_fsync_write", 0.9), "B": ("raw_atomic_commit", 0.8), "C": ("raw_fsync_write", 0.8)}
-LIMITS = {"raw_fsync_write": "raw fsync write", "raw_atomic_commit": "minimal atomic commit (raw_atomic_commit)"}
+# write of the bytes, B (0.1 MiB: its fsyncs are its cost) against a minimal atomic commit of them with
+# a manifest (the one without is reported).
+SAVE_GOALS = {"A": ("raw_fsync_write", 0.9), "B": ("raw_atomic_commit_manifest", 0.8), "C": ("raw_fsync_write", 0.8)}
+LIMITS = {
+    "raw_fsync_write": "raw fsync write",
+    "raw_atomic_commit": "minimal atomic commit (raw_atomic_commit)",
+    "raw_atomic_commit_manifest": "minimal atomic commit with a manifest (raw_atomic_commit_manifest)",
+}
 ASYNC_GOAL = "<= max(0.05 x sync, 2 ms)"
 
 
@@ -71,7 +76,9 @@ def section(ck: Optional[Dict[str, Any]]) -> List[str]:
             f"`{ck['command']}` ({ck.get('reads', '')}); medians of {ck['results'][0]['repeats']} rotated repeats."
             " `raw_fsync_write`: the tensors' bytes in one file, one fsync; `raw_atomic_commit`: the same file in a"
             " temporary folder, the file and the folder fsynced, the folder renamed into place, its parent fsynced (the"
-            " least a checkpoint that appears whole or not at all costs; no manifest, no checksum). Async target:"
+            " least a checkpoint that appears whole or not at all costs; no manifest, no checksum);"
+            " `raw_atomic_commit_manifest`: that and a small manifest naming the file's size and checksum, written"
+            " after it and fsynced (the least the project's commit protocol allows). Async target:"
             f" {ck.get('async_target', 'blocked <= 0.05 x sync save')}.",
             "",
         ]

@@ -93,6 +93,8 @@ class CheckpointManager:
         self.keep_every_n_epochs = keep_every_n_epochs
         self.retention = Policy(self.keep_last, keep_every_n_epochs, keep_best, monitor, mode)
         self.full_config = full_config or {}
+        # the configs are the same in every manifest it writes: encoded once (they are most of its bytes)
+        self._sealer = mf.Sealer({"config": self.training_config, "full_config": self.full_config})
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
@@ -104,6 +106,7 @@ class CheckpointManager:
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
+        self._commits = mf.Commits(self.store)  # the next commit's number, without reading every manifest each save
         if comm.rank == 0:
             try:
                 self.store.prepare()
@@ -243,6 +246,7 @@ class CheckpointManager:
                     files,
                 )
             except BaseException as exc:
+                self._commits.forget()  # whether it was committed is not known here
                 if writing.batch is not None:
                     writing.batch.close()
                 if staged is not None:
@@ -312,23 +316,21 @@ class CheckpointManager:
         """Build the manifest of the staged save (its files written, those in `batch` not yet durable)
         and have the store commit it; the committed checkpoint's name. The commit is made durable by
         `_check_then_retain`, before anything older is removed."""
+        commit = self._commits.next()
         manifest = {
             "format": format,
             "step": step,
-            "commit": mf.next_commit(self.store),
+            "commit": commit,
             **fields,
             "world_size": self.comm.world_size,
             "created": time.time(),
             "files": files,
-            "config": self.training_config,
-            "full_config": self.full_config,
-        }
-        sealed = mf.seal(manifest)
-        where = f"{self.where(staged)}/{mf.MANIFEST}"
-        mf.validate(mf.parse(sealed, where), where, step)  # what we write, our reader accepts
+        }  # then the configs (the sealer's)
+        sealed = self._sealer.seal(manifest, f"{self.where(staged)}/{mf.MANIFEST}", step)  # validated as read back
         hooks = self.hooks
         fence = (lambda: hooks.before_commit(step)) if hooks is not None else None
         final, replaced = self.store.commit(staged, step, sealed, batch, fence)
+        self._commits.committed(final, commit)  # the one it replaced was set aside under a name nothing lists
         if replaced is not None:
             self._recorded_aside(step, final, replaced, "a new save of the same step replaced it")
         return final
@@ -385,11 +387,14 @@ class CheckpointManager:
 
     def _apply_retention(self, just_committed: str) -> None:
         listed = mf.scan(self.store)
+        self._commits.listed(listed)
         names = {c.path: c.name for c in listed}
         for path in mf.expendable(listed, self.retention, [self.where(just_committed)]):
+            self._commits.removed(names[path])
             self.store.discard(names[path])
 
     def _set_aside(self, step: Optional[int], name: str, reason: str, error: str) -> Optional[str]:
+        self._commits.forget()
         try:
             target = self.store.set_aside(name, reason)
         except OSError as exc:

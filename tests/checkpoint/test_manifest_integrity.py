@@ -102,6 +102,43 @@ def test_a_digest_that_is_not_where_it_belongs_is_damage_not_an_old_manifest(tmp
         mf.read(path.parent)
 
 
+def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(tmp_path: Path) -> None:
+    """The manager encodes the configs once (mf.Sealer); its manifests must be byte for byte what
+    `seal` writes for the whole manifest, whatever the configs hold, and read back as they do."""
+    odd = {"a.b": 1, "nested": {"list": [1, [], {}, "x\ny\u00e9\t"], 3: True, None: 2.5, "obj": Path("p")}, "e": {}}
+    fields = {"format": 4, "step": 9, "commit": 2, "world_size": 1, "created": 1.5, "files": {"state.bin": {"bytes": 3}}}
+    constant = {"config": odd, "full_config": {"k": "v", "deep": odd}}
+    sealer = mf.Sealer(constant)
+    assert mf.seal(fields, sealer.encoded) == mf.seal({**fields, **constant})
+    assert mf.seal(fields, mf.encode_fields({})) == mf.seal(fields)
+    assert sealer.read_back == {k: v for k, v in mf.parse(mf.seal({**fields, **constant}), "m").items() if k in constant}
+
+    m = CheckpointManager(tmp_path, Comm(), 1, odd, lambda *a, **k: None, full_config=constant["full_config"])
+    m.save(9, {"model": Box({"w": torch.zeros(2)})}, {}, {"epoch": 0})
+    m.close()
+    raw = (tmp_path / mf.step_dir_name(9) / mf.MANIFEST).read_bytes()
+    assert raw == mf.seal({k: v for k, v in mf.read(tmp_path / mf.step_dir_name(9)).items() if k not in constant}, sealer.encoded)
+    with pytest.raises(mf.ManifestError, match="'world_size'"):  # what a reader would refuse is never written
+        sealer.seal({**fields, "world_size": 0}, "here", 9)
+
+
+def test_the_commit_sequence_sees_a_checkpoint_another_writer_committed(tmp_path: Path) -> None:
+    """A manager follows its own commits without reading every manifest each save (mf.Commits), but a
+    checkpoint committed beside them by anything else (here: one copied in, with a higher commit)
+    still moves the sequence on: the next save is the newest."""
+    m = manager(tmp_path, keep_last=5)
+    m.save(1, {"model": Box({"w": torch.zeros(2)})}, {}, {"epoch": 0})
+    m.save(2, {"model": Box({"w": torch.zeros(2)})}, {}, {"epoch": 0})
+    m.wait()
+    other = tmp_path / "elsewhere"
+    saved(other, [1, 2, 3, 4, 5, 6, 7])
+    (other / mf.step_dir_name(7)).rename(tmp_path / mf.step_dir_name(70))
+    as_earlier_version(tmp_path / mf.step_dir_name(70), step=70)  # commit 7, above this manager's 2
+    m.save(3, {"model": Box({"w": torch.zeros(2)})}, {}, {"epoch": 0})
+    m.close()
+    assert [(c.step, c.commit) for c in mf.scan(tmp_path)][:2] == [(3, 8), (70, 7)]
+
+
 def test_retention_ranks_by_step_so_a_raised_commit_never_removes_the_newest(tmp_path: Path, caplog: Any) -> None:
     """Finding 3 in manifests of the version before (no digest to refuse the raised commit): the
     resume takes the older step 40, saying so, and three saves later step 60 is still there (ranked

@@ -46,18 +46,21 @@ def test_checkpoint_io_bench_smoke(tmp_path: Path) -> None:
     methods = {
         "project_sync",
         "project_sync_checked",
+        "project_sync_next",
         "async_blocked",
         "async_copied",
         "async_total",
         "torch_save",
         "raw_fsync_write",
         "raw_atomic_commit",
+        "raw_atomic_commit_manifest",
         "restore_warm",
         "raw_read_warm",
     }
     ratios = {
         "project_sync/raw_fsync_write throughput",
         "project_sync/raw_atomic_commit throughput",
+        "project_sync_next/raw_atomic_commit_manifest throughput",
         "torch_save/raw_fsync_write throughput",
         "async_blocked/sync_save time",
         "async_blocked/allowed time",
