@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar
 
 import torch
 
 from . import formatspec, tensorfile
 from .formatspec import FormatSpec
+from .reuse import Plans
 from .storage.base import Files
 from .tensorwrite import Layout
 
+T = TypeVar("T")
 SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
 
 
@@ -79,6 +81,9 @@ class Codec(ABC):
     spec: ClassVar[FormatSpec]  # its format: the manifest's `format` number, its name, the check of its own fields
     every_rank_writes: ClassVar[bool]  # False: only rank 0 has files (it saves alone: no collective beyond the plan's)
     catch_all: ClassVar[bool] = False  # it stores any state: asked last (the replicated codec)
+    # what saves the same state again and again (the manager, the memory tier) sets: the last plan of
+    # each file, reused while the state keeps its structure (reuse.py); None: every file planned anew
+    plans: Optional[Plans] = None
 
     @property
     def format(self) -> int:
@@ -106,14 +111,21 @@ class Codec(ABC):
         every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
 
+    def layout(self, name: str, roots: Sequence[Any], make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
+        """File `name`'s layout (and what `make` returns with it) for a state planned from `roots` by
+        `make`: the last plan's, reused while `plans` is set and the state's structure is the same."""
+        if self.plans is None:
+            return make()
+        return self.plans.layout(f"{self.format}:{name}", roots, make)
+
     # A snapshot in memory, unless a codec keeps its own: the objects once per node (local rank 0)
     # and each rank's own state, each a tensor file.
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
         rank keeps the node's copy of what every rank shares)."""
-        out = {OWN: tensorfile.plan(own)}
+        out = {OWN: self.layout(OWN, (own,), lambda: (tensorfile.plan(own), None))[0]}
         if writes_objects:
-            out[SHARED] = tensorfile.plan(objects)
+            out[SHARED] = self.layout(SHARED, (objects,), lambda: (tensorfile.plan(objects), None))[0]
         return out
 
     def snapshot_blobs(self) -> List[str]:

@@ -132,6 +132,13 @@ def plan(objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicate
     return RankFile(layout, planner.pieces, planner.keys)
 
 
+def _planned(
+    objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicated: bool
+) -> Tuple[Layout, Tuple[Dict[str, List[Any]], Dict[str, List[Any]]]]:
+    rank_file = plan(objects, own, skeleton, replicated)
+    return rank_file.layout, (rank_file.pieces, rank_file.keys)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Piece:
@@ -331,12 +338,12 @@ class ShardedCodec(Codec):
         if bad:
             raise Unsaveable(f"objects named {bad}", "in a sharded checkpoint, names are letters, digits, '_' and '-'")
         first = comm.rank == 0
+        name = file_name(comm.rank)
         try:
-            rank_file = plan(objects, own, skeleton=first, replicated=first)
+            layout, (pieces, keys) = self.layout(name, (objects, own), lambda: _planned(objects, own, first, first))
         except (TypeError, ValueError) as exc:
             raise Unsaveable("the state", str(exc)) from exc
-        name = file_name(comm.rank)
-        return Planned({name: rank_file.layout}, {"pieces": {name: rank_file.pieces}, "keys": rank_file.keys if first else {}})
+        return Planned({name: layout}, {"pieces": {name: pieces}, "keys": keys if first else {}})
 
     def manifest_fields(self, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
         return {"tensors": pt.tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
@@ -362,7 +369,7 @@ class ShardedCodec(Codec):
         return Loaded(states, own_state, saved)
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        return {OWN: plan(objects, own, skeleton=True, replicated=True).layout}
+        return {OWN: self.layout(OWN, (objects, own), lambda: _planned(objects, own, True, True))[0]}
 
     def snapshot_blobs(self) -> List[str]:
         return [OWN]

@@ -1,0 +1,162 @@
+"""A file's layout planned once and reused while the state keeps its structure.
+
+Planning a file (tensorwrite's planner: every tensor's name, the skeleton, each tensor's place) costs
+a few microseconds a tensor, on the training thread, at every save and snapshot: tens of
+milliseconds for a model of thousands of small tensors, most of an asynchronous save's blocking
+part. Between two saves of a training loop the state's structure rarely changes: the same keys, the
+same tensors (mostly the very same objects) with the same dtypes and shapes, the same sharding.
+
+`Plans` keeps the last layout planned for each file with the structure of the state it was planned
+from: the walk `structure` makes of the state, in the planner's order, of every container (its
+kind, its keys and their types, its length), every other value (its type and value; a float by its
+bits, so 0.0 and -0.0 differ) and every tensor (its class, dtype, shape and layout; a DTensor's
+placements and mesh too). The walk costs a fraction of a plan: a dict of plain tensors (a module's
+state) is read in a few C-level passes. When the structure is equal to the last one, the layout is
+reused as it was (names, skeleton, places, header) with each entry's tensor taken from the new
+state (the same object, most of the time); any difference, or a tensor that cannot be rebound, and
+the file is planned from scratch. Strides and devices are not part of a layout: the copy and the
+write read them from the tensor each time.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+import numpy as np
+import torch
+
+from .shards import is_dtensor
+from .tensorwrite import Entry, Layout
+
+T = TypeVar("T")
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+_META = operator.attrgetter("dtype", "shape", "layout")  # one pass: a tensor's fields are read together
+
+
+def _scalar(v: Any) -> Any:
+    return v.hex() if v.__class__ is float else v
+
+
+class _Walk:
+    """The structure of a state (`marks`, comparable with ==) and its tensors in the planner's order (`leaves`)."""
+
+    def __init__(self) -> None:
+        self.leaves: List[Any] = []
+        self.marks: List[Any] = []
+
+    def walk(self, obj: Any) -> bool:
+        """False: a value the walk does not know (the planner refuses it, or is the judge)."""
+        cls = obj.__class__
+        marks = self.marks
+        if isinstance(obj, torch.Tensor):
+            self.leaves.append(obj)
+            if cls in _PLAIN_TENSORS or not is_dtensor(obj):
+                marks.append((cls, obj.dtype, obj.shape, obj.layout))
+            else:
+                marks.append((cls, obj.dtype, obj.shape, tuple(obj.placements), obj.device_mesh))
+            return True
+        if isinstance(obj, dict):
+            keys = tuple(obj)
+            marks.append((dict, keys, tuple(map(type, keys))))
+            values = list(obj.values())
+            if set(map(type, values)) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
+                self.leaves.extend(values)
+                marks.append((tuple(map(type, values)), tuple(map(_META, values))))
+                return True
+            return all(map(self.walk, values))
+        if isinstance(obj, (list, tuple)):
+            types = tuple(map(type, obj))
+            if set(types) <= _SCALARS:  # stored as they are (python's RNG state: 625 ints)
+                values = tuple(map(_scalar, obj)) if float in types else tuple(obj)
+                marks.append((cls, types, values))
+                return True
+            marks.append((cls, len(obj)))
+            return all(map(self.walk, obj))
+        if isinstance(obj, np.ndarray):
+            self.leaves.append(obj)
+            marks.append((cls, obj.dtype, obj.shape))
+            return True
+        if isinstance(obj, np.generic):
+            item = obj.item()
+            marks.append((cls, type(item), _scalar(item)))
+            return True
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            marks.append((cls, _scalar(obj)))
+            return True
+        return False
+
+
+def structure(roots: Sequence[Any]) -> Optional[_Walk]:
+    """The walk of `roots` (what one file is planned from, in the planner's order), or None."""
+    walk = _Walk()
+    return walk if all(map(walk.walk, roots)) else None
+
+
+def _tensor_for(leaf: Any, entry: Entry) -> Optional[torch.Tensor]:
+    """The tensor `entry` stores, taken from its leaf in the new state (None: it cannot be, plan anew)."""
+    if isinstance(leaf, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(leaf))
+    elif leaf.__class__ in _PLAIN_TENSORS or not is_dtensor(leaf):
+        return leaf  # type: ignore[no-any-return]
+    else:
+        t = leaf.to_local()  # this rank's piece: its place, checked against the plan's below
+    return t if t.shape == entry.shape and t.nbytes == entry.end - entry.begin else None
+
+
+class _Plan:
+    def __init__(self, walk: _Walk, layout: Layout, extra: Any) -> None:
+        self.marks, self.leaves, self.layout, self.extra = walk.marks, walk.leaves, layout, extra
+        # only an entry whose tensor is its leaf itself may be kept as it is when the leaf is the same object
+        self.derived = any(
+            isinstance(leaf, np.ndarray) or (leaf.__class__ not in _PLAIN_TENSORS and is_dtensor(leaf))
+            for leaf in walk.leaves
+        )
+
+    def rebound(self, leaves: List[Any]) -> Optional[Layout]:
+        """The layout with each entry's tensor from `leaves` (None: one cannot be: plan anew)."""
+        old = self.layout
+        same = list(map(operator.is_, leaves, self.leaves))
+        if all(same) and not self.derived:
+            entries = old.entries  # read only from here on: shared with the last save's layout
+        else:
+            entries = []
+            with torch.no_grad():  # a DTensor's piece without autograd's bookkeeping
+                for e in old.entries:
+                    i = e.leaf
+                    if same[i] and e.tensor is leaves[i]:
+                        entries.append(e)
+                        continue
+                    t = _tensor_for(leaves[i], e)
+                    if t is None:
+                        return None
+                    entries.append(Entry(e.name, e.code, e.shape, e.begin, e.end, t, i))
+        return Layout(old.skeleton, entries, old.data_bytes, old.metadata, old.built_header())
+
+
+class Plans:
+    """The last layout of each file (by name) and the structure it was planned from; `reused`
+    counts the layouts reused instead of planned (what a test or a benchmark reads)."""
+
+    def __init__(self) -> None:
+        self._last: Dict[str, _Plan] = {}
+        self.reused = 0
+
+    def layout(self, name: str, roots: Sequence[Any], make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
+        """File `name`'s layout for a state planned from `roots` (and what `make` returns with it):
+        the last one's, rebound, when the structure is the same; else `make()`'s, kept for next time."""
+        walk = structure(roots)
+        last = self._last.get(name)
+        if walk is not None and last is not None and walk.marks == last.marks:
+            layout = last.rebound(walk.leaves)
+            if layout is not None:
+                last.leaves, last.layout = walk.leaves, layout
+                self.reused += 1
+                return layout, last.extra
+        self._last.pop(name, None)
+        layout, extra = make()
+        if walk is not None:
+            self._last[name] = _Plan(walk, layout, extra)
+        return layout, extra
