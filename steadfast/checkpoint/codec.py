@@ -111,21 +111,24 @@ class Codec(ABC):
         every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
 
-    def layout(self, name: str, roots: Sequence[Any], make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
-        """File `name`'s layout (and what `make` returns with it) for a state planned from `roots` by
-        `make`: the last plan's, reused while `plans` is set and the state's structure is the same."""
+    def layout(
+        self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]
+    ) -> Tuple[Layout, T]:
+        """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
+        `roots` (in its order), whose skeleton is `tree`'s: the last plan's, reused while `plans` is
+        set and the state's structure is the same (reuse.Plans)."""
         if self.plans is None:
             return make()
-        return self.plans.layout(f"{self.format}:{name}", roots, make)
+        return self.plans.layout(f"{self.format}:{name}", roots, tree, make)
 
     # A snapshot in memory, unless a codec keeps its own: the objects once per node (local rank 0)
     # and each rank's own state, each a tensor file.
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
         rank keeps the node's copy of what every rank shares)."""
-        out = {OWN: self.layout(OWN, (own,), lambda: (tensorfile.plan(own), None))[0]}
+        out = {OWN: self.layout(OWN, (own,), own, lambda: (tensorfile.plan(own), None))[0]}
         if writes_objects:
-            out[SHARED] = self.layout(SHARED, (objects,), lambda: (tensorfile.plan(objects), None))[0]
+            out[SHARED] = self.layout(SHARED, (objects,), objects, lambda: (tensorfile.plan(objects), None))[0]
         return out
 
     def snapshot_blobs(self) -> List[str]:

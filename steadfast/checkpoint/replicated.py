@@ -66,7 +66,8 @@ class ReplicatedCodec(Codec):
         if comm.rank != 0:
             return Planned({})
         ranks = gathered or []
-        layout, _ = self.layout(STATE_FILE, (objects, ranks), lambda: (plan_state(objects, ranks), None))
+        tree = {OBJECTS: objects, RANKS: ranks}  # what plan_state's skeleton is
+        layout, _ = self.layout(STATE_FILE, (objects, ranks), tree, lambda: (plan_state(objects, ranks), None))
         return Planned({STATE_FILE: layout})
 
     def load(

@@ -8,14 +8,15 @@ same tensors (mostly the very same objects) with the same dtypes and shapes, the
 
 `Plans` keeps the last layout planned for each file with the structure of the state it was planned
 from: the walk `structure` makes of the state, in the planner's order, of every container (its
-kind, its keys and their types, its length), every other value (its type and value; a float by its
-bits, so 0.0 and -0.0 differ) and every tensor (its class, dtype, shape and layout; a DTensor's
+kind, its keys and their types, its length), every other value (its type; the values are compared
+apart, a float by its bits, so 0.0 and -0.0 differ) and every tensor (its class, dtype, shape and layout; a DTensor's
 placements and mesh too). The walk costs a fraction of a plan: a dict of plain tensors (a module's
 state) is read in a few C-level passes. When the structure is equal to the last one, the layout is
-reused as it was (names, skeleton, places, header) with each entry's tensor taken from the new
-state (the same object, most of the time); any difference, or a tensor that cannot be rebound, and
-the file is planned from scratch. Strides and devices are not part of a layout: the copy and the
-write read them from the tensor each time.
+reused as it was (names, places, the header's tensor table) with each entry's tensor taken from the
+new state (the same object, most of the time), and the skeleton refilled with the new values where
+a value changed (a step count, an RNG's state, a learning rate); any other difference, or a tensor
+that cannot be rebound, and the file is planned from scratch. Strides and devices are not part of
+a layout: the copy and the write read them from the tensor each time.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def _scalar(v: Any) -> Any:
 
 
 class _Walk:
-    """The structure of a state (`marks`, comparable with ==) and its tensors in the planner's order (`leaves`)."""
+    """The structure of a state (`marks`), its scalars (`values`; both comparable with ==) and its
+    tensors in the planner's order (`leaves`)."""
 
     def __init__(self) -> None:
         self.leaves: List[Any] = []
         self.marks: List[Any] = []
+        self.values: List[Any] = []
 
     def walk(self, obj: Any) -> bool:
         """False: a value the walk does not know (the planner refuses it, or is the judge)."""
@@ -70,8 +73,8 @@ class _Walk:
         if isinstance(obj, (list, tuple)):
             types = tuple(map(type, obj))
             if set(types) <= _SCALARS:  # stored as they are (python's RNG state: 625 ints)
-                values = tuple(map(_scalar, obj)) if float in types else tuple(obj)
-                marks.append((cls, types, values))
+                marks.append((cls, types))
+                self.values.append(tuple(map(_scalar, obj)) if float in types else tuple(obj))
                 return True
             marks.append((cls, len(obj)))
             return all(map(self.walk, obj))
@@ -81,12 +84,36 @@ class _Walk:
             return True
         if isinstance(obj, np.generic):
             item = obj.item()
-            marks.append((cls, type(item), _scalar(item)))
+            marks.append((cls, type(item)))
+            self.values.append(_scalar(item))
             return True
         if obj is None or isinstance(obj, (bool, int, float, str)):
-            marks.append((cls, _scalar(obj)))
+            marks.append(cls)
+            self.values.append(_scalar(obj))
             return True
         return False
+
+
+def _refill(node: Any, obj: Any) -> Any:
+    """The skeleton of `obj`, whose structure is that of the skeleton `node`: its values taken from
+    `obj`, its tensors' references (and every subtree without values, a module's state) from `node`."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return node
+    if isinstance(obj, dict):
+        values = obj.values()
+        if set(map(type, values)) <= _PLAIN_TENSORS:
+            return node
+        return {"__d": [[k, _refill(sub, v)] for (k, sub), v in zip(node["__d"], values)]}
+    if isinstance(obj, (list, tuple)):
+        nodes = node["__tuple"] if isinstance(obj, tuple) else node
+        if set(map(type, obj)) <= _SCALARS:
+            nodes = list(obj)
+        else:
+            nodes = [_refill(sub, v) for sub, v in zip(nodes, obj)]
+        return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
 
 
 def structure(roots: Sequence[Any]) -> Optional[_Walk]:
@@ -108,16 +135,17 @@ def _tensor_for(leaf: Any, entry: Entry) -> Optional[torch.Tensor]:
 
 class _Plan:
     def __init__(self, walk: _Walk, layout: Layout, extra: Any) -> None:
-        self.marks, self.leaves, self.layout, self.extra = walk.marks, walk.leaves, layout, extra
+        self.marks, self.values, self.leaves, self.layout, self.extra = walk.marks, walk.values, walk.leaves, layout, extra
         # only an entry whose tensor is its leaf itself may be kept as it is when the leaf is the same object
         self.derived = any(
             isinstance(leaf, np.ndarray) or (leaf.__class__ not in _PLAIN_TENSORS and is_dtensor(leaf))
             for leaf in walk.leaves
         )
 
-    def rebound(self, leaves: List[Any]) -> Optional[Layout]:
-        """The layout with each entry's tensor from `leaves` (None: one cannot be: plan anew)."""
-        old = self.layout
+    def rebound(self, walk: _Walk, tree: Any) -> Optional[Layout]:
+        """The layout with each entry's tensor from the walk's leaves and, when a value changed, the
+        skeleton of `tree` (None: a tensor cannot be rebound: plan anew)."""
+        old, leaves = self.layout, walk.leaves
         same = list(map(operator.is_, leaves, self.leaves))
         if all(same) and not self.derived:
             entries = old.entries  # read only from here on: shared with the last save's layout
@@ -133,7 +161,11 @@ class _Plan:
                     if t is None:
                         return None
                     entries.append(Entry(e.name, e.code, e.shape, e.begin, e.end, t, i))
-        return Layout(old.skeleton, entries, old.data_bytes, old.metadata, old.built_header())
+        header, table = old.built()
+        skeleton = old.skeleton
+        if walk.values != self.values:
+            skeleton, header = _refill(old.skeleton, tree), None
+        return Layout(old.skeleton if skeleton is None else skeleton, entries, old.data_bytes, old.metadata, header, _table=table)
 
 
 class Plans:
@@ -144,15 +176,18 @@ class Plans:
         self._last: Dict[str, _Plan] = {}
         self.reused = 0
 
-    def layout(self, name: str, roots: Sequence[Any], make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
-        """File `name`'s layout for a state planned from `roots` (and what `make` returns with it):
-        the last one's, rebound, when the structure is the same; else `make()`'s, kept for next time."""
+    def layout(
+        self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]
+    ) -> Tuple[Layout, T]:
+        """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
+        `roots`, in the planner's order, whose skeleton is that of `tree`: the last one's, rebound,
+        when the structure is the same; else `make()`'s, kept for next time."""
         walk = structure(roots)
         last = self._last.get(name)
         if walk is not None and last is not None and walk.marks == last.marks:
-            layout = last.rebound(walk.leaves)
+            layout = last.rebound(walk, tree)
             if layout is not None:
-                last.leaves, last.layout = walk.leaves, layout
+                last.leaves, last.values, last.layout = walk.leaves, walk.values, layout
                 self.reused += 1
                 return layout, last.extra
         self._last.pop(name, None)

@@ -340,7 +340,8 @@ class ShardedCodec(Codec):
         first = comm.rank == 0
         name = file_name(comm.rank)
         try:
-            layout, (pieces, keys) = self.layout(name, (objects, own), lambda: _planned(objects, own, first, first))
+            tree = {OBJECTS: objects, RANK_STATE: own} if first else {RANK_STATE: own}  # what plan's skeleton is
+            layout, (pieces, keys) = self.layout(name, (objects, own), tree, lambda: _planned(objects, own, first, first))
         except (TypeError, ValueError) as exc:
             raise Unsaveable("the state", str(exc)) from exc
         return Planned({name: layout}, {"pieces": {name: pieces}, "keys": keys if first else {}})
@@ -369,7 +370,8 @@ class ShardedCodec(Codec):
         return Loaded(states, own_state, saved)
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        return {OWN: self.layout(OWN, (objects, own), lambda: _planned(objects, own, True, True))[0]}
+        tree = {OBJECTS: objects, RANK_STATE: own}
+        return {OWN: self.layout(OWN, (objects, own), tree, lambda: _planned(objects, own, True, True))[0]}
 
     def snapshot_blobs(self) -> List[str]:
         return [OWN]

@@ -53,10 +53,7 @@ class Layout:
     metadata: Optional[Dict[str, str]] = None
     _header: Optional[bytes] = field(default=None, repr=False)
     _copies: List[torch.Tensor] = field(default_factory=list, repr=False)
-
-    def built_header(self) -> Optional[bytes]:
-        """The header if it was built already (a reused layout shares it), else None."""
-        return self._header
+    _table: Optional[str] = field(default=None, repr=False)  # the header's tensor table (names, shapes, places)
 
     def header(self) -> bytes:
         """The length prefix and the padded JSON header (built once)."""
@@ -74,11 +71,10 @@ class Layout:
         # The tensor table, formatted directly (json.dumps of a dict per tensor costs twice as much);
         # names that need escaping go through json.dumps (one check for all: most need none).
         parts = [f'{{"__metadata__":{json.dumps(meta, separators=(",", ":"))}']
-        plain = _PLAIN_NAME.fullmatch("".join(e.name for e in self.entries)) is not None
-        for e in self.entries:
-            name = e.name if plain or _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
-            shape = ",".join(map(str, e.shape))
-            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        if self._table is None:
+            self._table = self._tensor_table()
+        if self.entries:
+            parts.append(self._table)
         text = ",".join(parts).encode() + b"}"
         padded = len(text) + (-(8 + len(text)) % ALIGN)
         values = json_values(text)
@@ -89,6 +85,19 @@ class Layout:
                 "values: split the state into more objects"
             )
         return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
+
+    def _tensor_table(self) -> str:
+        parts = []
+        plain = _PLAIN_NAME.fullmatch("".join(e.name for e in self.entries)) is not None
+        for e in self.entries:
+            name = e.name if plain or _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
+            shape = ",".join(map(str, e.shape))
+            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        return ",".join(parts)
+
+    def built(self) -> Tuple[Optional[bytes], Optional[str]]:
+        """(the header, the tensor table's text), each if built already: a reused layout shares them."""
+        return self._header, self._table
 
     @property
     def size(self) -> int:
