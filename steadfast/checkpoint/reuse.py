@@ -22,6 +22,7 @@ a layout: the copy and the write read them from the tensor each time.
 from __future__ import annotations
 
 import operator
+from itertools import compress
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
@@ -34,6 +35,7 @@ T = TypeVar("T")
 
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALARS = frozenset({int, float, bool, str, type(None)})
+SMALL = 64  # a file of fewer tensors is planned anew each time: its plan costs about what the walk does
 _META = operator.attrgetter("dtype", "shape", "layout")  # one pass: a tensor's fields are read together
 
 
@@ -136,45 +138,47 @@ def _tensor_for(leaf: Any, entry: Entry) -> Optional[torch.Tensor]:
 class _Plan:
     def __init__(self, walk: _Walk, layout: Layout, extra: Any) -> None:
         self.marks, self.values, self.leaves, self.layout, self.extra = walk.marks, walk.values, walk.leaves, layout, extra
-        # only an entry whose tensor is its leaf itself may be kept as it is when the leaf is the same object
-        self.derived = any(
-            isinstance(leaf, np.ndarray) or (leaf.__class__ not in _PLAIN_TENSORS and is_dtensor(leaf))
-            for leaf in walk.leaves
-        )
+        self.at: Dict[int, List[int]] = {}  # leaf -> the positions of its entries
+        for k, e in enumerate(layout.entries):
+            self.at.setdefault(e.leaf, []).append(k)
+        # leaves whose entries hold a tensor made from them (a numpy array's, a DTensor's piece): rebound every time
+        self.derived = [
+            i
+            for i, leaf in enumerate(walk.leaves)
+            if isinstance(leaf, np.ndarray) or (leaf.__class__ not in _PLAIN_TENSORS and is_dtensor(leaf))
+        ]
 
     def rebound(self, walk: _Walk, tree: Any) -> Optional[Layout]:
         """The layout with each entry's tensor from the walk's leaves and, when a value changed, the
         skeleton of `tree` (None: a tensor cannot be rebound: plan anew)."""
         old, leaves = self.layout, walk.leaves
-        same = list(map(operator.is_, leaves, self.leaves))
-        if all(same) and not self.derived:
-            entries = old.entries  # read only from here on: shared with the last save's layout
-        else:
-            entries = []
+        changed = set(compress(range(len(leaves)), map(operator.is_not, leaves, self.leaves)))
+        entries = old.entries  # read only from here on: shared with the last save's layout
+        if changed or self.derived:
+            entries = list(entries)
             with torch.no_grad():  # a DTensor's piece without autograd's bookkeeping
-                for e in old.entries:
-                    i = e.leaf
-                    if same[i] and e.tensor is leaves[i]:
-                        entries.append(e)
-                        continue
-                    t = _tensor_for(leaves[i], e)
-                    if t is None:
-                        return None
-                    entries.append(Entry(e.name, e.code, e.shape, e.begin, e.end, t, i))
+                for i in changed.union(self.derived):
+                    for k in self.at.get(i, ()):
+                        e = entries[k]
+                        t = _tensor_for(leaves[i], e)
+                        if t is None:
+                            return None
+                        entries[k] = Entry(e.name, e.code, e.shape, e.begin, e.end, t, i)
         header, table = old.built()
         skeleton = old.skeleton
         if walk.values != self.values:
             skeleton, header = _refill(old.skeleton, tree), None
-        return Layout(old.skeleton if skeleton is None else skeleton, entries, old.data_bytes, old.metadata, header, _table=table)
+        return Layout(skeleton, entries, old.data_bytes, old.metadata, header, _table=table)
 
 
 class Plans:
     """The last layout of each file (by name) and the structure it was planned from; `reused`
-    counts the layouts reused instead of planned (what a test or a benchmark reads)."""
+    counts the layouts reused instead of planned (what a test or a benchmark reads). A file of fewer
+    than `small` tensors is planned anew each time, without a walk."""
 
-    def __init__(self) -> None:
-        self._last: Dict[str, _Plan] = {}
-        self.reused = 0
+    def __init__(self, small: int = SMALL) -> None:
+        self._last: Dict[str, Optional[_Plan]] = {}
+        self.reused, self.small = 0, small
 
     def layout(
         self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]
@@ -182,8 +186,13 @@ class Plans:
         """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
         `roots`, in the planner's order, whose skeleton is that of `tree`: the last one's, rebound,
         when the structure is the same; else `make()`'s, kept for next time."""
-        walk = structure(roots)
         last = self._last.get(name)
+        if last is None and name in self._last:  # a small state: a plan costs no more than the walk
+            layout, extra = make()
+            if len(layout.entries) >= self.small:
+                self._remember(name, structure(roots), layout, extra)
+            return layout, extra
+        walk = structure(roots)
         if walk is not None and last is not None and walk.marks == last.marks:
             layout = last.rebound(walk, tree)
             if layout is not None:
@@ -192,6 +201,11 @@ class Plans:
                 return layout, last.extra
         self._last.pop(name, None)
         layout, extra = make()
-        if walk is not None:
-            self._last[name] = _Plan(walk, layout, extra)
+        self._remember(name, walk, layout, extra)
         return layout, extra
+
+    def _remember(self, name: str, walk: Optional[_Walk], layout: Layout, extra: Any) -> None:
+        if len(layout.entries) < self.small:
+            self._last[name] = None  # planned anew each time, without a walk
+        elif walk is not None:
+            self._last[name] = _Plan(walk, layout, extra)

@@ -101,7 +101,8 @@ def steps() -> List[Tuple[str, Callable[[Dict[str, Any]], None], bool]]:
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_reused_layout_restores_exactly_and_any_structural_change_plans_anew(tmp_path: Path, async_save: bool) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    blocks = [[torch.nn.Linear(3 if i == 0 else 4, 4), torch.nn.BatchNorm1d(4)] for i in range(10)]
+    model = torch.nn.Sequential(*[layer for block in blocks for layer in block])  # 70 tensors: worth reusing
     scale = torch.nn.Parameter(torch.ones(2))
     s: Dict[str, Any] = {
         "model": model,
@@ -130,8 +131,16 @@ def test_a_reused_layout_restores_exactly_and_any_structural_change_plans_anew(t
     m.close()
 
 
+def test_a_small_state_is_planned_anew_without_a_walk(tmp_path: Path) -> None:
+    m = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None)
+    for step in (1, 2, 3):
+        m.save(step, {"w": Box({"w": torch.zeros(3)})}, {}, {"epoch": 0})
+    m.close()
+    assert m.plans.reused == 0
+
+
 def test_a_snapshot_reuses_its_layouts_and_takes_each_tensor_from_the_new_state() -> None:
-    codec, plans = ReplicatedCodec(), Plans()
+    codec, plans = ReplicatedCodec(), Plans(small=0)  # every file, however small
     codec.plans = plans
     weights = torch.nn.Linear(3, 2)
     first = codec.snapshot({"m": weights.state_dict(keep_vars=True)}, {"rng": {"t": torch.zeros(2)}}, True)
