@@ -111,9 +111,7 @@ class Codec(ABC):
         every file it reads verified. `objects` are the live objects (their current state shows what a rank needs).
         Raises ValueError (the checkpoint is unusable), OSError or MemoryError (it cannot be read now)."""
 
-    def layout(
-        self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]
-    ) -> Tuple[Layout, T]:
+    def layout(self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
         """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
         `roots` (in its order), whose skeleton is `tree`'s: the last plan's, reused while `plans` is
         set and the state's structure is the same (reuse.Plans)."""

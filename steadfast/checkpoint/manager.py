@@ -44,8 +44,8 @@ from .codec import Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
-from .reuse import Plans
 from .retention import Policy
+from .reuse import Plans
 from .staging import HostBuffers, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError

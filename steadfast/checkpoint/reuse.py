@@ -61,7 +61,7 @@ class _Walk:
             if cls in _PLAIN_TENSORS or not is_dtensor(obj):
                 marks.append((cls, obj.dtype, obj.shape, obj.layout))
             else:
-                marks.append((cls, obj.dtype, obj.shape, tuple(obj.placements), obj.device_mesh))
+                marks.append((cls, obj.dtype, obj.shape, tuple(obj.placements), obj.device_mesh))  # type: ignore[attr-defined]
             return True
         if isinstance(obj, dict):
             keys = tuple(obj)
@@ -180,9 +180,7 @@ class Plans:
         self._last: Dict[str, Optional[_Plan]] = {}
         self.reused, self.small = 0, small
 
-    def layout(
-        self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]
-    ) -> Tuple[Layout, T]:
+    def layout(self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
         """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
         `roots`, in the planner's order, whose skeleton is that of `tree`: the last one's, rebound,
         when the structure is the same; else `make()`'s, kept for next time."""
@@ -194,11 +192,11 @@ class Plans:
             return layout, extra
         walk = structure(roots)
         if walk is not None and last is not None and walk.marks == last.marks:
-            layout = last.rebound(walk, tree)
-            if layout is not None:
-                last.leaves, last.values, last.layout = walk.leaves, walk.values, layout
+            reused = last.rebound(walk, tree)
+            if reused is not None:
+                last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
                 self.reused += 1
-                return layout, last.extra
+                return reused, last.extra
         self._last.pop(name, None)
         layout, extra = make()
         self._remember(name, walk, layout, extra)

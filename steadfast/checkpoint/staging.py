@@ -139,7 +139,8 @@ class Staging:
         for name, layout in layouts.items():
             entries = layout.entries
             # no tensor is on a GPU in a process that has not initialized CUDA (a pass over every tensor saved)
-            if gpu is None and torch.cuda.is_initialized() and any(map(_IS_CUDA, map(_TENSOR_OF, entries))):
+            cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            if gpu is None and cuda and any(map(_IS_CUDA, map(_TENSOR_OF, entries))):
                 gpu = next(e.tensor.device for e in entries if e.tensor.is_cuda)
             now, later = deferred.split(entries) if deferred is not None else (entries, [])
             parts.append((name, now, later))
