@@ -12,22 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import Box
 from steadfast.checkpoint.codec import OWN, SHARED
 from steadfast.checkpoint.manager import CheckpointManager
 from steadfast.checkpoint.replicated import ReplicatedCodec
 from steadfast.checkpoint.reuse import Plans
 from steadfast.distributed.comm import Comm
-
-
-class Box:
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
 
 
 def same(a: Any, b: Any) -> bool:
