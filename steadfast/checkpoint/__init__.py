@@ -29,6 +29,7 @@ The format (what the files hold):
   tensorformat   the tensor file format (safetensors plus the state's skeleton), shared by
   tensorwrite    its writer (a Layout first, then the bytes straight from the tensors' memory) and
   tensorfile     its reader (nothing unpickled), and the public names of both
+  reuse          a file's layout planned once and reused while the state keeps its structure
   dtypes         the format's dtype codes and the torch dtypes they name (no torch)
   export, consolidate   one plain safetensors file of a model: from a live sharded model, and
                  `steadfast-consolidate` from a committed checkpoint

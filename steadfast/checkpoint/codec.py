@@ -16,16 +16,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar
 
 import torch
 
 from . import formatspec, tensorfile
 from .formatspec import FormatSpec
+from .reuse import Plans
 from .storage.base import Files
 from .tensorformat import CODES
 from .tensorwrite import Layout
 
+T = TypeVar("T")
 SHARED, OWN = "objects", "own"  # a snapshot's buffers: the node's copy of what every rank shares, each rank's own
 
 
@@ -107,6 +109,9 @@ class Codec(ABC):
     spec: ClassVar[FormatSpec]  # its format: the manifest's `format` number, its name, the check of its own fields
     every_rank_writes: ClassVar[bool]  # False: only rank 0 has files (it saves alone: no collective beyond the plan's)
     catch_all: ClassVar[bool] = False  # it stores any state: asked last (the replicated codec)
+    # what saves the same state again and again (the manager, the memory tier) sets: the last plan of
+    # each file, reused while the state keeps its structure (reuse.py); None: every file planned anew
+    plans: Optional[Plans] = None
 
     @property
     def format(self) -> int:
@@ -153,14 +158,22 @@ class Codec(ABC):
             if isinstance(t, torch.Tensor) and t.dtype in CODES
         }
 
+    def layout(self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
+        """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
+        `roots` (in its order), whose skeleton is `tree`'s: the last plan's, reused while `plans` is
+        set and the state's structure is the same (reuse.Plans)."""
+        if self.plans is None:
+            return make()
+        return self.plans.layout(f"{self.format}:{name}", roots, tree, make)
+
     # A snapshot in memory, unless a codec keeps its own: the objects once per node (local rank 0)
     # and each rank's own state, each a tensor file.
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
         """What this rank keeps in memory for a snapshot: buffer name -> layout (`writes_objects`: this
         rank keeps the node's copy of what every rank shares)."""
-        out = {OWN: tensorfile.plan(own)}
+        out = {OWN: self.layout(OWN, (own,), own, lambda: (tensorfile.plan(own), None))[0]}
         if writes_objects:
-            out[SHARED] = tensorfile.plan(objects)
+            out[SHARED] = self.layout(SHARED, (objects,), objects, lambda: (tensorfile.plan(objects), None))[0]
         return out
 
     def snapshot_blobs(self) -> List[str]:

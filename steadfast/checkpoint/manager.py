@@ -45,6 +45,7 @@ from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
 from .ranks import RankWrite, SaveHooks, write_own
 from .retention import Policy
+from .reuse import Plans
 from .staging import HostBuffers, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError
@@ -100,6 +101,7 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
         self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
         self._buffers = HostBuffers()
+        self.plans = Plans()
         self._pending: Optional[Future[Optional[str]]] = None
         self._pending_on_rank_0_only = False  # the pending work is rank 0's alone in a save every rank wrote
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
@@ -141,6 +143,7 @@ class CheckpointManager:
         if self.comm.rank == 0:  # who writes the manifest
             meta = {**meta, **optimizer_fields(objects)}
         codec = for_state(states)
+        codec.plans = self.plans  # the last save's layouts, reused while the state keeps its structure
         started = time.perf_counter()
         try:
             planned = codec.plan(states, {name: state_of(obj) for name, obj in per_rank.items()}, self.comm)

@@ -45,6 +45,7 @@ from . import tensorfile
 from .codec import OWN, SHARED, Codec, state_of
 from .formats import for_state
 from .replicated import ReplicatedCodec
+from .reuse import Plans
 from .storage import fileio
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ class MemorySnapshots:
         self.seq = int(time.time() * 1000)  # grows across incarnations of the workers
         self.bytes = 0
         self.seconds: Optional[float] = None  # the last snapshot's cost on this rank
+        self.plans = Plans()
 
     @property
     def folder(self) -> Path:
@@ -261,7 +263,9 @@ class MemorySnapshots:
         """What this rank writes now (buffer, layout), as the state's codec says."""
         states = {name: state_of(obj) for name, obj in objects.items()}
         own = {name: state_of(obj) for name, obj in per_rank.items()}
-        blobs = for_state(states).snapshot(states, own, self.writes_objects)
+        codec = for_state(states)
+        codec.plans = self.plans  # the last snapshot's layouts, reused while the state keeps its structure
+        blobs = codec.snapshot(states, own, self.writes_objects)
         return [(self.buffers[name], layout) for name, layout in blobs.items()]
 
     def take(

@@ -65,7 +65,10 @@ class ReplicatedCodec(Codec):
         gathered = comm.gather_object(own)
         if comm.rank != 0:
             return Planned({})
-        return Planned({STATE_FILE: plan_state(objects, gathered or [])})
+        ranks = gathered or []
+        tree = {OBJECTS: objects, RANKS: ranks}  # what plan_state's skeleton is
+        layout, _ = self.layout(STATE_FILE, (objects, ranks), tree, lambda: (plan_state(objects, ranks), None))
+        return Planned({STATE_FILE: layout})
 
     def load(
         self, files: Files, manifest: Dict[str, Any], objects: Dict[str, Any], own: List[str], rank: int, world_size: int

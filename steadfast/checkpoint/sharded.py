@@ -133,6 +133,13 @@ def plan(objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicate
     return RankFile(layout, planner.pieces, planner.keys)
 
 
+def _planned(
+    objects: Dict[str, Any], own: Dict[str, Any], skeleton: bool, replicated: bool
+) -> Tuple[Layout, Tuple[Dict[str, List[Any]], Dict[str, List[Any]]]]:
+    rank_file = plan(objects, own, skeleton, replicated)
+    return rank_file.layout, (rank_file.pieces, rank_file.keys)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Piece:
@@ -332,12 +339,13 @@ class ShardedCodec(Codec):
         if bad:
             raise Unsaveable(f"objects named {bad}", "in a sharded checkpoint, names are letters, digits, '_' and '-'")
         first = comm.rank == 0
+        name = file_name(comm.rank)
         try:
-            rank_file = plan(objects, own, skeleton=first, replicated=first)
+            tree = {OBJECTS: objects, RANK_STATE: own} if first else {RANK_STATE: own}  # what plan's skeleton is
+            layout, (pieces, keys) = self.layout(name, (objects, own), tree, lambda: _planned(objects, own, first, first))
         except (TypeError, ValueError) as exc:
             raise Unsaveable("the state", str(exc)) from exc
-        name = file_name(comm.rank)
-        return Planned({name: rank_file.layout}, {"pieces": {name: rank_file.pieces}, "keys": rank_file.keys if first else {}})
+        return Planned({name: layout}, {"pieces": {name: pieces}, "keys": keys if first else {}})
 
     def manifest_fields(self, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
         return {"tensors": pt.tensor_table([(f, pieces, r["keys"]) for r in reports for f, pieces in r["pieces"].items()])}
@@ -382,7 +390,8 @@ class ShardedCodec(Codec):
         return {k: LazyTensor(table[key]["dtype"], tuple(table[key]["shape"]), partial(read, key)) for k, key in refs.items()}
 
     def snapshot(self, objects: Dict[str, Any], own: Dict[str, Any], writes_objects: bool) -> Dict[str, Layout]:
-        return {OWN: plan(objects, own, skeleton=True, replicated=True).layout}
+        tree = {OBJECTS: objects, RANK_STATE: own}
+        return {OWN: self.layout(OWN, (objects, own), tree, lambda: _planned(objects, own, True, True))[0]}
 
     def snapshot_blobs(self) -> List[str]:
         return [OWN]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from itertools import compress
+from operator import attrgetter, not_
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -29,6 +31,7 @@ Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
 
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+_TENSOR_OF, _IS_CUDA = attrgetter("tensor"), attrgetter("is_cuda")
 
 
 def _keys(tensors: List[torch.Tensor]) -> Set[Key]:
@@ -66,6 +69,15 @@ class Owned:
         if self._keys is None:
             self._keys = _keys(self.tensors)
         return (t.is_cuda, t.data_ptr()) in self._keys
+
+    def split(self, entries: List[Entry]) -> Tuple[List[Entry], List[Entry]]:
+        """(copied now, copied later) of a file's entries: by identity in a few C-level passes (a
+        module's own parameters), by memory for the rest."""
+        owned = list(map(self._ids.__contains__, map(id, map(_TENSOR_OF, entries))))
+        if not all(owned) and self.tensors:
+            owned = [known or e.tensor in self for known, e in zip(owned, entries)]
+        now = list(compress(entries, map(not_, owned)))
+        return now, list(compress(entries, owned))
 
 
 def optimizer_owned(objects: Iterable[Any]) -> Tuple[List[torch.optim.Optimizer], Owned]:
@@ -125,13 +137,12 @@ class Staging:
         gpu: Optional[torch.device] = None
         parts: List[Tuple[str, List[Entry], List[Entry]]] = []  # (file, copied now, copied later)
         for name, layout in layouts.items():
-            now: List[Entry] = []
-            later: List[Entry] = []
-            for e in layout.entries:
-                t = e.tensor
-                if gpu is None and t.is_cuda:
-                    gpu = t.device
-                (later if deferred is not None and t in deferred else now).append(e)
+            entries = layout.entries
+            # no tensor is on a GPU in a process that has not initialized CUDA (a pass over every tensor saved)
+            cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            if gpu is None and cuda and any(map(_IS_CUDA, map(_TENSOR_OF, entries))):
+                gpu = next(e.tensor.device for e in entries if e.tensor.is_cuda)
+            now, later = deferred.split(entries) if deferred is not None else (entries, [])
             parts.append((name, now, later))
         self._device = gpu
         self._ready: Optional[Any] = None

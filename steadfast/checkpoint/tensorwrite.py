@@ -31,12 +31,16 @@ from .tensorformat import (
 
 
 class Entry:
-    """One tensor of a file: its name, dtype code, shape, span in the data and the tensor itself."""
+    """One tensor of a file: its name, dtype code, shape, span in the data and the tensor itself (and
+    which tensor of the state it came from, in the planner's order: what a reused plan rebinds)."""
 
-    __slots__ = ("name", "code", "shape", "begin", "end", "tensor")
+    __slots__ = ("name", "code", "shape", "begin", "end", "tensor", "leaf")
 
-    def __init__(self, name: str, code: str, shape: Tuple[int, ...], begin: int, end: int, tensor: torch.Tensor) -> None:
+    def __init__(
+        self, name: str, code: str, shape: Tuple[int, ...], begin: int, end: int, tensor: torch.Tensor, leaf: int = -1
+    ) -> None:
         self.name, self.code, self.shape, self.begin, self.end, self.tensor = name, code, shape, begin, end, tensor
+        self.leaf = leaf
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Layout:
     metadata: Optional[Dict[str, str]] = None
     _header: Optional[bytes] = field(default=None, repr=False)
     _copies: List[torch.Tensor] = field(default_factory=list, repr=False)
+    _table: Optional[str] = field(default=None, repr=False)  # the header's tensor table (names, shapes, places)
 
     def header(self) -> bytes:
         """The length prefix and the padded JSON header (built once)."""
@@ -66,11 +71,10 @@ class Layout:
         # The tensor table, formatted directly (json.dumps of a dict per tensor costs twice as much);
         # names that need escaping go through json.dumps (one check for all: most need none).
         parts = [f'{{"__metadata__":{json.dumps(meta, separators=(",", ":"))}']
-        plain = _PLAIN_NAME.fullmatch("".join(e.name for e in self.entries)) is not None
-        for e in self.entries:
-            name = e.name if plain or _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
-            shape = ",".join(map(str, e.shape))
-            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        if self._table is None:
+            self._table = self._tensor_table()
+        if self.entries:
+            parts.append(self._table)
         text = ",".join(parts).encode() + b"}"
         padded = len(text) + (-(8 + len(text)) % ALIGN)
         values = json_values(text)
@@ -81,6 +85,19 @@ class Layout:
                 "values: split the state into more objects"
             )
         return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
+
+    def _tensor_table(self) -> str:
+        parts = []
+        plain = _PLAIN_NAME.fullmatch("".join(e.name for e in self.entries)) is not None
+        for e in self.entries:
+            name = e.name if plain or _PLAIN_NAME.fullmatch(e.name) else json.dumps(e.name)[1:-1]
+            shape = ",".join(map(str, e.shape))
+            parts.append(f'"{name}":{{"dtype":"{e.code}","shape":[{shape}],"data_offsets":[{e.begin},{e.end}]}}')
+        return ",".join(parts)
+
+    def built(self) -> Tuple[Optional[bytes], Optional[str]]:
+        """(the header, the tensor table's text), each if built already: a reused layout shares them."""
+        return self._header, self._table
 
     @property
     def size(self) -> int:
@@ -148,11 +165,13 @@ _PLAIN = frozenset({int, float, bool, str, type(None)})  # values `encode` keeps
 
 class _Planner:
     """Walks a state once: its skeleton (copies of every non-tensor value) and its tensors' entries.
-    Tensors are named by their dotted path in the state; a path is also what an error names."""
+    Tensors are named by their dotted path in the state; a path is also what an error names. Each
+    tensor and numpy array of the state is counted (`seen`), in order: an entry records its own."""
 
     def __init__(self) -> None:
         self.entries: List[Entry] = []
         self.names: Set[str] = {"__metadata__"}
+        self.seen = -1
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
         # This runs once per tensor of every save and snapshot (thousands for a model of many small
@@ -174,7 +193,7 @@ class _Planner:
                 k += 1
             name = f"{name}#{k}"
         names.add(name)
-        self.entries.append(Entry(name, code, t.shape, 0, t.nbytes, t))
+        self.entries.append(Entry(name, code, t.shape, 0, t.nbytes, t, self.seen))
         return name
 
     def leaf(self, t: torch.Tensor, path: str) -> Any:
@@ -183,6 +202,7 @@ class _Planner:
 
     def encode(self, obj: Any, path: str, depth: int) -> Any:
         if isinstance(obj, torch.Tensor):
+            self.seen += 1
             return self.leaf(obj, path)
         if depth >= MAX_DEPTH:
             raise TypeError(f"the state is nested deeper than {MAX_DEPTH} levels at {path}")
@@ -195,6 +215,7 @@ class _Planner:
                     raise TypeError(f"cannot store a dict key of type {type(k).__name__} at {path or 'the top'}")
                 cls = v.__class__
                 if cls is _TENSOR or cls is _PARAMETER or isinstance(v, torch.Tensor):  # without a call of encode
+                    self.seen += 1
                     append([k, leaf(v, f"{prefix}{k}")])
                 else:
                     append([k, self.encode(v, f"{prefix}{k}", depth + 1)])
@@ -206,6 +227,7 @@ class _Planner:
                 nodes = [self.encode(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
             return {"__tuple": nodes} if isinstance(obj, tuple) else nodes
         if isinstance(obj, np.ndarray):
+            self.seen += 1
             try:
                 t = torch.from_numpy(np.ascontiguousarray(obj))
             except (TypeError, ValueError) as exc:

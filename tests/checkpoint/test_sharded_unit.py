@@ -204,3 +204,25 @@ def test_an_asynchronous_sharded_save_is_committed_once_written(tmp_path: Path) 
     fresh, opt = model_and_optimizer(seed=1)
     assert manager(tmp_path).restore({"model": fresh, "optimizer": opt}, {}, False).step == 2
     assert all(torch.equal(v, expected[k]) for k, v in whole(fresh.state_dict()).items())
+
+
+def test_a_sharded_save_reuses_its_layout_and_restores_exactly(tmp_path: Path) -> None:
+    """The same FSDP2 state saved again: the layout is reused (each piece taken from the live DTensor
+    anew) and every save restores exactly; an optimizer state appearing plans anew."""
+    model, optimizer = model_and_optimizer()
+    m, weights = manager(tmp_path), {}
+    m.plans.small = 0  # this small state's file reused too
+    for step in (1, 2, 3):
+        if step > 1:
+            train(model, optimizer, 1)
+        m.save(step, {"model": model, "optimizer": optimizer}, {}, {"epoch": 0})
+        m.wait()
+        weights[step] = whole(model.state_dict())
+        assert m.plans.reused == (1 if step == 3 else 0)  # step 2: the optimizer's state appeared
+    m.close()
+    for step in (2, 3):
+        fresh, fresh_optimizer = model_and_optimizer(seed=1)
+        restored = manager(tmp_path).restore({"model": fresh, "optimizer": fresh_optimizer}, {}, False, newest=step)
+        assert restored is not None and restored.step == step
+        assert all(torch.equal(v, weights[step][k]) for k, v in whole(fresh.state_dict()).items())
+        assert float(fresh_optimizer.state_dict()["state"][0]["step"]) == step - 1
