@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from steadfast.checkpoint import manifest as mf  # noqa: E402
-from steadfast.checkpoint import sharded  # noqa: E402
+from steadfast.checkpoint import shard_reader, sharded  # noqa: E402
 from steadfast.checkpoint.manager import CheckpointManager  # noqa: E402
 from steadfast.checkpoint.storage import fileio  # noqa: E402
 from steadfast.distributed.comm import Comm  # noqa: E402
@@ -80,7 +80,7 @@ def save_no_readback(folder: Path) -> None:
 
 
 save(root / "first")
-size = mf.read(mf.committed(root / "first")[0][1])["files"][sharded.file_name(0)]["bytes"]
+size = mf.read(mf.committed(root / "first")[0][1])["files"][shard_reader.file_name(0)]["bytes"]
 pieces = [t.to_local() for t in model.state_dict().values()]
 pieces += [v.to_local() for s in optimizer.state.values() for k, v in s.items() if k != "step"]
 views = [memoryview(p.detach().reshape(-1).view(torch.uint8).numpy()) for p in pieces]

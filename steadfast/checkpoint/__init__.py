@@ -22,6 +22,7 @@ The format (what the files hold):
   replicated     the replicated format: the same state on every rank, written once by rank 0
   replicated_spec   its formats' specs (4, and 2: read only; no torch)
   sharded        the sharded format: every rank writes its own pieces of the DTensors
+  shard_reader   the sharded format's reader: each rank's own pieces, or whole tensors
   piecetable     the sharded format's spec (no torch) and its tables of pieces: the manifest's (checked
                  to cover every tensor exactly), each rank file's own
   shards         where a rank's piece lies in the whole tensor; a piece built from others' pieces

@@ -18,7 +18,7 @@ import torch
 from helpers import Box
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import piecetable as pt
-from steadfast.checkpoint import sharded
+from steadfast.checkpoint import shard_reader, sharded
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.optimizers import optimizer_misfit, param_names
 from steadfast.checkpoint.retention import Policy
@@ -176,7 +176,7 @@ def _rank_file(tensors: Dict[str, torch.Tensor]) -> tuple:
 
 def test_a_rank_file_s_own_table_of_pieces_must_match_the_manifest_s() -> None:
     data, table = _rank_file({"w": torch.arange(12.0).reshape(6, 2), "b": torch.ones(3)})
-    meta = sharded.Reader(BufferSource({"rank00000.bin": data}), table, check_files=False).header("rank00000.bin").meta
+    meta = shard_reader.Reader(BufferSource({"rank00000.bin": data}), table, check_files=False).header("rank00000.bin").meta
     assert pt.mismatch("rank00000.bin", meta, table, pt.by_file(table)) is None
     moved = json.loads(json.dumps(table))
     moved["m.w"]["pieces"][0][0] = "rank00001.bin"  # the manifest names another file for it
@@ -185,7 +185,7 @@ def test_a_rank_file_s_own_table_of_pieces_must_match_the_manifest_s() -> None:
     retyped["m.b"]["dtype"] = "F64"
     assert "tensor 'm.b' is ['F32', [3]] in it" in str(pt.mismatch("rank00000.bin", meta, retyped, pt.by_file(retyped)))
     assert "no readable table of its pieces" in str(pt.mismatch("rank00000.bin", {}, table, pt.by_file(table)))
-    reader = sharded.Reader(BufferSource({"rank00000.bin": data}), moved)
+    reader = shard_reader.Reader(BufferSource({"rank00000.bin": data}), moved)
     with pytest.raises(TensorFileError, match="the manifest does not describe its files"):
         reader.header("rank00000.bin")
 
@@ -196,7 +196,7 @@ def test_a_tensor_is_read_only_when_its_pieces_cover_it_exactly_once() -> None:
     data, table = _rank_file({"w": torch.arange(12.0).reshape(6, 2)})
     piece = table["m.w"]["pieces"][0]
     crafted = {"m.w": {"dtype": "F32", "shape": [12, 2], "pieces": [piece, [piece[0], [3, 0], [6, 2]]]}}
-    reader = sharded.Reader(BufferSource({"rank00000.bin": data}), crafted, check_files=False)  # past every other check
+    reader = shard_reader.Reader(BufferSource({"rank00000.bin": data}), crafted, check_files=False)  # past every other check
     with pytest.raises(TensorFileError, match="do not cover the 24 values needed exactly once"):
         reader.region("m.w", ((0, 0), (12, 2)))
     assert reader.region("m.w", ((0, 0), (3, 2))).tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]  # rows one piece holds
