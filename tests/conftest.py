@@ -14,6 +14,7 @@ for path in (ROOT, ROOT / "launchers", Path(__file__).parent):
         sys.path.insert(0, str(path))
 
 from helpers import QUICK, S3Server, made_once, reference_run  # noqa: E402
+from steadfast.contract import shm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +42,28 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = S3Server(tmp_path_factory.mktemp("s3"))
     yield server
     server.close()
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in for /dev/shm: where the memory tier's launch folders go in this test (a test module
+    that needs /dev/shm's own permissions defines its own)."""
+    import steadfast.checkpoint.memory as snapshots
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setattr(shm, "SHM_DIR", folder)
+    monkeypatch.setattr(snapshots, "SHM_DIR", folder)
+    return folder
+
+
+@pytest.fixture
+def launch(shm_dir: Path, tmp_path: Path) -> Iterator[shm.LaunchFolder]:
+    """What the launcher makes for a launch: its private folder in shared memory, with its key."""
+    folder = shm.LaunchFolder(tmp_path / "run")
+    folder.create()
+    yield folder
+    folder.remove()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

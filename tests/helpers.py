@@ -411,3 +411,12 @@ class S3Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=20)
         self.log.close()
+
+
+def memory_of(launch: Any, world_size: int = 1) -> Any:
+    """A worker's snapshots in the launch's folder (`launch` fixture), as a new process makes them: the
+    folder opened and checked afresh."""
+    from steadfast.checkpoint.memory import MemorySnapshots
+    from steadfast.contract import shm
+
+    return MemorySnapshots(shm.Segments(launch.name), rank=0, local_rank=0, world_size=world_size)

@@ -25,7 +25,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import env
+from helpers import env, memory_of
 from steadfast.checkpoint import tensorfile
 from steadfast.checkpoint.memory import HEADER, HEADER_BYTES, MAGIC, Keyed, MemorySnapshots, announce_off, open_memory
 from steadfast.checkpoint.state import Progress, RNGState
@@ -47,18 +47,6 @@ def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(snapshots, "SHM_DIR", folder)
     yield folder
     subprocess.run(["rm", "-rf", str(folder)], check=False, timeout=60)
-
-
-@pytest.fixture
-def launch(shm_dir: Path, tmp_path: Path) -> Iterator[shm.LaunchFolder]:
-    folder = shm.LaunchFolder(tmp_path / "run")
-    folder.create()
-    yield folder
-    folder.remove()
-
-
-def _memory(launch: shm.LaunchFolder, world_size: int = 1) -> MemorySnapshots:
-    return MemorySnapshots(shm.Segments(launch.name), rank=0, local_rank=0, world_size=world_size)
 
 
 def _snap(memory: MemorySnapshots, step: int, value: float = 0.0) -> None:
@@ -143,13 +131,13 @@ def test_a_symlink_fifo_or_file_not_ours_at_a_slot_name_is_never_used(launch: sh
     target.write_text("someone's data")
     (launch.path / "rank0.a").symlink_to(target)
     with pytest.raises(OSError):
-        _snap(_memory(launch), 1)
+        _snap(memory_of(launch), 1)
     assert target.read_text() == "someone's data"  # the snapshot's bytes went through the link
     (launch.path / "rank0.a").unlink()
 
     os.mkfifo(launch.path / "rank0.a")
     started = time.monotonic()
-    memory = _memory(launch)
+    memory = memory_of(launch)
     assert memory.steps() == [] and memory.own.slots[0].read() is None  # a FIFO hung the snapshot and the restore
     with pytest.raises(shm.NotPrivate, match="not a regular file"):
         _snap(memory, 1)
@@ -161,14 +149,14 @@ def test_a_symlink_fifo_or_file_not_ours_at_a_slot_name_is_never_used(launch: sh
     os.chown(planted, OTHER_UID, OTHER_UID)
     os.chmod(planted, 0o666)
     with pytest.raises(shm.NotPrivate, match=f"belongs to uid {OTHER_UID}"):
-        _snap(_memory(launch), 1)
+        _snap(memory_of(launch), 1)
     assert planted.stat().st_size == 0  # not written into
     os.chown(planted, os.geteuid(), os.getegid())
-    assert _memory(launch).own.slots[0].header() is None  # ours now, but readable by everyone: refused
+    assert memory_of(launch).own.slots[0].header() is None  # ours now, but readable by everyone: refused
     with pytest.raises(shm.NotPrivate, match="mode 0o666"):
-        _snap(_memory(launch), 1)
+        _snap(memory_of(launch), 1)
     planted.unlink()
-    _snap(_memory(launch), 1)
+    _snap(memory_of(launch), 1)
     assert {stat.S_IMODE(p.stat().st_mode) for p in launch.path.iterdir()} == {0o600}
 
 
@@ -178,14 +166,14 @@ def test_a_snapshot_of_another_launch_or_forged_without_the_key_never_verifies(s
     ours.create()
     theirs.create()
     try:
-        _snap(_memory(theirs), 5)
+        _snap(memory_of(theirs), 5)
         for name in ("objects.a", "rank0.a"):  # another launch's slots, byte for byte (the old pid-reuse case)
             fd = os.open(ours.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.write(fd, (theirs.path / name).read_bytes())
             os.close(fd)
-        memory = _memory(ours)
+        memory = memory_of(ours)
         assert memory.steps() == [5] and memory.load(5) is None  # listed by its header, refused by its digest
-        assert _memory(theirs).load(5) is not None
+        assert memory_of(theirs).load(5) is not None
 
         # the review's forgery: step 1,000,000, every weight 1337, the digest recomputed (unkeyed)
         model = torch.nn.Linear(4, 3)
@@ -209,7 +197,7 @@ def test_a_snapshot_of_another_launch_or_forged_without_the_key_never_verifies(s
 def test_a_header_claiming_more_than_the_file_holds_allocates_nothing(launch: shm.LaunchFolder) -> None:
     """A 4.6 KB file whose header claimed 3 GiB made the reader allocate and zero 3 GiB (5.2 s);
     2**63 raised OverflowError out of it."""
-    memory = _memory(launch)
+    memory = memory_of(launch)
     _snap(memory, 1)
     slot = memory.objects.slots[0]
     raw = (launch.path / "objects.a").read_bytes()
@@ -229,7 +217,7 @@ def test_a_header_claiming_more_than_the_file_holds_allocates_nothing(launch: sh
 def test_a_snapshot_whose_tensor_cannot_be_built_is_unusable(launch: shm.LaunchFolder) -> None:
     """Through shared memory too (#23 item 2): verified bytes whose empty tensor overflows torch's
     strides made torch.empty raise RuntimeError out of Slot.read."""
-    memory = _memory(launch)
+    memory = memory_of(launch)
     text = json.dumps({"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}}).encode()
     payload = len(text).to_bytes(8, "little") + text
     keyed = Keyed(memory.segments.key)
@@ -312,7 +300,7 @@ _genuine: Dict[str, bytes] = {}
 def test_a_damaged_segment_never_raises_out_of_the_reader_and_never_verifies(
     launch: shm.LaunchFolder, how: Dict[str, Any]
 ) -> None:
-    memory = _memory(launch)
+    memory = memory_of(launch)
     slot = memory.objects.slots[0]
     if launch.name not in _genuine:  # one genuine snapshot per test run: every example damages a copy of it
         _snap(memory, 1)
@@ -381,7 +369,7 @@ def test_another_user_can_neither_read_nor_write_nor_pre_create_a_runs_snapshots
     launch: shm.LaunchFolder, shm_dir: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"  # the launch fixture's run folder
-    memory = _memory(launch)
+    memory = memory_of(launch)
     _snap(memory, 1)
     before = {p.name: p.read_bytes() for p in launch.path.iterdir()}
     old_name = f"steadfast-{shm.run_key(run)}-{os.getpid()}.objects.a"  # how segments were named before #23

@@ -13,41 +13,16 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
 
-from helpers import QUICK, env, event_of, events, restores, run_dir, run_train, start_train, stop, summary, wait_for
+from helpers import QUICK, env, event_of, events, memory_of, restores, run_dir, run_train, start_train, stop, summary, wait_for
 from steadfast.checkpoint.memory import MemorySnapshots, fits
 from steadfast.checkpoint.state import Progress, RNGState
 from steadfast.contract import shm
 from steadfast.contract.heartbeat import read_heartbeats
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    import steadfast.checkpoint.memory as snapshots
-
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    monkeypatch.setattr(shm, "SHM_DIR", folder)
-    monkeypatch.setattr(snapshots, "SHM_DIR", folder)
-    return folder
-
-
-@pytest.fixture
-def launch(shm_dir: Path, tmp_path: Path) -> Iterator[shm.LaunchFolder]:
-    """What the launcher makes for a launch: its private folder in shared memory, with its key."""
-    folder = shm.LaunchFolder(tmp_path / "run")
-    folder.create()
-    yield folder
-    folder.remove()
-
-
-def _memory(launch: shm.LaunchFolder, world_size: int = 1) -> MemorySnapshots:
-    """A worker's snapshots, as a new process makes them: the launch's folder opened and checked afresh."""
-    return MemorySnapshots(shm.Segments(launch.name), rank=0, local_rank=0, world_size=world_size)
 
 
 def _state() -> Dict[str, Any]:
@@ -63,20 +38,20 @@ def _snap(memory: MemorySnapshots, objects: Dict[str, Any], step: int, halfway: 
 
 def test_the_double_buffer_keeps_the_two_newest_and_a_new_process_reads_them(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    writer = _memory(launch, world_size=2)
+    writer = memory_of(launch, world_size=2)
     for step in (1, 2, 3):
         _snap(writer, objects, step)
-    reader = _memory(launch, world_size=2)  # a restarted worker
+    reader = memory_of(launch, world_size=2)  # a restarted worker
     assert reader.steps() == [3, 2]
     shared, own = reader.load(3)
     assert torch.equal(shared["model"]["weight"], torch.full((3, 4), 3.0)) and shared["progress"]["global_step"] == 3
     assert "rng" in own
-    assert _memory(launch, world_size=3).steps() == []  # another world size: not ours
+    assert memory_of(launch, world_size=3).steps() == []  # another world size: not ours
 
 
 def test_a_copy_killed_halfway_leaves_the_other_buffer(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = _memory(launch)
+    memory = memory_of(launch)
     _snap(memory, objects, 1)
     _snap(memory, objects, 2)
 
@@ -85,14 +60,14 @@ def test_a_copy_killed_halfway_leaves_the_other_buffer(launch: shm.LaunchFolder)
 
     with pytest.raises(KeyboardInterrupt):
         _snap(memory, objects, 3, halfway=die)  # overwrites the older buffer (step 1)
-    fresh = _memory(launch)
+    fresh = memory_of(launch)
     assert fresh.steps() == [2]
     assert fresh.load(2)[0]["progress"]["global_step"] == 2
 
 
 def test_damaged_bytes_never_load(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = _memory(launch)
+    memory = memory_of(launch)
     _snap(memory, objects, 5)
     slot = next(s for s in memory.objects.slots if s.header())
     data = bytearray(slot.path.read_bytes())
@@ -103,11 +78,11 @@ def test_damaged_bytes_never_load(launch: shm.LaunchFolder) -> None:
 
 def test_newer_snapshots_of_an_abandoned_timeline_are_discarded(launch: shm.LaunchFolder) -> None:
     objects = _state()
-    memory = _memory(launch)
+    memory = memory_of(launch)
     _snap(memory, objects, 7)
     _snap(memory, objects, 8)
     memory.discard_after(7)
-    assert _memory(launch).steps() == [7]
+    assert memory_of(launch).steps() == [7]
 
 
 def test_too_little_shared_memory_is_said_before_anything_is_written(
@@ -162,13 +137,13 @@ def test_a_launchers_folder_is_told_by_its_nonce_and_lock_not_by_a_pid(launch: s
     """A killed launcher whose pid the next launcher got (#23 item 8: its segments were taken for the
     new launch's own, and a restore from them skipped the config-drift check). Here every launch is
     this process: the pid says nothing, the nonce and the lock do."""
-    _snap(_memory(launch), _state(), 5)
+    _snap(memory_of(launch), _state(), 5)
     os.close(launch.fd)  # the launcher is gone: its lock with it (its folder stays, as after SIGKILL)
     launch.fd = -1
     new = shm.LaunchFolder(tmp_path / "run")  # the same run folder, the same pid
     new.create()
     try:
-        assert new.name != launch.name and _memory(new).steps() == []  # nothing of the old launch is seen as the new one's
+        assert new.name != launch.name and memory_of(new).steps() == []  # nothing of the old launch is seen as the new one's
         assert shm.remove_orphans(tmp_path / "run", keep=new.name) == [launch.path]
         assert os.listdir(new.path) == [shm.KEY_FILE]
     finally:
@@ -369,7 +344,7 @@ def _drive(
     clock = _Clock(cost_s)
     exchange = Exchange(Comm(), 10)
     cadence = MemoryCadence(
-        _memory(launch), every, exchange, RunRecord(tmp_path, 0).event, (_state(), {"rng": RNGState()}), clock.copying, clock
+        memory_of(launch), every, exchange, RunRecord(tmp_path, 0).event, (_state(), {"rng": RNGState()}), clock.copying, clock
     )
     for step in steps:
         clock.now += step_s(step)

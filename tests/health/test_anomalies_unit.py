@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -201,17 +201,6 @@ def test_progress_refuses_a_skip_list_that_is_not_one() -> None:
 
 
 # ---- the snapshots the guard keeps ------------------------------------------------------------
-
-
-@pytest.fixture
-def launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[shm.LaunchFolder]:
-    monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "shm")
-    monkeypatch.setattr(mem, "SHM_DIR", tmp_path / "shm")
-    (tmp_path / "shm").mkdir()
-    folder = shm.LaunchFolder(tmp_path / "run")
-    folder.create()
-    yield folder
-    folder.remove()
 
 
 def test_a_snapshot_known_healthy_and_one_being_agreed_are_kept_beside_the_double_buffer(launch: shm.LaunchFolder) -> None:
