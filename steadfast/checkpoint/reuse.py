@@ -174,8 +174,7 @@ class _Plan:
 class Plans:
     """The last layout of each file (by name) and the structure it was planned from; `reused`
     counts the layouts reused instead of planned (what a test or a benchmark reads). A file of fewer
-    than `small` tensors is planned anew each time, without a walk; a file's first plan is not walked
-    either, so reuse starts at its third save."""
+    than `small` tensors is planned anew each time, without a walk."""
 
     def __init__(self, small: int = SMALL) -> None:
         self._last: Dict[str, Optional[_Plan]] = {}
@@ -185,11 +184,8 @@ class Plans:
         """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
         `roots`, in the planner's order, whose skeleton is that of `tree`: the last one's, rebound,
         when the structure is the same; else `make()`'s, kept for next time."""
-        if name not in self._last:  # its first plan: walked from its second on (a manager that saves once pays no walk)
-            self._last[name] = None
-            return make()
         last = self._last.get(name)
-        if last is None:  # a small state (a plan costs no more than the walk), or planned once only
+        if last is None and name in self._last:  # a small state: a plan costs no more than the walk
             layout, extra = make()
             if len(layout.entries) >= self.small:
                 self._remember(name, structure(roots), layout, extra)

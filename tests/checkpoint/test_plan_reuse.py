@@ -133,9 +133,7 @@ def test_a_snapshot_reuses_its_layouts_and_takes_each_tensor_from_the_new_state(
     codec, plans = ReplicatedCodec(), Plans(small=0)  # every file, however small
     codec.plans = plans
     weights = torch.nn.Linear(3, 2)
-    codec.snapshot({"m": weights.state_dict(keep_vars=True)}, {"rng": {"t": torch.zeros(2)}}, True)  # planned, not walked
     first = codec.snapshot({"m": weights.state_dict(keep_vars=True)}, {"rng": {"t": torch.zeros(2)}}, True)
-    assert plans.reused == 0  # walked now, for the next one
     second = codec.snapshot({"m": weights.state_dict(keep_vars=True)}, {"rng": {"t": torch.ones(2)}}, True)
     assert plans.reused == 2  # the shared objects' layout and this rank's own
     assert second[SHARED].entries is first[SHARED].entries  # the same tensors: the entries as they were
