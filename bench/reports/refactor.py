@@ -16,8 +16,9 @@ def rows(rf: Optional[Dict[str, Any]]) -> List[List[str]]:
         return out
     for case, t in rf["ratios"].items():
         label = case if case.startswith("sharded") else f"checkpoint {case}"
-        what = f"{label}: save / raw write, after / before the refactor ({rf['before']['commit']}) (before; after)"
-        shown = f"{f(t['after/before'], 3)} ({f(t['before']['median'])}; {f(t['after']['median'])})"
+        what = f"{label}: save / raw write, after / before the refactor ({rf['before']['commit']}) (before; after; save time before / after)"
+        before, after = t["before"]["save/raw throughput"], t["after"]["save/raw throughput"]
+        shown = f"{f(t['after/before'], 3)} ({f(before)}; {f(after)}; save time {f(t['save time before/after'], 3)})"
         out.append(
             target(SECTION, what, t["after/before"], ">=", UNCHANGED, 3, shown=shown, goal_text=f">= {UNCHANGED} (unchanged)")
         )
@@ -37,22 +38,24 @@ def section(rf: Optional[Dict[str, Any]]) -> List[str]:
         f" (`{rf['before']['rev']}` = {rf['before']['commit']}, checked out with `git worktree add --detach`) against this one"
         f" ({rf['after']['commit']}), each running its own benchmark code and library, alternated in a rotated order,"
         f" {rf['rounds']} round(s). Each run's figure is its own save / raw-write throughput ratio, so the machine's load"
-        f" hits a tree's save and its raw write alike: `bench.checkpoint_io --mb {ck['mb']} --tensors {ck['tensors']}"
+        f" hits a tree's save and its raw write alike; a tree's figure pools every run's samples (median raw time / median"
+        f" save time), and `save time before / after` compares the two trees' saves of the same bytes directly: `bench.checkpoint_io --mb {ck['mb']} --tensors {ck['tensors']}"
         f" --repeats {ck['repeats']}` (project_sync / raw_fsync_write) and a group of 2 workers saving a sharded FSDP2"
         f" state of {sh['blocks']} Linear({sh['width']}) layers with AdamW against raw fsync'd writes of the same bytes,"
-        f" {sh['pairs']} pairs (sharded / raw). Medians over the rounds.",
+        f" {sh['pairs']} pairs (sharded / raw).",
         "",
     ]
     lines += table(
-        ["case", "before ratio", "after ratio", "after / before", "rounds: before", "after"],
+        ["case", "before ratio", "after ratio", "after / before", "save time before / after", "per run: before", "after"],
         [
             [
                 case,
-                f(t["before"]["median"], 3),
-                f(t["after"]["median"], 3),
+                f(t["before"]["save/raw throughput"], 3),
+                f(t["after"]["save/raw throughput"], 3),
                 f(t["after/before"], 3),
-                ", ".join(f(x, 3) for x in t["before"]["samples"]),
-                ", ".join(f(x, 3) for x in t["after"]["samples"]),
+                f(t["save time before/after"], 3),
+                ", ".join(f(x, 3) for x in t["before"]["per_run"]),
+                ", ".join(f(x, 3) for x in t["after"]["per_run"]),
             ]
             for case, t in rf["ratios"].items()
         ],
