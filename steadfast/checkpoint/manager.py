@@ -99,7 +99,8 @@ class CheckpointManager:
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
-        self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
+        # its thread and the fsync threads started, and idle, before this returns: not in the first save
+        self._pool.submit(fileio.prepare).result()
         self._buffers = HostBuffers()
         self.plans = Plans()
         self._pending: Optional[Future[Optional[str]]] = None
@@ -114,6 +115,10 @@ class CheckpointManager:
                 self.store.prepare()
             except StoreError as exc:
                 raise CheckpointError(str(exc)) from exc
+            try:
+                self._commits.listed(mf.scan(self.store))  # known now: the first save lists names, reads no manifest
+            except StoreError:
+                pass  # the first save scans
 
     def where(self, name: str = "") -> str:
         """The location of checkpoint `name` (or of the store): what messages and records name."""
