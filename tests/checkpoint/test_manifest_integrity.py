@@ -19,6 +19,7 @@ from helpers import Box
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import piecetable as pt
 from steadfast.checkpoint import shard_reader, sharded
+from steadfast.checkpoint._sealer import Sealer, encode_fields
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.optimizers import optimizer_misfit, param_names
 from steadfast.checkpoint.retention import Policy
@@ -103,14 +104,14 @@ def test_a_digest_that_is_not_where_it_belongs_is_damage_not_an_old_manifest(tmp
 
 
 def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(tmp_path: Path) -> None:
-    """The manager encodes the configs once (mf.Sealer); its manifests must be byte for byte what
+    """The manager encodes the configs once (_sealer.Sealer); its manifests must be byte for byte what
     `seal` writes for the whole manifest, whatever the configs hold, and read back as they do."""
     odd = {"a.b": 1, "nested": {"list": [1, [], {}, "x\ny\u00e9\t"], 3: True, None: 2.5, "obj": Path("p")}, "e": {}}
     fields = {"format": 4, "step": 9, "commit": 2, "world_size": 1, "created": 1.5, "files": {"state.bin": {"bytes": 3}}}
     constant = {"config": odd, "full_config": {"k": "v", "deep": odd}}
-    sealer = mf.Sealer(constant)
+    sealer = Sealer(constant)
     assert mf.seal(fields, sealer.encoded) == mf.seal({**fields, **constant})
-    assert mf.seal(fields, mf.encode_fields({})) == mf.seal(fields)
+    assert mf.seal(fields, encode_fields({})) == mf.seal(fields)
     assert sealer.read_back == {k: v for k, v in mf.parse(mf.seal({**fields, **constant}), "m").items() if k in constant}
 
     m = CheckpointManager(tmp_path, Comm(), 1, odd, lambda *a, **k: None, full_config=constant["full_config"])
@@ -123,7 +124,7 @@ def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(
 
 
 def test_the_commit_sequence_sees_a_checkpoint_another_writer_committed(tmp_path: Path) -> None:
-    """A manager follows its own commits without reading every manifest each save (mf.Commits), but a
+    """A manager follows its own commits without reading every manifest each save (_commits.Commits), but a
     checkpoint committed beside them by anything else (here: one copied in, with a higher commit)
     still moves the sequence on: the next save is the newest."""
     m = manager(tmp_path, keep_last=5)
