@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -121,6 +122,26 @@ def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(
     assert raw == mf.seal({k: v for k, v in mf.read(tmp_path / mf.step_dir_name(9)).items() if k not in constant}, sealer.encoded)
     with pytest.raises(mf.ManifestError, match="'world_size'"):  # what a reader would refuse is never written
         sealer.seal({**fields, "world_size": 0}, "here", 9)
+
+
+def test_a_fresh_managers_first_save_reads_no_manifest_and_is_the_newest(tmp_path: Path, monkeypatch: Any) -> None:
+    """The commit sequence is learnt when the manager is made (rank 0 lists the store then): its
+    first save lists names and reads no manifest on the saving thread, and still commits one above
+    the highest commit there (the background read-back of the new one is not the save's)."""
+    saved(tmp_path, [5, 6, 7])
+    m = manager(tmp_path, keep_last=5)
+    read = []
+    real = type(m.store).read_manifest
+
+    def counted(store: Any, name: str) -> bytes:
+        read.append((threading.get_ident(), name))
+        return real(store, name)
+
+    monkeypatch.setattr(type(m.store), "read_manifest", counted)
+    m.save(8, {"model": Box({"w": torch.zeros(4)})}, {}, {"epoch": 0})
+    assert [name for thread, name in read if thread == threading.get_ident()] == []
+    m.close()
+    assert [(c.step, c.commit) for c in mf.scan(tmp_path)] == [(8, 4), (7, 3), (6, 2), (5, 1)]
 
 
 def test_the_commit_sequence_sees_a_checkpoint_another_writer_committed(tmp_path: Path) -> None:
