@@ -122,7 +122,13 @@ def _pool() -> futures.ThreadPoolExecutor:
         # start them all now, and they are idle again before this returns (a thread started later, in a
         # save, or still busy with a warm-up task when the save's fsyncs are queued, delays its commit)
         barrier = threading.Barrier(FSYNC_THREADS)
-        futures.wait([pool.submit(barrier.wait, START_TIMEOUT_S) for _ in range(FSYNC_THREADS)], START_TIMEOUT_S)
+        waiting: List["futures.Future[Any]"] = []
+        try:
+            for _ in range(FSYNC_THREADS):
+                waiting.append(pool.submit(barrier.wait, START_TIMEOUT_S))
+        except RuntimeError:  # no thread to be had now (or the interpreter is exiting): started when needed
+            barrier.abort()
+        futures.wait(waiting, START_TIMEOUT_S)
     return _POOL[0][1]
 
 
