@@ -3,8 +3,10 @@ step, ~0.1 MiB), in CPU time of the calling thread (time.thread_time) and wall t
 
     nice -n 19 .venv/bin/python bench/probes/sync_save_parts.py [SAVES] [--profile] [--config] [--dir DIR]
 
-Two ways, each SAVES times (default 200), medians and means per save:
-  first   a fresh manager's first save (what bench.checkpoint_io's project_sync times), then wait()
+Three ways, each SAVES times (default 200), medians and means per save:
+  first   a fresh manager's first save (what bench.checkpoint_io's project_sync times: made, os.sync(),
+          saved), then wait(); the manager's construction is reported too
+  second  that manager's second save, its first one's folder removed (bench's project_sync_next)
   steady  saves 1..SAVES of one manager with keep_last=1 (what a run's every save costs: the
           previous one's check waited for, retention removing the one before)
 The parts are the functions the save calls, wrapped with timers (a part's time includes the parts it
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
+import importlib
 import os
 import pstats
 import shutil
@@ -77,6 +80,13 @@ def wrap(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, timed(name, getattr(owner, attr)))
 
 
+def found(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
 def instrument() -> None:
     """Timers around the parts of a save (the calling thread only)."""
     wrap(mg, "state_of", "state dicts")
@@ -84,11 +94,15 @@ def instrument() -> None:
     wrap(mg, "for_state", "codec choice")
     wrap(mg, "write_own", "write state.bin")
     wrap(mf, "next_commit", "next commit (scan)")
-    if hasattr(mf, "Commits"):  # the trees before and after the commit sequence was followed
-        wrap(mf.Commits, "next", "next commit (listing)")
+    # the trees before and after the commit sequence was followed and the configs sealed once (in
+    # manifest.py at first, then in their own modules)
+    commits = getattr(mf, "Commits", None) or found("steadfast.checkpoint._commits", "Commits")
+    if commits is not None:
+        wrap(commits, "next", "next commit (listing)")
     wrap(mf, "seal", "seal manifest")
-    if hasattr(mf, "Sealer"):
-        wrap(mf.Sealer, "seal", "seal+check manifest")
+    sealer = getattr(mf, "Sealer", None) or found("steadfast.checkpoint._sealer", "Sealer")
+    if sealer is not None:
+        wrap(sealer, "seal", "seal+check manifest")
     wrap(mf, "validate", "validate manifest")
     wrap(mf, "parse", "parse manifest")
     wrap(posix.FolderStore, "stage", "stage (mkdir)")
@@ -151,20 +165,26 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="sf-sync-parts-", dir=DIR))
     instrument()
     try:
-        first = []
-        waits = []
-        for i in range(0 if PROFILE else SAVES):
-            m = manager(root / f"first-{i}")
-            time.sleep(0.005)  # the pool's start-up (fileio.prepare) done, as after bench's os.sync()
+        first, second, waits, made = [], [], [], []
+        for i in range(0 if PROFILE else SAVES):  # as bench.checkpoint_io's project_sync and project_sync_next
+            c = time.thread_time()
+            m = manager(root / f"first-{i}", keep_last=2)
+            made.append(time.thread_time() - c)
+            os.sync()
             first.append(one(m, 1, case))
             c = time.thread_time()
             m.wait()
             waits.append(time.thread_time() - c)
+            shutil.rmtree(root / f"first-{i}" / "step_000000001")
+            os.sync()
+            second.append(one(m, 2, case))
             m.close()
             shutil.rmtree(root / f"first-{i}")
         if first:
+            print(f"\nthe manager's construction: cpu med {statistics.median(made) * 1e3:.3f} ms on the calling thread")
             summary("first save of a fresh manager", first)
             print(f"  (wait() after it: cpu med {statistics.median(waits) * 1e3:.3f} ms on the calling thread)")
+            summary("second save of the same manager (its first one's folder removed)", second)
 
         m = manager(root / "steady")
         one(m, 0, case)

@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 from ..contract.events import Event
 from . import manifest as mf
 from . import restore as rs
+from ._commits import Commits
+from ._sealer import Sealer
 from .codec import Collectives, Unsaveable, state_of
 from .formats import for_state
 from .optimizers import manifest_fields as optimizer_fields
@@ -95,11 +97,12 @@ class CheckpointManager:
         self.retention = Policy(self.keep_last, keep_every_n_epochs, keep_best, monitor, mode)
         self.full_config = full_config or {}
         # the configs are the same in every manifest it writes: encoded once (they are most of its bytes)
-        self._sealer = mf.Sealer({"config": self.training_config, "full_config": self.full_config})
+        self._sealer = Sealer({"config": self.training_config, "full_config": self.full_config})
         self.hooks = hooks
         self.async_save, self.defer_optimizer_copy = async_save, defer_optimizer_copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")  # writes (async) and read-back checks
-        self._pool.submit(fileio.prepare)  # fsync threads started now, not inside the first save
+        # its thread and the fsync threads started, and idle, before this returns: not in the first save
+        self._pool.submit(fileio.prepare).result()
         self._buffers = HostBuffers()
         self.plans = Plans()
         self._pending: Optional[Future[Optional[str]]] = None
@@ -108,12 +111,16 @@ class CheckpointManager:
         self._copied: Optional[threading.Event] = None  # set once an async save no longer reads live state
         self._hooked: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
         self.last_saved_step: Optional[int] = None
-        self._commits = mf.Commits(self.store)  # the next commit's number, without reading every manifest each save
+        self._commits = Commits(self.store)  # the next commit's number, without reading every manifest each save
         if comm.rank == 0:
             try:
                 self.store.prepare()
             except StoreError as exc:
                 raise CheckpointError(str(exc)) from exc
+            try:
+                self._commits.listed(mf.scan(self.store))  # known now: the first save lists names, reads no manifest
+            except StoreError:
+                pass  # the first save scans
 
     def where(self, name: str = "") -> str:
         """The location of checkpoint `name` (or of the store): what messages and records name."""

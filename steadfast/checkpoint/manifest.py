@@ -115,7 +115,7 @@ def _digest(body: bytes) -> str:
 def seal(manifest: Dict[str, Any], encoded: str = "") -> bytes:
     """The bytes of manifest.json for these fields (a `digest` among them is replaced): JSON whose
     first line holds the digest of every byte after it. `encoded`: more fields, after these, as
-    `encode_fields` gave them (encoded once for many manifests)."""
+    _sealer.encode_fields gave them (encoded once for many manifests)."""
     return _sealed(json.dumps({k: v for k, v in manifest.items() if k != DIGEST}, indent=1, default=str), encoded)
 
 
@@ -125,30 +125,6 @@ def _sealed(text: str, encoded: str) -> bytes:
         raise ValueError("a manifest holds at least one field")
     body = f"{text[2:-2]}{encoded}\n}}\n".encode()  # text ends with "\n}"
     return f'{{\n "{DIGEST}": "{_digest(body)}",\n'.encode() + body
-
-
-def encode_fields(fields: Dict[str, Any]) -> str:
-    """Manifest fields encoded once for `seal(..., encoded)`: the bytes `seal` writes for them at the
-    end of a manifest (each as json.dumps writes it one level down)."""
-    return "".join(
-        ",\n" + json.dumps({key: value}, indent=1, default=str)[2:-2] for key, value in fields.items() if key != DIGEST
-    )
-
-
-class Sealer:
-    """The manifests of one writer, whose `constant` fields (the configs) are the same in every one:
-    those encoded and read back once, each manifest's own fields per seal."""
-
-    def __init__(self, constant: Dict[str, Any]) -> None:
-        self.encoded = encode_fields(constant)
-        self.read_back = json.loads("{" + self.encoded[1:] + "\n}")  # what a reader gets of them
-
-    def seal(self, fields: Dict[str, Any], where: Any, step: int) -> bytes:
-        """The bytes of the manifest of `fields` and the constant ones, once what a reader gets back
-        of them validates (ManifestError otherwise: what we write, our reader accepts)."""
-        text = json.dumps({k: v for k, v in fields.items() if k != DIGEST}, indent=1, default=str)
-        validate({**json.loads(text), **self.read_back}, where, step)
-        return _sealed(text, self.encoded)
 
 
 def parse(raw: bytes, where: Any) -> Any:
@@ -364,39 +340,6 @@ def next_commit(where: Union[str, Path, Store]) -> int:
 
 def _after(commits: Iterable[int]) -> int:
     return min(1 + max(commits, default=0), MAX_COMMIT)
-
-
-class Commits:
-    """The commit sequence of one store as its only writer sees it (the launcher locks a run's
-    checkpoint folder): the commits of the checkpoints it listed last, kept up to date by what it
-    commits and removes. `next()` lists the names again (cheap) and reads every manifest again
-    (`next_commit`) only when they differ from those it knows, or after `forget()` (anything it did
-    not follow: a set-aside, a failed commit)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._known: Optional[Dict[str, int]] = None  # name -> commit (0: a manifest that cannot be used)
-
-    def listed(self, checkpoints: Iterable[Listed]) -> None:
-        self._known = {c.name: c.commit for c in checkpoints}
-
-    def committed(self, name: str, commit: int) -> None:
-        if self._known is not None:
-            self._known[name] = commit
-
-    def removed(self, name: str) -> None:
-        if self._known is not None:
-            self._known.pop(name, None)
-
-    def forget(self) -> None:
-        self._known = None
-
-    def next(self) -> int:
-        """One above the highest commit in the store (next_commit's answer)."""
-        if self._known is None or set(self.store.names()) != set(self._known):
-            self.listed(scan(self.store))
-        assert self._known is not None
-        return _after(self._known.values())
 
 
 def flatten(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:

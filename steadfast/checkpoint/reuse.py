@@ -185,13 +185,12 @@ class Plans:
         `roots`, in the planner's order, whose skeleton is that of `tree`: the last one's, rebound,
         when the structure is the same; else `make()`'s, kept for next time."""
         last = self._last.get(name)
-        if last is None and name in self._last:  # a small state: a plan costs no more than the walk
+        if last is None:  # a first plan, or a small state: planned, and walked only when it is not small
             layout, extra = make()
-            if len(layout.entries) >= self.small:
-                self._remember(name, structure(roots), layout, extra)
+            self._remember(name, structure(roots) if len(layout.entries) >= self.small else None, layout, extra)
             return layout, extra
         walk = structure(roots)
-        if walk is not None and last is not None and walk.marks == last.marks:
+        if walk is not None and walk.marks == last.marks:
             reused = last.rebound(walk, tree)
             if reused is not None:
                 last.leaves, last.values, last.layout = walk.leaves, walk.values, reused

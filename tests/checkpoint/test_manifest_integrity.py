@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -19,6 +20,7 @@ from helpers import Box
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import piecetable as pt
 from steadfast.checkpoint import shard_reader, sharded
+from steadfast.checkpoint._sealer import Sealer, encode_fields
 from steadfast.checkpoint.manager import CheckpointError, CheckpointManager
 from steadfast.checkpoint.optimizers import optimizer_misfit, param_names
 from steadfast.checkpoint.retention import Policy
@@ -103,14 +105,14 @@ def test_a_digest_that_is_not_where_it_belongs_is_damage_not_an_old_manifest(tmp
 
 
 def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(tmp_path: Path) -> None:
-    """The manager encodes the configs once (mf.Sealer); its manifests must be byte for byte what
+    """The manager encodes the configs once (_sealer.Sealer); its manifests must be byte for byte what
     `seal` writes for the whole manifest, whatever the configs hold, and read back as they do."""
     odd = {"a.b": 1, "nested": {"list": [1, [], {}, "x\ny\u00e9\t"], 3: True, None: 2.5, "obj": Path("p")}, "e": {}}
     fields = {"format": 4, "step": 9, "commit": 2, "world_size": 1, "created": 1.5, "files": {"state.bin": {"bytes": 3}}}
     constant = {"config": odd, "full_config": {"k": "v", "deep": odd}}
-    sealer = mf.Sealer(constant)
+    sealer = Sealer(constant)
     assert mf.seal(fields, sealer.encoded) == mf.seal({**fields, **constant})
-    assert mf.seal(fields, mf.encode_fields({})) == mf.seal(fields)
+    assert mf.seal(fields, encode_fields({})) == mf.seal(fields)
     assert sealer.read_back == {k: v for k, v in mf.parse(mf.seal({**fields, **constant}), "m").items() if k in constant}
 
     m = CheckpointManager(tmp_path, Comm(), 1, odd, lambda *a, **k: None, full_config=constant["full_config"])
@@ -122,8 +124,28 @@ def test_a_manifest_sealed_with_its_configs_encoded_once_is_the_one_seal_writes(
         sealer.seal({**fields, "world_size": 0}, "here", 9)
 
 
+def test_a_fresh_managers_first_save_reads_no_manifest_and_is_the_newest(tmp_path: Path, monkeypatch: Any) -> None:
+    """The commit sequence is learnt when the manager is made (rank 0 lists the store then): its
+    first save lists names and reads no manifest on the saving thread, and still commits one above
+    the highest commit there (the background read-back of the new one is not the save's)."""
+    saved(tmp_path, [5, 6, 7])
+    m = manager(tmp_path, keep_last=5)
+    read = []
+    real = type(m.store).read_manifest
+
+    def counted(store: Any, name: str) -> bytes:
+        read.append((threading.get_ident(), name))
+        return real(store, name)
+
+    monkeypatch.setattr(type(m.store), "read_manifest", counted)
+    m.save(8, {"model": Box({"w": torch.zeros(4)})}, {}, {"epoch": 0})
+    assert [name for thread, name in read if thread == threading.get_ident()] == []
+    m.close()
+    assert [(c.step, c.commit) for c in mf.scan(tmp_path)] == [(8, 4), (7, 3), (6, 2), (5, 1)]
+
+
 def test_the_commit_sequence_sees_a_checkpoint_another_writer_committed(tmp_path: Path) -> None:
-    """A manager follows its own commits without reading every manifest each save (mf.Commits), but a
+    """A manager follows its own commits without reading every manifest each save (_commits.Commits), but a
     checkpoint committed beside them by anything else (here: one copied in, with a higher commit)
     still moves the sequence on: the next save is the newest."""
     m = manager(tmp_path, keep_last=5)

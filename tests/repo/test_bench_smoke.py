@@ -300,6 +300,17 @@ def test_sharded_save_parts_probe_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.extended
+def test_sync_save_parts_probe_smoke(tmp_path: Path) -> None:
+    out = _run_probe(tmp_path, "sync_save_parts", "2", "--dir", str(tmp_path))
+    assert "the manager's construction: cpu med" in out, out
+    for section in ("first save of a fresh manager", "second save of the same manager", "steady saves of one manager"):
+        assert re.search(rf"^{re.escape(section)}.*\n.*\n  save\(\) total +\d+\.\d+", out, re.M), (section, out)
+    for part in ("plan", "commit", "fsync batch", "seal+check manifest", "next commit (listing)"):
+        assert re.search(rf"^  {re.escape(part)} +\d+\.\d+", out, re.M), (part, out)
+    assert list(tmp_path.iterdir()) == []  # its scratch folder removed
+
+
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_step_cost_probe_smoke(tmp_path: Path) -> None:
     out = _run_probe(tmp_path, "fsdp_step_cost", "1", "2")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
+import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
@@ -110,20 +110,31 @@ def write_views(fd: int, views: List[memoryview], digest: Any) -> None:
 
 
 _POOL: List[Tuple[int, futures.ThreadPoolExecutor]] = []  # (pid, pool): a forked child makes its own
+START_TIMEOUT_S = 10.0
 
 
 def _pool() -> futures.ThreadPoolExecutor:
-    """Threads for fsyncs that run side by side (fsync releases the GIL)."""
+    """Threads for fsyncs that run side by side (fsync releases the GIL), all started with the pool."""
     if not _POOL or _POOL[0][0] != os.getpid():
-        _POOL[:] = [(os.getpid(), futures.ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-fsync"))]
+        pool = futures.ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-fsync")
+        _POOL[:] = [(os.getpid(), pool)]
+        # a pool starts a thread for a task that finds none idle: tasks that wait for each other make it
+        # start them all now, and they are idle again before this returns (a thread started later, in a
+        # save, or still busy with a warm-up task when the save's fsyncs are queued, delays its commit)
+        barrier = threading.Barrier(FSYNC_THREADS)
+        waiting: List["futures.Future[Any]"] = []
+        try:
+            for _ in range(FSYNC_THREADS):
+                waiting.append(pool.submit(barrier.wait, START_TIMEOUT_S))
+        except RuntimeError:  # no thread to be had now (or the interpreter is exiting): started when needed
+            barrier.abort()
+        futures.wait(waiting, START_TIMEOUT_S)
     return _POOL[0][1]
 
 
 def prepare() -> None:
-    """Start the fsync threads now, not in a save (a pool starts a thread for a task that finds none idle)."""
-    pool = _pool()
-    for _ in range(FSYNC_THREADS):
-        pool.submit(time.sleep, 0.001)
+    """Start the fsync threads now (once a process), not in a save."""
+    _pool()
 
 
 def _wait_all(running: Sequence["futures.Future[None]"]) -> None:
