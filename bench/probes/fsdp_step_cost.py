@@ -16,7 +16,8 @@ rotated order, ROUNDS times (default 12); medians of the blocks, wall time (rank
   snapshot@8   bare + a snapshot every 8th step (about what snapshot.every_n_steps=auto chose in bench.sharded)
 
 Also prints, per configuration, the median time of the step right after a snapshot step against
-the others (a cost that shows up after the snapshot rather than in it). A development probe: its
+the others (a cost that shows up after the snapshot rather than in it), and the CPU time of the
+training thread (time.thread_time, both workers' medians) that a snapshot's plan and its copy take. A development probe: its
 figures are quoted in a commit or report, not in the tables.
 """
 
@@ -73,6 +74,7 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
     memory = MemorySnapshots(shm.Segments(comm.broadcast_object(segment.name)), comm.rank, comm.local_rank, comm.world_size)
     progress = Progress()
     shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState()}
+    parts: Dict[str, List[float]] = {"plan": [], "take": []}  # a snapshot's, in thread CPU seconds
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(features), generator=g)[comm.rank :: comm.world_size]
     position = [0]
@@ -103,7 +105,12 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
             elif name == "plan" and i % every_n == 0:
                 memory.plan(shared, per_rank)
             elif name == "snapshot" and i % every_n == 0:
-                memory.take(progress.global_step, memory.plan(shared, per_rank))
+                a = time.thread_time()
+                planned = memory.plan(shared, per_rank)
+                b = time.thread_time()
+                memory.take(progress.global_step, planned)
+                parts["plan"].append(b - a)
+                parts["take"].append(time.thread_time() - b)
             dt = time.perf_counter() - t
             (after if snapped else walls).append(dt)
             snapped = name == "snapshot" and i % every_n == 0
@@ -121,7 +128,7 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
         k = r % len(CONFIGS)
         for config in CONFIGS[k:] + CONFIGS[:k]:
             samples[config].append(block(config, steps_per_block))
-    every = comm.gather_object(samples)
+    every = comm.gather_object({"blocks": samples, "parts": parts})
     comm.barrier()
     comm.shutdown()
     if comm.rank == 0:
@@ -145,7 +152,8 @@ def main() -> None:
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
         if not out.exists():
             sys.exit(f"failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        ranks = json.loads(out.read_text())
+        gathered = json.loads(out.read_text())
+    ranks = [r["blocks"] for r in gathered]
     bare = statistics.median(s["wall"] for s in ranks[0]["bare"])
     print(f"{rounds} rounds of {block}-step blocks, 2 workers, FSDP2 + AdamW")
     for config in CONFIGS:
@@ -158,6 +166,14 @@ def main() -> None:
             f"  {config:<11} {wall * 1e3:7.2f} ms/step  speed vs bare {bare / wall:.3f}   CPU {cpu * 1e3:7.2f} ms/step"
             f"  per CPU-second vs bare {base_cpu / cpu:.3f}   step after a snapshot {after * 1e3:6.2f} ms, others {other * 1e3:6.2f} ms"
         )
+    plan, take = ([statistics.median(r["parts"][part]) * 1e3 for r in gathered] for part in ("plan", "take"))
+    print(
+        "  a snapshot on the training thread (thread CPU, median of each worker): plan "
+        + ", ".join(f"{v:.3f}" for v in plan)
+        + " ms; copy "
+        + ", ".join(f"{v:.3f}" for v in take)
+        + " ms"
+    )
 
 
 if __name__ == "__main__":
