@@ -115,7 +115,7 @@ class Watch:
             "moments": torch.tensor([m1, m2, weight], dtype=torch.float64),
             "seen": seen,
             "block": self.block,
-            "values": torch.tensor(values, dtype=torch.float64),
+            "values": _padded(values),
             "first": [int(first[0]), int(first[1])],
             "first_value": torch.tensor([first[2]], dtype=torch.float64),
         }
@@ -124,7 +124,8 @@ class Watch:
         return self.m1, self.m2, self.weight, self.seen, [x for _, x in self.values], self.first
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        moments, values, first = state["moments"].tolist(), state["values"].tolist(), state["first"]
+        moments, first = state["moments"].tolist(), state["first"]
+        values = [x for x in state["values"].tolist() if not math.isnan(x)]  # the padding (healthy losses are finite)
         if len(moments) != 3 or not isinstance(first, list) or len(first) != 2:
             raise ValueError("anomaly watch: not the state of one")
         self.reset()
@@ -132,6 +133,14 @@ class Watch:
         self.seen, self.block = int(state["seen"]), int(state["block"])
         self.values = [(-1, float(x)) for x in values]
         self.first = (int(first[0]), int(first[1]), float(state["first_value"][0]))
+
+
+def _padded(values: List[float]) -> torch.Tensor:
+    """A block's healthy losses, NaN after them up to a whole number of blocks: the state keeps its shape
+    from step to step, so a snapshot's or a save's layout is reused (checkpoint/reuse.py) instead of planned."""
+    out = torch.full((max(1, -(-len(values) // BLOCK)) * BLOCK,), math.nan, dtype=torch.float64)
+    out[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    return out
 
 
 class _OnDevice:
