@@ -5,7 +5,8 @@ hits every configuration alike).
 
 Two workers under torchrun train bench.hot_loop's job (MLP 256-512-512-4, batch 64 per worker) under
 FSDP2 (fully_shard on every Linear and on the model, as parallel=fsdp does) with AdamW, batches
-sliced from the tensors, and switch every BLOCK steps (default 20) between configurations, in a
+sliced from the tensors, the anomaly watch observing each loss (its state is in each rank's
+snapshot, as in a run), and switch every BLOCK steps (default 20) between configurations, in a
 rotated order, ROUNDS times (default 12); medians of the blocks, wall time (rank 0) and CPU time
 (both workers, every thread):
 
@@ -50,8 +51,10 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
     from pipeline.models import MLP
     from steadfast.checkpoint.memory import MemorySnapshots
     from steadfast.checkpoint.state import Progress, RNGState
+    from steadfast.config import AnomalyConf
     from steadfast.contract import shm
     from steadfast.distributed.comm import TorchDistComm
+    from steadfast.health.watch import Watch
 
     comm = TorchDistComm(120)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))
@@ -73,7 +76,8 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
         segment.create()
     memory = MemorySnapshots(shm.Segments(comm.broadcast_object(segment.name)), comm.rank, comm.local_rank, comm.world_size)
     progress = Progress()
-    shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState()}
+    watch = Watch(AnomalyConf())  # a run's per-rank state holds the anomaly watch's, as pipeline.train's does
+    shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState(), "watch": watch}
     parts: Dict[str, List[float]] = {"plan": [], "take": []}  # a snapshot's, in thread CPU seconds
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(features), generator=g)[comm.rank :: comm.world_size]
@@ -97,9 +101,11 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
             t = time.perf_counter()
             x, y = batch()
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
             progress.global_step += 1
+            watch.observe(progress.global_step, loss.detach())
             if name == "state_dict":
                 model.state_dict(), optimizer.state_dict()
             elif name == "plan" and i % every_n == 0:
