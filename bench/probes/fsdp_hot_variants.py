@@ -5,7 +5,7 @@ each variant's extra overrides, alternated in a rotated order (bench.common.alte
     .venv/bin/python bench/probes/fsdp_hot_variants.py [--tiny] NAME "OVERRIDES" [NAME "OVERRIDES" ...]   (ROUNDS=N, default 3)
 
 e.g. `ours "" snap_off "snapshot=off"`. Prints, per run, steps/s (the median logged 10-step interval
-after 30 warm-up steps), CPU ms per step of every process, other tenants' share of the machine and
+after 30 warm-up steps), CPU ms per step of every process (and of the workers and the launcher apart), other tenants' share of the machine and
 the intervals snapshot.every_n_steps=auto chose. `--tiny`: bench.common's tiny job and 5 warm-up
 steps (its smoke test). A development probe: its figures are quoted in bench/NOTES.md, not in the tables.
 """
@@ -42,11 +42,12 @@ def main() -> None:
             makers.append((name, functools.partial(run_ours, work, "o", overrides, 600, sample_cpu=True)))
 
         def on_run(name: str, r: int, run: Any) -> None:
-            cpu = (cpu_per_step(run, warmup) or {}).get("total_cpu_s_per_step") or 0
+            per_step = cpu_per_step(run, warmup) or {}
+            cpu, workers = per_step.get("total_cpu_s_per_step") or 0, per_step.get("workers_cpu_s_per_step") or 0
             every = [e.get("every_n_steps") for e in run.events if e.get("event") == "snapshot_interval"]
             print(
                 f"{name} round {r}: {'ok' if run.ok else 'FAILED'} steps/s {steady_rate(run, warmup) or 0:.1f}"
-                f" CPU ms/step {cpu * 1e3:.2f} foreign {run.extra['load']['foreign_share']:.2f} auto intervals {every}",
+                f" CPU ms/step {cpu * 1e3:.2f} (workers {workers * 1e3:.2f}, launcher {(cpu - workers) * 1e3:.2f}) foreign {run.extra['load']['foreign_share']:.2f} auto intervals {every}",
                 flush=True,
             )
 

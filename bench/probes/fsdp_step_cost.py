@@ -5,7 +5,8 @@ hits every configuration alike).
 
 Two workers under torchrun train bench.hot_loop's job (MLP 256-512-512-4, batch 64 per worker) under
 FSDP2 (fully_shard on every Linear and on the model, as parallel=fsdp does) with AdamW, batches
-sliced from the tensors, and switch every BLOCK steps (default 20) between configurations, in a
+sliced from the tensors, the anomaly watch observing each loss (its state is in each rank's
+snapshot, as in a run), and switch every BLOCK steps (default 20) between configurations, in a
 rotated order, ROUNDS times (default 12); medians of the blocks, wall time (rank 0) and CPU time
 (both workers, every thread):
 
@@ -16,7 +17,8 @@ rotated order, ROUNDS times (default 12); medians of the blocks, wall time (rank
   snapshot@8   bare + a snapshot every 8th step (about what snapshot.every_n_steps=auto chose in bench.sharded)
 
 Also prints, per configuration, the median time of the step right after a snapshot step against
-the others (a cost that shows up after the snapshot rather than in it). A development probe: its
+the others (a cost that shows up after the snapshot rather than in it), and the CPU time of the
+training thread (time.thread_time, both workers' medians) that a snapshot's plan and its copy take. A development probe: its
 figures are quoted in a commit or report, not in the tables.
 """
 
@@ -49,8 +51,10 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
     from pipeline.models import MLP
     from steadfast.checkpoint.memory import MemorySnapshots
     from steadfast.checkpoint.state import Progress, RNGState
+    from steadfast.config import AnomalyConf
     from steadfast.contract import shm
     from steadfast.distributed.comm import TorchDistComm
+    from steadfast.health.watch import Watch
 
     comm = TorchDistComm(120)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // comm.local_world_size))
@@ -72,7 +76,9 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
         segment.create()
     memory = MemorySnapshots(shm.Segments(comm.broadcast_object(segment.name)), comm.rank, comm.local_rank, comm.world_size)
     progress = Progress()
-    shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState()}
+    watch = Watch(AnomalyConf())  # a run's per-rank state holds the anomaly watch's, as pipeline.train's does
+    shared, per_rank = {"model": model, "optimizer": optimizer, "progress": progress}, {"rng": RNGState(), "watch": watch}
+    parts: Dict[str, List[float]] = {"plan": [], "take": []}  # a snapshot's, in thread CPU seconds
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(features), generator=g)[comm.rank :: comm.world_size]
     position = [0]
@@ -95,15 +101,22 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
             t = time.perf_counter()
             x, y = batch()
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
             progress.global_step += 1
+            watch.observe(progress.global_step, loss.detach())
             if name == "state_dict":
                 model.state_dict(), optimizer.state_dict()
             elif name == "plan" and i % every_n == 0:
                 memory.plan(shared, per_rank)
             elif name == "snapshot" and i % every_n == 0:
-                memory.take(progress.global_step, memory.plan(shared, per_rank))
+                a = time.thread_time()
+                planned = memory.plan(shared, per_rank)
+                b = time.thread_time()
+                memory.take(progress.global_step, planned)
+                parts["plan"].append(b - a)
+                parts["take"].append(time.thread_time() - b)
             dt = time.perf_counter() - t
             (after if snapped else walls).append(dt)
             snapped = name == "snapshot" and i % every_n == 0
@@ -121,7 +134,7 @@ def worker(rounds: int, steps_per_block: int, out: Path, folder: Path) -> None:
         k = r % len(CONFIGS)
         for config in CONFIGS[k:] + CONFIGS[:k]:
             samples[config].append(block(config, steps_per_block))
-    every = comm.gather_object(samples)
+    every = comm.gather_object({"blocks": samples, "parts": parts})
     comm.barrier()
     comm.shutdown()
     if comm.rank == 0:
@@ -145,7 +158,8 @@ def main() -> None:
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
         if not out.exists():
             sys.exit(f"failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        ranks = json.loads(out.read_text())
+        gathered = json.loads(out.read_text())
+    ranks = [r["blocks"] for r in gathered]
     bare = statistics.median(s["wall"] for s in ranks[0]["bare"])
     print(f"{rounds} rounds of {block}-step blocks, 2 workers, FSDP2 + AdamW")
     for config in CONFIGS:
@@ -158,6 +172,14 @@ def main() -> None:
             f"  {config:<11} {wall * 1e3:7.2f} ms/step  speed vs bare {bare / wall:.3f}   CPU {cpu * 1e3:7.2f} ms/step"
             f"  per CPU-second vs bare {base_cpu / cpu:.3f}   step after a snapshot {after * 1e3:6.2f} ms, others {other * 1e3:6.2f} ms"
         )
+    plan, take = ([statistics.median(r["parts"][part]) * 1e3 for r in gathered] for part in ("plan", "take"))
+    print(
+        "  a snapshot on the training thread (thread CPU, median of each worker): plan "
+        + ", ".join(f"{v:.3f}" for v in plan)
+        + " ms; copy "
+        + ", ".join(f"{v:.3f}" for v in take)
+        + " ms"
+    )
 
 
 if __name__ == "__main__":

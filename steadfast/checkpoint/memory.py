@@ -46,6 +46,7 @@ from .codec import OWN, SHARED, Codec, state_of
 from .formats import for_state
 from .replicated import ReplicatedCodec
 from .reuse import Plans
+from .sharded import ShardedCodec
 from .storage import fileio
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,10 @@ class MemorySnapshots:
         self.bytes = 0
         self.seconds: Optional[float] = None  # the last snapshot's cost on this rank
         self.plans = Plans()
+        # A sharded file is reused however few its tensors: a DTensor's piece (its mesh coordinate, its
+        # box, its local tensor) costs several plain tensors' plan, and a snapshot is planned every few
+        # steps for the whole run (FSDP2's hot loop: 0.65 -> 0.35 CPU ms of a 2 ms snapshot).
+        self.sharded_plans = Plans(small=0)
 
     @property
     def folder(self) -> Path:
@@ -264,7 +269,8 @@ class MemorySnapshots:
         states = {name: state_of(obj) for name, obj in objects.items()}
         own = {name: state_of(obj) for name, obj in per_rank.items()}
         codec = for_state(states)
-        codec.plans = self.plans  # the last snapshot's layouts, reused while the state keeps its structure
+        # the last snapshot's layouts, reused while the state keeps its structure
+        codec.plans = self.sharded_plans if isinstance(codec, ShardedCodec) else self.plans
         blobs = codec.snapshot(states, own, self.writes_objects)
         return [(self.buffers[name], layout) for name, layout in blobs.items()]
 

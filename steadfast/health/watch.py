@@ -115,7 +115,8 @@ class Watch:
             "moments": torch.tensor([m1, m2, weight], dtype=torch.float64),
             "seen": seen,
             "block": self.block,
-            "values": torch.tensor(values, dtype=torch.float64),
+            "values": _padded(values),
+            "count": len(values),
             "first": [int(first[0]), int(first[1])],
             "first_value": torch.tensor([first[2]], dtype=torch.float64),
         }
@@ -125,13 +126,26 @@ class Watch:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         moments, values, first = state["moments"].tolist(), state["values"].tolist(), state["first"]
+        count = state.get("count", len(values))  # a state saved before the padding: every value
         if len(moments) != 3 or not isinstance(first, list) or len(first) != 2:
             raise ValueError("anomaly watch: not the state of one")
+        if type(count) is not int or not 0 <= count <= len(values):
+            raise ValueError(f"anomaly watch: count must be an int from 0 to {len(values)}")
+        values = values[:count]
         self.reset()
         self.m1, self.m2, self.weight = moments
         self.seen, self.block = int(state["seen"]), int(state["block"])
         self.values = [(-1, float(x)) for x in values]
         self.first = (int(first[0]), int(first[1]), float(state["first_value"][0]))
+
+
+def _padded(values: List[float]) -> torch.Tensor:
+    """A block's healthy losses, zeros after them up to a whole number of blocks (the state's `count`
+    says how many are losses): the state keeps its shape from step to step, so a snapshot's or a save's
+    layout is reused (checkpoint/reuse.py) instead of planned anew at every one."""
+    out = torch.zeros(max(1, -(-len(values) // BLOCK)) * BLOCK, dtype=torch.float64)
+    out[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    return out
 
 
 class _OnDevice:

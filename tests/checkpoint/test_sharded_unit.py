@@ -226,3 +226,34 @@ def test_a_sharded_save_reuses_its_layout_and_restores_exactly(tmp_path: Path) -
         assert restored is not None and restored.step == step
         assert all(torch.equal(v, weights[step][k]) for k, v in whole(fresh.state_dict()).items())
         assert float(fresh_optimizer.state_dict()["state"][0]["step"]) == step - 1
+
+
+def test_a_snapshot_in_memory_reuses_its_sharded_layout_and_loads_exactly(launch: Any) -> None:
+    """Snapshots of an FSDP2 state in memory: from the second on, the last one's layout is reused
+    (each piece taken from the live DTensor anew) although the state has fewer tensors than a save
+    would reuse for (Plans.small), and every snapshot loads back exactly."""
+    from helpers import memory_of
+    from steadfast.checkpoint.state import Progress, RNGState
+
+    model, optimizer = model_and_optimizer()
+    train(model, optimizer, 1)  # the optimizer's state exists: the state's structure from here on
+    memory, progress, expected = memory_of(launch), Progress(), {}
+    objects = {"model": model, "optimizer": optimizer, "progress": progress}
+    for step in (1, 2, 3):
+        train(model, optimizer, 1)
+        progress.global_step = step
+        memory.take(step, memory.plan(objects, {"rng": RNGState()}))
+        expected[step] = (whole(model.state_dict()), float(optimizer.state_dict()["state"][0]["step"]))
+    assert memory.sharded_plans.reused == 2
+    for step in (3, 2):  # the two slots: the newest snapshot, and the one before it
+        fresh, fresh_optimizer = model_and_optimizer(seed=1)
+        fresh_objects = {"model": fresh, "optimizer": fresh_optimizer, "progress": Progress()}
+        loaded = memory.load(step, fresh_objects)
+        assert loaded is not None
+        states, own = loaded
+        for name, obj in fresh_objects.items():
+            obj.load_state_dict(states[name])
+        weights, optimizer_step = expected[step]
+        assert all(torch.equal(v, weights[k]) for k, v in whole(fresh.state_dict()).items())
+        assert float(fresh_optimizer.state_dict()["state"][0]["step"]) == optimizer_step
+        assert fresh_objects["progress"].global_step == step and "rng" in own

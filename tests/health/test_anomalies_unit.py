@@ -97,6 +97,35 @@ def test_the_device_path_judges_as_the_host_and_both_resume_as_uninterrupted() -
         assert resumed.state_dict()["moments"].tolist() == pytest.approx(host.state_dict()["moments"].tolist()), at
 
 
+def test_the_watchs_state_keeps_its_shape_from_step_to_step_and_an_older_one_still_loads() -> None:
+    """The block's buffered losses are padded to a whole block, so a snapshot's layout is reused
+    between snapshots (checkpoint/reuse.py: a tensor of another shape plans the file anew); a state
+    saved before, unpadded, resumes the same."""
+    losses = noisy(BLOCK + 40)
+    w, shapes = Watch(CONF), set()
+    for step, x in enumerate(losses[: BLOCK - 1], start=1):
+        w.observe(step, torch.tensor(x))
+        shapes.add(tuple(w.state_dict()["values"].shape))
+    assert shapes == {(BLOCK,)}
+    at = BLOCK + 10
+    first, _ = watched(losses[:at])
+    state = first.state_dict()
+    older = {k: v for k, v in state.items() if k != "count"}  # as saved before the padding
+    older["values"] = state["values"][: state["count"]]
+    assert len(older["values"]) == at - BLOCK + 1  # steps BLOCK..at: the block under way
+    verdicts, moments = [], []
+    for saved in (state, older):
+        resumed = Watch(CONF)
+        resumed.load_state_dict(saved)
+        for step, x in enumerate(losses[at:], start=at + 1):
+            resumed.observe(step, torch.tensor(x))
+        verdicts.append(resumed.verdict(len(losses), True))
+        moments.append(resumed.state_dict()["moments"].tolist())
+    uninterrupted, _ = watched(losses)
+    assert verdicts[0] == verdicts[1] == uninterrupted.verdict(len(losses), True)
+    assert moments[0] == moments[1] == pytest.approx(uninterrupted.state_dict()["moments"].tolist())
+
+
 def test_a_non_finite_gradient_norm_is_its_own_kind() -> None:
     w = Watch(CONF)
     w.observe(1, 1.0, grad_norm=torch.tensor(3.0))
