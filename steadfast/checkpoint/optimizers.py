@@ -14,7 +14,9 @@ checkpoint is a misfit. A checkpoint written before the names were recorded is c
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import operator
+from itertools import repeat
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,18 +26,49 @@ from .shards import is_dtensor
 Names = List[List[Optional[str]]]  # per param group, each parameter's name (None: not a tracked module's)
 
 
+_MODULE = torch.nn.Module
+_WALKS = ("named_parameters", "_named_members", "named_modules")  # what named_parameters' answer comes from
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return all(getattr(cls, walk) is getattr(_MODULE, walk) for walk in _WALKS)
+
+
+def _named(prefix: str, module: torch.nn.Module, pairs: List[Tuple[int, str]]) -> bool:
+    """(id, name) of each parameter of `module` and its submodules appended to `pairs` in the order of
+    named_parameters(remove_duplicate=False), names prefixed; False: a module of the tree overrides how
+    its parameters are listed (FSDP's names), ask it."""
+    if not _plain(module):
+        return False
+    params = module._parameters
+    if params:
+        values = list(params.values())
+        names = map(prefix.__add__, params)
+        if all(map(operator.is_not, values, repeat(None))):
+            pairs.extend(zip(map(id, values), names))
+        else:
+            pairs.extend((id(v), n) for v, n in zip(values, names) if v is not None)
+    return all(_named(f"{prefix}{key}.", child, pairs) for key, child in module._modules.items() if child is not None)
+
+
 def param_names(objects: Dict[str, Any]) -> Dict[str, Names]:
     """Each optimizer among `objects` (name -> object) -> its param groups' parameters by name, where
-    the parameter belongs to a module among `objects`; optimizers none of whose parameters does are left out."""
-    named: Dict[int, str] = {}
+    the parameter belongs to a module among `objects`; optimizers none of whose parameters does are left out.
+    A parameter found under several names has the first that named_parameters(remove_duplicate=False)
+    lists (read from the modules' own tables: the generator costs a microsecond a parameter)."""
+    pairs: List[Tuple[int, str]] = []
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
-            for key, param in obj.named_parameters(remove_duplicate=False):
-                named.setdefault(id(param), f"{name}.{key}")
+            listed: List[Tuple[int, str]] = []
+            if not _named(f"{name}.", obj, listed):
+                listed = [(id(param), f"{name}.{key}") for key, param in obj.named_parameters(remove_duplicate=False)]
+            pairs.extend(listed)
+    named = dict(reversed(pairs))  # the first name of each parameter: the last one set wins
     out: Dict[str, Names] = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
-            groups = [[named.get(id(p)) for p in group["params"]] for group in obj.param_groups]
+            groups = [list(map(named.get, map(id, group["params"]))) for group in obj.param_groups]
             if any(n is not None for g in groups for n in g):
                 out[name] = groups
     return out

@@ -67,9 +67,10 @@ class _Walk:
             keys = tuple(obj)
             marks.append((dict, keys, tuple(map(type, keys))))
             values = list(obj.values())
-            if set(map(type, values)) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
+            types = tuple(map(type, values))
+            if set(types) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
                 self.leaves.extend(values)
-                marks.append((tuple(map(type, values)), tuple(map(_META, values))))
+                marks.append((types, tuple(map(_META, values))))
                 return True
             return all(map(self.walk, values))
         if isinstance(obj, (list, tuple)):
