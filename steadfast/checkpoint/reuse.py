@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .shards import is_dtensor
+from .tensorformat import gc_paused
 from .tensorwrite import Entry, Layout
 
 T = TypeVar("T")
@@ -191,13 +192,16 @@ class Plans:
             if len(layout.entries) >= self.small:
                 self._remember(name, structure(roots), layout, extra)
             return layout, extra
-        walk = structure(roots)
-        if walk is not None and last is not None and walk.marks == last.marks:
-            reused = last.rebound(walk, tree)
-            if reused is not None:
-                last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
-                self.reused += 1
-                return reused, last.extra
+        # no collection while the walk is made: its marks (a tuple or two a tensor) are dropped once
+        # compared, and a collection in the middle would promote them, bringing the next full one nearer
+        with gc_paused():
+            walk = structure(roots)
+            if walk is not None and last is not None and walk.marks == last.marks:
+                reused = last.rebound(walk, tree)
+                if reused is not None:
+                    last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
+                    self.reused += 1
+                    return reused, last.extra
         self._last.pop(name, None)
         layout, extra = make()
         self._remember(name, walk, layout, extra)
