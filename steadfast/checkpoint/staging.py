@@ -50,8 +50,9 @@ def _keys(tensors: List[torch.Tensor]) -> Set[Key]:
 class Owned:
     """The tensors only the optimizers' step() changes: their parameters and their state. A save's
     tensor is told by identity (a module's state holds its parameters themselves: codec.state_of),
-    else by its memory (a detached view, a DTensor's local piece), whose keys are read only then:
-    an async save's blocking part asks this of every tensor of the state."""
+    else by its memory (a detached view, a DTensor's local piece), whose keys are read only then, and
+    only when what they would defer is worth it (split): an async save's blocking part asks this of
+    every tensor of the state."""
 
     def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
         self.tensors: List[torch.Tensor] = []
