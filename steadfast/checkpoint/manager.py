@@ -44,7 +44,7 @@ from ._commits import Commits
 from ._sealer import Sealer
 from .codec import Collectives, Unsaveable, state_of
 from .formats import for_state
-from .optimizers import manifest_fields as optimizer_fields
+from .optimizers import ParamNames
 from .ranks import RankWrite, SaveHooks, write_own
 from .retention import Policy
 from .reuse import Plans
@@ -105,6 +105,7 @@ class CheckpointManager:
         self._pool.submit(fileio.prepare).result()
         self._buffers = HostBuffers()
         self.plans = Plans()
+        self._param_names = ParamNames()  # the optimizers' parameters by name, kept while the modules keep them
         self._pending: Optional[Future[Optional[str]]] = None
         self._pending_on_rank_0_only = False  # the pending work is rank 0's alone in a save every rank wrote
         self._written: Optional[RankWrite] = None  # an asynchronous sharded save: written in the background, not committed
@@ -148,7 +149,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint meta keys {clash} are reserved for the manifest")
         states = {name: state_of(obj) for name, obj in objects.items()}
         if self.comm.rank == 0:  # who writes the manifest
-            meta = {**meta, **optimizer_fields(objects)}
+            meta = {**meta, **self._param_names.fields(objects)}
         codec = for_state(states)
         codec.plans = self.plans  # the last save's layouts, reused while the state keeps its structure
         started = time.perf_counter()

@@ -14,7 +14,9 @@ checkpoint is a misfit. A checkpoint written before the names were recorded is c
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import operator
+from itertools import repeat
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,18 +26,89 @@ from .shards import is_dtensor
 Names = List[List[Optional[str]]]  # per param group, each parameter's name (None: not a tracked module's)
 
 
-def param_names(objects: Dict[str, Any]) -> Dict[str, Names]:
+_MODULE = torch.nn.Module
+_WALKS = ("named_parameters", "_named_members", "named_modules")  # what named_parameters' answer comes from
+# One module of a tree as named_parameters reads it: (its prefix, itself, its class, its parameters' keys
+# and values, its children's keys and values); a tree's reads, in its order, determine its parameters' names.
+_Read = Tuple[str, Any, type, Tuple[str, ...], Tuple[Any, ...], Tuple[str, ...], Tuple[Any, ...]]
+Named = Dict[int, str]  # id of a parameter -> its first name
+
+
+def _reads(prefix: str, module: torch.nn.Module, out: List[_Read]) -> bool:
+    """`module`'s reads and its submodules', in the order of named_modules(remove_duplicate=False),
+    appended to `out`; False: a module of the tree overrides how its parameters are listed (FSDP's names)."""
+    cls = type(module)
+    if not all(getattr(cls, walk) is getattr(_MODULE, walk) for walk in _WALKS):
+        return False
+    params, children = module._parameters, module._modules
+    out.append((prefix, module, cls, tuple(params), tuple(params.values()), tuple(children), tuple(children.values())))
+    return all(_reads(f"{prefix}{key}.", child, out) for key, child in children.items() if child is not None)
+
+
+def _named(reads: List[_Read]) -> Named:
+    """Each parameter's first name in named_parameters(remove_duplicate=False) order, from a tree's reads."""
+    pairs: List[Tuple[int, str]] = []
+    for prefix, _, _, keys, values, _, _ in reads:
+        if all(map(operator.is_not, values, repeat(None))):
+            pairs.extend(zip(map(id, values), map(prefix.__add__, keys)))
+        else:
+            pairs.extend((id(v), prefix + k) for k, v in zip(keys, values) if v is not None)
+    return dict(reversed(pairs))  # the first name of each parameter: the last one set wins
+
+
+def _identical(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _same(a: List[_Read], b: List[_Read]) -> bool:
+    """Whether two reads of a tree are of the same modules, classes, keys and objects (by identity)."""
+    return len(a) == len(b) and all(
+        x[1] is y[1] and x[2] is y[2] and x[3] == y[3] and _identical(x[4], y[4]) and x[5] == y[5] and _identical(x[6], y[6])
+        for x, y in zip(a, b)
+    )
+
+
+class ParamNames:
+    """param_names for a manager's saves: a module tree's names kept while its reads are the same (its
+    modules' tables read in a C-level pass each, the names not rebuilt: a few hundred ns a parameter)."""
+
+    def __init__(self) -> None:
+        self._last: Dict[str, Tuple[List[_Read], Named]] = {}  # object name -> its tree's reads and names
+
+    def named(self, name: str, module: torch.nn.Module) -> Named:
+        reads: List[_Read] = []
+        if not _reads(f"{name}.", module, reads):
+            self._last.pop(name, None)
+            return dict(reversed([(id(p), f"{name}.{key}") for key, p in module.named_parameters(remove_duplicate=False)]))
+        last = self._last.get(name)
+        if last is not None and _same(reads, last[0]):
+            return last[1]
+        named = _named(reads)
+        self._last[name] = (reads, named)  # holds the parameters: their ids stay theirs
+        return named
+
+    def fields(self, objects: Dict[str, Any]) -> Dict[str, Any]:
+        """manifest_fields(objects)."""
+        names = param_names(objects, self.named)
+        return {mf.PARAMS: names} if names else {}
+
+
+def param_names(objects: Dict[str, Any], named: Optional[Callable[[str, torch.nn.Module], Named]] = None) -> Dict[str, Names]:
     """Each optimizer among `objects` (name -> object) -> its param groups' parameters by name, where
-    the parameter belongs to a module among `objects`; optimizers none of whose parameters does are left out."""
-    named: Dict[int, str] = {}
-    for name, obj in objects.items():
-        if isinstance(obj, torch.nn.Module):
-            for key, param in obj.named_parameters(remove_duplicate=False):
-                named.setdefault(id(param), f"{name}.{key}")
+    the parameter belongs to a module among `objects`; optimizers none of whose parameters does are left out.
+    A parameter found under several names has the first that named_parameters(remove_duplicate=False)
+    lists, read from the modules' own tables (`named`: a ParamNames' memo)."""
+    trees = [(named or ParamNames().named)(name, obj) for name, obj in objects.items() if isinstance(obj, torch.nn.Module)]
+    if len(trees) == 1:
+        ids = trees[0]
+    else:
+        ids = {}
+        for tree in reversed(trees):  # an earlier object's name wins
+            ids.update(tree)
     out: Dict[str, Names] = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
-            groups = [[named.get(id(p)) for p in group["params"]] for group in obj.param_groups]
+            groups = [list(map(ids.get, map(id, group["params"]))) for group in obj.param_groups]
             if any(n is not None for g in groups for n in g):
                 out[name] = groups
     return out

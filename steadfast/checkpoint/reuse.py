@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .shards import is_dtensor
+from .tensorformat import gc_paused
 from .tensorwrite import Entry, Layout
 
 T = TypeVar("T")
@@ -67,9 +68,10 @@ class _Walk:
             keys = tuple(obj)
             marks.append((dict, keys, tuple(map(type, keys))))
             values = list(obj.values())
-            if set(map(type, values)) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
+            types = tuple(map(type, values))
+            if set(types) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
                 self.leaves.extend(values)
-                marks.append((tuple(map(type, values)), tuple(map(_META, values))))
+                marks.append((types, tuple(map(_META, values))))
                 return True
             return all(map(self.walk, values))
         if isinstance(obj, (list, tuple)):
@@ -189,13 +191,16 @@ class Plans:
             layout, extra = make()
             self._remember(name, structure(roots) if len(layout.entries) >= self.small else None, layout, extra)
             return layout, extra
-        walk = structure(roots)
-        if walk is not None and walk.marks == last.marks:
-            reused = last.rebound(walk, tree)
-            if reused is not None:
-                last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
-                self.reused += 1
-                return reused, last.extra
+        # no collection while the walk is made: its marks (a tuple or two a tensor) are dropped once
+        # compared, and a collection in the middle would promote them, bringing the next full one nearer
+        with gc_paused():
+            walk = structure(roots)
+            if walk is not None and walk.marks == last.marks:
+                reused = last.rebound(walk, tree)
+                if reused is not None:
+                    last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
+                    self.reused += 1
+                    return reused, last.extra
         self._last.pop(name, None)
         layout, extra = make()
         self._remember(name, walk, layout, extra)

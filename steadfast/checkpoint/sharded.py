@@ -52,10 +52,10 @@ def holds_sharded(tree: Any) -> bool:
         node = stack.pop()
         if node.__class__ in _NOT_SHARDED:
             continue
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else None
+        if children is not None:
+            if not set(map(type, children)) <= _NOT_SHARDED:  # a module's state: its classes in one C-level pass
+                stack.extend(children)
         elif is_dtensor(node):
             return True
     return False

@@ -28,6 +28,9 @@ from .shards import is_dtensor
 from .tensorwrite import GATHER_BELOW, GATHER_MAX, Entry, Layout, flat_bytes, gathered
 
 Key = Tuple[bool, int]  # (on a GPU, address of the first element) of a tensor
+# Bytes a memmove copies in the time one owned tensor's key is read (about a microsecond, its
+# memory cold after a training step): below that many per owned tensor, the rest is copied now.
+KEY_WORTH_BYTES = 16 * 1024
 
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
@@ -47,8 +50,9 @@ def _keys(tensors: List[torch.Tensor]) -> Set[Key]:
 class Owned:
     """The tensors only the optimizers' step() changes: their parameters and their state. A save's
     tensor is told by identity (a module's state holds its parameters themselves: codec.state_of),
-    else by its memory (a detached view, a DTensor's local piece), whose keys are read only then:
-    an async save's blocking part asks this of every tensor of the state."""
+    else by its memory (a detached view, a DTensor's local piece), whose keys are read only then, and
+    only when what they would defer is worth it (split): an async save's blocking part asks this of
+    every tensor of the state."""
 
     def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
         self.tensors: List[torch.Tensor] = []
@@ -72,10 +76,14 @@ class Owned:
 
     def split(self, entries: List[Entry]) -> Tuple[List[Entry], List[Entry]]:
         """(copied now, copied later) of a file's entries: by identity in a few C-level passes (a
-        module's own parameters), by memory for the rest."""
+        module's own parameters), by memory for the rest, unless the rest is so small that copying it
+        now costs less than reading every owned tensor's address would (an RNG's state beside
+        thousands of parameters): copied now is always right, only later needs the proof."""
         owned = list(map(self._ids.__contains__, map(id, map(_TENSOR_OF, entries))))
         if not all(owned) and self.tensors:
-            owned = [known or e.tensor in self for known, e in zip(owned, entries)]
+            rest = sum(e.end - e.begin for known, e in zip(owned, entries) if not known)
+            if rest > len(self.tensors) * KEY_WORTH_BYTES:
+                owned = [known or e.tensor in self for known, e in zip(owned, entries)]
         now = list(compress(entries, map(not_, owned)))
         return now, list(compress(entries, owned))
 

@@ -333,3 +333,28 @@ def test_a_replicated_save_is_rank_0_s_alone_after_the_plan_s_gather(tmp_path: P
     fresh, rng = Box({}), Box({})
     restored = manager(tmp_path).restore({"model": fresh}, {"rng": rng}, allow_config_change=False, new_rank=lambda step: None)
     assert restored is not None and fresh.state["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and rng.state == {"seed": 0}
+
+
+def test_an_async_save_defers_by_memory_only_what_is_worth_the_proof() -> None:
+    """Staging: a tensor that is not an optimizer's own by identity is deferred when it shares the
+    memory of one (a detached view) and is large enough to repay reading every owned tensor's address;
+    a small one (an RNG's state beside thousands of parameters) is copied before save() returns."""
+    from steadfast.checkpoint.staging import KEY_WORTH_BYTES, optimizer_owned
+    from steadfast.checkpoint.tensorwrite import Entry
+
+    small, big = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2 * KEY_WORTH_BYTES // 4))
+    opt = torch.optim.SGD([small, big], lr=0.1)
+
+    def entries(*tensors: torch.Tensor) -> List[Entry]:
+        out, at = [], 0
+        for i, t in enumerate(tensors):
+            out.append(Entry(f"t{i}", "F32", tuple(t.shape), at, at + t.nbytes, t, i))
+            at += t.nbytes
+        return out
+
+    _, owned = optimizer_owned([opt])
+    rng = torch.zeros(8, dtype=torch.uint8)
+    now, later = owned.split(entries(small, big, rng, small.detach()))
+    assert [e.name for e in later] == ["t0", "t1"] and [e.name for e in now] == ["t2", "t3"]  # the view: copied now
+    now, later = owned.split(entries(small, rng, big.detach()))
+    assert [e.name for e in later] == ["t0", "t2"] and [e.name for e in now] == ["t1"]  # the big view: by its memory

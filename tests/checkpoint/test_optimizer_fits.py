@@ -72,3 +72,62 @@ def test_check_fits_names_the_object(tmp_path: Path) -> None:
         assert str(exc).startswith("does not fit this run's optimizer: optimizer.state.")
     else:
         raise AssertionError("a reordered optimizer's state was found to fit")
+
+
+def _names_by_generator(objects: dict) -> dict:
+    """param_names as named_parameters(remove_duplicate=False) gives them: what every manifest records."""
+    named: dict = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for key, param in obj.named_parameters(remove_duplicate=False):
+                named.setdefault(id(param), f"{name}.{key}")
+    return {
+        name: [[named.get(id(p)) for p in group["params"]] for group in obj.param_groups]
+        for name, obj in objects.items()
+        if isinstance(obj, torch.optim.Optimizer) and any(id(p) in named for g in obj.param_groups for p in g["params"])
+    }
+
+
+def test_a_managers_parameter_names_follow_every_change_of_its_modules() -> None:
+    """The names a manager records (kept between saves while the modules' tables are as they were) are
+    at every save those named_parameters gives: a shared parameter by its first name, a parameter
+    replaced, moved, removed or set to None, a module replaced, a class that lists its own."""
+    from steadfast.checkpoint.optimizers import ParamNames
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Sequential(torch.nn.Linear(2, 3)))
+    other = torch.nn.Linear(3, 3)
+    extra = torch.nn.Parameter(torch.zeros(1))
+
+    class Renamed(torch.nn.Linear):
+        def named_parameters(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return ((f"own_{k}", p) for k, p in super().named_parameters(*args, **kwargs))
+
+    def changes():  # type: ignore[no-untyped-def]
+        yield "as built"
+        yield "nothing changed"
+        model[3][0].weight = torch.nn.Parameter(torch.ones(3, 2))  # replaced
+        yield "a parameter replaced"
+        model[3][0].bias = None
+        yield "a parameter set to None"
+        other.moved = model[3][0].weight  # also under another module
+        yield "a parameter under a second module"
+        model[3] = torch.nn.Linear(2, 3)
+        yield "a module replaced"
+        del other.moved
+        yield "a parameter removed"
+        model[1] = Renamed(2, 2)
+        yield "a module listing its parameters its own way"
+
+    names = ParamNames()
+    for what in changes():
+        params = list({id(p): p for m in (model, other) for p in m.parameters()}.values())
+        objects = {"model": model, "other": other, "opt": torch.optim.SGD([{"params": params}, {"params": [extra]}], lr=0.1)}
+        assert param_names_of(names, objects) == _names_by_generator(objects), what
+
+
+def param_names_of(names, objects):  # type: ignore[no-untyped-def]
+    from steadfast.checkpoint import manifest as mf
+
+    return names.fields(objects).get(mf.PARAMS, {})
