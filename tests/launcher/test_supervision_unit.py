@@ -60,6 +60,32 @@ def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
 
 
+
+def test_a_heartbeat_torn_by_a_beat_being_written_is_never_read_as_a_record(tmp_path: Path) -> None:
+    """The file is rewritten in place (mapped into memory): a reader can catch a beat half-written.
+    Every mix of the record before and after that a reader could see is either one of the two or
+    refused (its check fails); some mixes are valid JSON with a step and phase no beat wrote."""
+    folder = tmp_path / files.HEARTBEAT_DIR
+    hb = heartbeat.Heartbeat(folder, 0)
+    hb.beat(1234, "train")
+    before = (folder / "rank0").read_bytes()
+    hb.beat(1299, "save")
+    after = (folder / "rank0").read_bytes()
+    whole = [heartbeat.parse_record(before), heartbeat.parse_record(after)]
+    assert whole[0] is not None and whole[1] is not None and whole[1]["step"] == 1299
+    made_up = 0  # mixes that are neither record yet parse as JSON: what a reader of plain JSON would have taken
+    for cut in range(1, len(after)):
+        torn = after[:cut] + before[cut:]
+        if torn not in (before, after):
+            try:
+                made_up += isinstance(json.loads(torn), dict)
+            except ValueError:
+                pass
+        assert heartbeat.parse_record(torn) in [*whole, None], cut  # one of the two, or refused
+    assert made_up > 0  # the check, not JSON's syntax, is what refuses them
+    (folder / "rank1").write_bytes(after.replace(b'"step": 1299', b'"step": 1290'))  # damaged: skipped
+    assert set(heartbeat.read_heartbeats(tmp_path)) == {0}
+
 # ---- the start-up guard -------------------------------------------------------------------------
 EARLY_STOP = r"""
 import os, signal, sys, time
