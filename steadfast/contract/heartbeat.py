@@ -69,7 +69,7 @@ class Heartbeat:
         self.beats += 1
         self.step, self.phase = step, phase
         body = f'{self._head}, "beats": {self.beats}, "step": {step}, "phase": "{phase}"'.encode()
-        record = b"%s%s%08x\"}" % (body, _CHECK, crc32(body))
+        record = b'%s%s%08x"}' % (body, _CHECK, crc32(body))
         self._map[:] = record[: RECORD_BYTES - 1].ljust(RECORD_BYTES - 1) + b"\n"
 
 

@@ -60,7 +60,6 @@ def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
 
 
-
 def test_a_heartbeat_torn_by_a_beat_being_written_is_never_read_as_a_record(tmp_path: Path) -> None:
     """The file is rewritten in place (mapped into memory): a reader can catch a beat half-written.
     Every mix of the record before and after that a reader could see is either one of the two or
@@ -85,6 +84,7 @@ def test_a_heartbeat_torn_by_a_beat_being_written_is_never_read_as_a_record(tmp_
     assert made_up > 0  # the check, not JSON's syntax, is what refuses them
     (folder / "rank1").write_bytes(after.replace(b'"step": 1299', b'"step": 1290'))  # damaged: skipped
     assert set(heartbeat.read_heartbeats(tmp_path)) == {0}
+
 
 # ---- the start-up guard -------------------------------------------------------------------------
 EARLY_STOP = r"""
