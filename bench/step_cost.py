@@ -15,7 +15,7 @@ machine, which other tenants' load hardly moves):
   bare        batches indexed out of the in-memory tensors, forward, backward, SGD step
   loader      the same batches through the library's loader (ResumableSampler + TensorBatches)
   dataloader  torch's DataLoader over the TensorDataset with a DistributedSampler (bench/baseline_ddp.py's loop)
-  heartbeat   bare + the heartbeat's pwrite every step
+  heartbeat   bare + the heartbeat's beat every step
   telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
               (a Telemetry alone: a control-plane message per window)
   agreement   bare + the stop agreement: the control plane's periodic message (steadfast/distributed/exchange.py),

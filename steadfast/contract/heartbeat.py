@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import mmap
 import os
 import signal
 import socket
@@ -28,6 +27,8 @@ STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: r
 RECORD_BYTES = 320  # a record's fixed size: the file's
 _CHECK = b', "check": "'  # the record's last field: the CRC-32 of the bytes before it, 8 hex digits
 _READS = 5  # a reader's tries at a record torn by a beat being written
+_NUMBERS = b'%20d, "step": %20d'  # a record's beats and step, fixed width: a beat rewrites them in place
+_CHECKED = b'%s, "check": "%08x'  # the numbers and the check, up to its closing quote
 STOP_MARKER = (
     "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
 )
@@ -42,18 +43,18 @@ _state: _State = {"heartbeat": None, "stacks_file": None}
 
 
 class Heartbeat:
-    """This rank's progress: a fixed-size record in a file mapped into memory and rewritten in place,
-    so a beat is a few stores, no system call (a pwrite per beat cost 5-18 us of CPU a step on the
-    benchmark machine's disk: more than the rest of a quiet step). The record ends with a CRC-32 of
-    the rest: a reader that catches a beat half-written sees the check fail and reads again
-    (`parse_record`), so it never takes half a record for a whole one."""
+    """This rank's progress: a fixed-size record rewritten in place. Most beats write only the record's
+    fixed-width numbers and its check, a CRC-32 of the rest (one small pwrite); a reader that catches a
+    beat half-written sees the check fail and reads again (`parse_record`), so it never takes half a
+    record for a whole one. Not a memory mapping: a file truncated under it would kill the worker
+    (SIGBUS), and a beat through one cost as much CPU in the loop (bench/NOTES.md: what a beat costs
+    is its Python, run with the interpreter's caches cold after the step's compute, not the call).
+    """
 
     def __init__(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.fd = os.open(folder / f"rank{rank}", os.O_RDWR | os.O_CREAT, 0o644)
-        os.ftruncate(self.fd, RECORD_BYTES)  # a file kept from an earlier worker is cut to one record
-        self._map = mmap.mmap(self.fd, RECORD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.fd = os.open(folder / f"rank{rank}", os.O_WRONLY | os.O_CREAT, 0o644)
         fixed = {
             "rank": rank,
             "pid": os.getpid(),
@@ -62,15 +63,29 @@ class Heartbeat:
             "launch": os.environ.get(ENV_LAUNCH_ID, ""),
         }
         self._head = json.dumps(fixed)[:-1]  # '{"rank": ..., "launch": "..."' without the closing brace
-        self.beats, self.step, self.phase = 0, -1, "start"
+        self.beats, self.step, self.phase = 0, -1, ""
+        self._crc, self._at, self._end = 0, 0, 0  # the fixed part's CRC, where the numbers and the check go
         self.beat(-1, "start")
 
     def beat(self, step: int, phase: str = "train") -> None:
+        # most beats change only the numbers: they and the check are written in place, two formats and a CRC
+        # (a beat runs after the step's compute, with the interpreter's caches cold: every operation counts)
         self.beats += 1
-        self.step, self.phase = step, phase
-        body = f'{self._head}, "beats": {self.beats}, "step": {step}, "phase": "{phase}"'.encode()
-        record = b'%s%s%08x"}' % (body, _CHECK, crc32(body))
-        self._map[:] = record[: RECORD_BYTES - 1].ljust(RECORD_BYTES - 1) + b"\n"
+        self.step = step
+        if phase != self.phase:
+            self._lay_out(phase)
+        numbers = _NUMBERS % (self.beats, step)
+        os.pwrite(self.fd, _CHECKED % (numbers, crc32(numbers, self._crc)), self._at)
+
+    def _lay_out(self, phase: str) -> None:
+        """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the spaces)."""
+        self.phase = phase
+        fixed = f'{self._head}, "phase": "{phase}", "beats": '.encode()
+        numbers = _NUMBERS % (self.beats, self.step)
+        record = b"%s%s%s" % (fixed, numbers, _CHECKED % (b"", crc32(numbers, crc32(fixed))))
+        self._crc, self._at = crc32(fixed), len(fixed)
+        self._end = self._at + len(numbers) + len(_CHECKED % (b"", 0))
+        os.pwrite(self.fd, (record + b'"}')[: RECORD_BYTES - 1].ljust(RECORD_BYTES - 1) + b"\n", 0)
 
 
 def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
