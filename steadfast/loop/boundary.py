@@ -70,7 +70,9 @@ class StepBoundary:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
-        loss, grad_norm = _on_host(loss), _on_host(grad_norm)
+        loss = _on_host(loss)
+        if grad_norm is not None:
+            grad_norm = _on_host(grad_norm)
         self.telemetry.quiet_step(step, epoch, loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
