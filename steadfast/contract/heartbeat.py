@@ -24,7 +24,8 @@ from .files import HEARTBEAT_DIR, STACKS_DIR, read_regular
 STACK_SIGNAL = signal.SIGUSR1  # makes a worker dump its stacks (faulthandler) without stopping it
 DONE_PHASE = "done"  # a worker's last heartbeat phase: its task is over (shutting down, or waiting to be collected)
 STARTUP_PHASES = ("start", "init", "restore")  # before a worker's first step: restart.startup_timeout_s applies
-RECORD_BYTES = 320  # a record's fixed size: the file's
+RECORD_BYTES = 512  # a record's fixed size, the file's: room for a 64-character host and launch id, and the phase
+PHASE_CHARS = 40  # a phase's characters in the record (more are cut)
 _CHECK = b', "check": "'  # the record's last field: the CRC-32 of the bytes before it, 8 hex digits
 _READS = 5  # a reader's tries at a record torn by a beat being written
 _NUMBERS = b'%20d, "step": %20d'  # a record's beats and step, fixed width: a beat rewrites them in place
@@ -64,7 +65,7 @@ class Heartbeat:
         }
         self._head = json.dumps(fixed)[:-1]  # '{"rank": ..., "launch": "..."' without the closing brace
         self.beats, self.step, self.phase = 0, -1, ""
-        self._crc, self._at, self._end = 0, 0, 0  # the fixed part's CRC, where the numbers and the check go
+        self._crc, self._at = 0, 0  # the fixed part's CRC, where the numbers and the check go
         self.beat(-1, "start")
 
     def beat(self, step: int, phase: str = "train") -> None:
@@ -78,14 +79,14 @@ class Heartbeat:
         os.pwrite(self.fd, _CHECKED % (numbers, crc32(numbers, self._crc)), self._at)
 
     def _lay_out(self, phase: str) -> None:
-        """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the spaces)."""
+        """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the
+        spaces). The phase (a loop's own word, run.beat) is cut to PHASE_CHARS: the record always fits."""
         self.phase = phase
-        fixed = f'{self._head}, "phase": "{phase}", "beats": '.encode()
+        fixed = f'{self._head}, "phase": {json.dumps(phase[:PHASE_CHARS])}, "beats": '.encode()
         numbers = _NUMBERS % (self.beats, self.step)
-        record = b"%s%s%s" % (fixed, numbers, _CHECKED % (b"", crc32(numbers, crc32(fixed))))
         self._crc, self._at = crc32(fixed), len(fixed)
-        self._end = self._at + len(numbers) + len(_CHECKED % (b"", 0))
-        os.pwrite(self.fd, (record + b'"}')[: RECORD_BYTES - 1].ljust(RECORD_BYTES - 1) + b"\n", 0)
+        record = b'%s%s"}' % (fixed, _CHECKED % (numbers, crc32(numbers, self._crc)))
+        os.pwrite(self.fd, record.ljust(RECORD_BYTES - 1) + b"\n", 0)
 
 
 def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:

@@ -54,7 +54,7 @@ def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -
     per_beat = (time.thread_time() - started) / 2000
     hb.beat(1999, "save")
     raw = (tmp_path / files.HEARTBEAT_DIR / "rank3").read_bytes()
-    assert len(raw) == 320 and raw.endswith(b"\n")
+    assert len(raw) == heartbeat.RECORD_BYTES and raw.endswith(b"\n")
     record = heartbeat.read_heartbeats(tmp_path)[3]
     assert record["step"] == 1999 and record["phase"] == "save" and record["beats"] == 2002 and record["pid"] == os.getpid()
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
