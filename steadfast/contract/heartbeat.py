@@ -28,8 +28,8 @@ RECORD_BYTES = 512  # a record's fixed size, the file's: room for a 64-character
 PHASE_CHARS = 40  # a phase's characters in the record (more are cut)
 _CHECK = b', "check": "'  # the record's last field: the CRC-32 of the bytes before it, 8 hex digits
 _READS = 5  # a reader's tries at a record torn by a beat being written
-_NUMBERS = b'%20d, "step": %20d'  # a record's beats and step, fixed width: a beat rewrites them in place
-_CHECKED = b'%s, "check": "%08x'  # the numbers and the check, up to its closing quote
+_NUMBERS = b'%20d, "step": %20d'  # a record's beats and step, fixed width: the padding after them stays the same
+_WHOLE = b'%s%s, "check": "%08x"}%s'  # a record: the part before the numbers, the numbers, the check, the padding
 STOP_MARKER = (
     "stop"  # HEARTBEAT_DIR/stop.<launch id>: the launcher asked this launch's workers to stop (written before it signals them)
 )
@@ -44,12 +44,12 @@ _state: _State = {"heartbeat": None, "stacks_file": None}
 
 
 class Heartbeat:
-    """This rank's progress: a fixed-size record rewritten in place. Most beats write only the record's
-    fixed-width numbers and its check, a CRC-32 of the rest (one small pwrite); a reader that catches a
-    beat half-written sees the check fail and reads again (`parse_record`), so it never takes half a
-    record for a whole one. Not a memory mapping: a file truncated under it would kill the worker
-    (SIGBUS), and a beat through one cost as much CPU in the loop (bench/NOTES.md: what a beat costs
-    is its Python, run with the interpreter's caches cold after the step's compute, not the call).
+    """This rank's progress: a fixed-size record rewritten whole, in place, by one pwrite per beat. It
+    ends with a check, a CRC-32 of the rest: a reader that catches a beat half-written sees the check
+    fail and reads again (`parse_record`), so it never takes half a record for a whole one. Most beats
+    reuse the part before the numbers (fixed-width) and its CRC. Not a memory mapping: a file truncated
+    under one kills the writer (SIGBUS), the trust model's rule for the snapshots' writers too
+    (bench/NOTES.md: a mapping would save the system call, ~10 us of CPU a step here, cold).
     """
 
     def __init__(self, folder: Path, rank: int) -> None:
@@ -65,28 +65,30 @@ class Heartbeat:
         }
         self._head = json.dumps(fixed)[:-1]  # '{"rank": ..., "launch": "..."' without the closing brace
         self.beats, self.step, self.phase = 0, -1, ""
-        self._crc, self._at = 0, 0  # the fixed part's CRC, where the numbers and the check go
+        self._fixed, self._crc, self._pad = b"", 0, b""  # the record's part before its numbers, its CRC; the padding after
         self.beat(-1, "start")
 
     def beat(self, step: int, phase: str = "train") -> None:
-        # most beats change only the numbers: they and the check are written in place, two formats and a CRC
-        # (a beat runs after the step's compute, with the interpreter's caches cold: every operation counts)
+        # most beats change only the numbers: two formats and a CRC (a beat runs after the step's compute, with
+        # the interpreter's caches cold: every operation counts). Always the whole record, in one write: a
+        # worker of an earlier incarnation may still write the same file, and the file holds one writer's record
         self.beats += 1
         self.step = step
         if phase != self.phase:
             self._lay_out(phase)
         numbers = _NUMBERS % (self.beats, step)
-        os.pwrite(self.fd, _CHECKED % (numbers, crc32(numbers, self._crc)), self._at)
+        os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
 
     def _lay_out(self, phase: str) -> None:
         """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the
         spaces). The phase (a loop's own word, run.beat) is cut to PHASE_CHARS: the record always fits."""
         self.phase = phase
-        fixed = f'{self._head}, "phase": {json.dumps(phase[:PHASE_CHARS])}, "beats": '.encode()
+        self._fixed = f'{self._head}, "phase": {json.dumps(phase[:PHASE_CHARS])}, "beats": '.encode()
+        self._crc = crc32(self._fixed)
         numbers = _NUMBERS % (self.beats, self.step)
-        self._crc, self._at = crc32(fixed), len(fixed)
-        record = b'%s%s"}' % (fixed, _CHECKED % (numbers, crc32(numbers, self._crc)))
-        os.pwrite(self.fd, record.ljust(RECORD_BYTES - 1) + b"\n", 0)
+        whole = _WHOLE % (self._fixed, numbers, 0, b"")
+        self._pad = b" " * (RECORD_BYTES - 1 - len(whole)) + b"\n"
+        os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
 
 
 def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:

@@ -86,6 +86,20 @@ def test_a_heartbeat_torn_by_a_beat_being_written_is_never_read_as_a_record(tmp_
     assert set(heartbeat.read_heartbeats(tmp_path)) == {0}
 
 
+def test_two_workers_writing_one_rank_s_heartbeat_leave_a_whole_record(tmp_path: Path) -> None:
+    """A restarted rank's worker opens the file its predecessor may still write (a group being torn
+    down): every beat writes a whole record, so the file holds the last writer's, never a mix."""
+    folder = tmp_path / files.HEARTBEAT_DIR
+    old, new = heartbeat.Heartbeat(folder, 0), heartbeat.Heartbeat(folder, 0)
+    for step in range(3):
+        old.beat(100 + step, "train")
+    new.beat(-1, "init")
+    old.beat(103, "train")  # the predecessor's last beat, after the new worker's first
+    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 103
+    new.beat(0, "train")
+    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 0
+
+
 # ---- the start-up guard -------------------------------------------------------------------------
 EARLY_STOP = r"""
 import os, signal, sys, time
