@@ -1,6 +1,7 @@
 """Where a training step's time goes: the library's per-step work, piece by piece, inside one run.
 
-    python -m bench.step_cost [--rounds 12] [--block 40] [--job hot|tiny] [--nproc 2] [--configs bare,run] [--quick | --tiny] [--json PATH]
+    python -m bench.step_cost [--rounds 12] [--block 40] [--job hot|tiny] [--nproc 2] [--configs bare,run] [--control-every N]
+        [--quick | --tiny] [--json PATH]
 
 Wall-clock ratios between separate runs move with other tenants' load (+-10% here); this
 benchmark measures inside one pair of processes instead. Two workers under torchrun train the
@@ -14,15 +15,16 @@ machine, which other tenants' load hardly moves):
   bare        batches indexed out of the in-memory tensors, forward, backward, SGD step
   loader      the same batches through the library's loader (ResumableSampler + TensorBatches)
   dataloader  torch's DataLoader over the TensorDataset with a DistributedSampler (bench/baseline_ddp.py's loop)
-  heartbeat   bare + the heartbeat's pwrite every step
+  heartbeat   bare + the heartbeat's beat every step
   telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
               (a Telemetry alone: a control-plane message per window)
   agreement   bare + the stop agreement: the control plane's periodic message (steadfast/distributed/exchange.py),
-              at its automatic interval (every 2**k steps, about CONTROL_INTERVAL_S)
+              every --control-every steps
   run_step    the pieces of steadfast.Run.step above, in its order (with the loader; the windows ride the
               agreement's messages, as in steadfast.Run)
-  run         steadfast.Run itself, as a loop uses it: a model of bare's shape from run.setup, run.loader,
-              run.step after every step (no checkpoints; snapshots off: `snapshot` is their row)
+  run         steadfast.Run itself, as a launched worker's loop uses it: a model of bare's shape from run.setup,
+              run.loader, run.step after every step, the heartbeat beating (no checkpoints; snapshots off:
+              `snapshot` is their row)
   reduce_sync   bare + only a blocking control-plane all-reduce of 8 floats every 10 steps
   reduce_async  bare + only a control-plane all-reduce of 2 floats at the agreement's interval, started at
                 one and waited for at the next (the exchange's collective)
@@ -31,6 +33,13 @@ machine, which other tenants' load hardly moves):
               snapshot.every_n_steps=auto takes one every N steps, N the smallest power of two at
               which cost <= 2% of N steps (steadfast.loop.memory_cadence.auto_interval); the result
               reports that interval and its cost per step
+
+The control plane's message goes every --control-every steps in every configuration that sends it
+(default: 128 steps with one rank, 32 with two: what its automatic interval, about CONTROL_INTERVAL_S
+of steps, chose for the hot job on the quiet benchmark machine of 2-3 Dec). Fixed, so the work
+measured is the same on every machine: the automatic interval follows the wall-clock time of a step,
+and a message costs several hundred microseconds, so a slower or loaded machine sent more of them
+and its `run.step` figure rose with the machine, not with the code.
 
 Rank 0 times the blocks (DDP's all-reduce keeps the ranks in step). `--nproc 1`: one rank alone (the
 same job and harness, world size 1), so the library's own per-step work is timed with a core to
@@ -65,7 +74,7 @@ CONFIGS = (
     "reduce_async",
     "snapshot",
 )
-# NAME@N: the configuration with the stop agreement every N steps instead of its automatic interval
+# NAME@N: the configuration with the stop agreement every N steps instead of --control-every
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -82,7 +91,7 @@ def _worker(args: argparse.Namespace) -> None:
     from steadfast.checkpoint.state import Progress, RNGState
     from steadfast.contract import shm
     from steadfast.contract.env import TORCH, LaunchEnv
-    from steadfast.contract.heartbeat import Heartbeat
+    from steadfast.contract.heartbeat import Heartbeat, start_heartbeat
     from steadfast.distributed.exchange import Exchange
     from steadfast.loop.agreement import StopAgreement
     from steadfast.loop.data import ResumableSampler, TensorBatches
@@ -97,7 +106,12 @@ def _worker(args: argparse.Namespace) -> None:
     os.environ.update(
         LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder / "run", collective_timeout_s=120).to_environ()
     )
-    run = Run({"checkpoint": {"every_n_epochs": None}, "logger": {"progress": "none"}}, log_every_n_steps=job.log_every)
+    start_heartbeat(folder / "run", int(os.environ["RANK"]))  # a launched worker's (its launcher reads it)
+    run = Run(
+        {"checkpoint": {"every_n_epochs": None}, "logger": {"progress": "none"}},
+        log_every_n_steps=job.log_every,
+        stop_check_every_n_steps=args.control_every,
+    )
     comm = run.comm
     torch.manual_seed(0)
     data = synthetic(
@@ -120,7 +134,7 @@ def _worker(args: argparse.Namespace) -> None:
     record = RunRecord(folder, comm.rank)
     beat = Heartbeat(folder / "heartbeats", comm.rank)
     telemetry = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0)
-    agreement = StopAgreement(Exchange(comm, None))
+    agreement = StopAgreement(Exchange(comm, args.control_every))
     exchange = agreement.exchange
     riding = Telemetry(comm, record, "lines", 10.0, job.log_every, time.time(), 0, exchange=exchange)  # run_step's
     segment = shm.LaunchFolder(folder)  # what the launcher makes: one node's private snapshot folder, named to every rank
@@ -241,11 +255,8 @@ def _worker(args: argparse.Namespace) -> None:
         fetching.setdefault(config, []).append(fetched / steps)
         return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
-    # warm-up, and the agreement's automatic interval from steps in a row; then it stays: a window that spans other
-    # configurations' blocks would take their steps for its own
-    block("run_step", 3 * args.block)
+    block("run_step", 3 * args.block)  # warm-up
     block("run", 3 * args.block)
-    exchange.auto = run.exchange.auto = False
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
     times: Dict[str, List[float]] = {name: [] for name in configs}
     cpu: Dict[str, List[float]] = {name: [] for name in configs}
@@ -279,7 +290,20 @@ def _worker(args: argparse.Namespace) -> None:
         )
 
 
-def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, job: str = "hot", nproc: int = 2) -> Dict[str, Any]:
+def control_every(nproc: int) -> int:
+    """The control plane's fixed interval for these ranks (the module's docstring says why these)."""
+    return 128 if nproc == 1 else 32
+
+
+def measure(
+    rounds: int,
+    block: int,
+    configs: str = "",
+    timeout: float = 900,
+    job: str = "hot",
+    nproc: int = 2,
+    every: Optional[int] = None,
+) -> Dict[str, Any]:
     from steadfast.loop.memory_cadence import MEMORY_SHARE, auto_interval
 
     from .common import TORCHRUN, env
@@ -303,6 +327,8 @@ def measure(rounds: int, block: int, configs: str = "", timeout: float = 900, jo
             str(out),
             "--job",
             job,
+            "--control-every",
+            str(every or control_every(nproc)),
             *(["--configs", configs] if configs else []),
         ]
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -385,6 +411,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("--job", choices=("hot", "tiny"), default="hot", help="the hot-loop job, or section 7's tiny model")
     p.add_argument("--nproc", type=int, default=2, help="ranks (1: one rank alone, a core to itself)")
+    p.add_argument(
+        "--control-every",
+        type=int,
+        default=None,
+        help="the control plane's message every N steps (default: 128 alone, 32 with 2 ranks)",
+    )
     p.add_argument("--quick", action="store_true", help="15 rounds")
     p.add_argument("--tiny", action="store_true", help="1 round of 5-step blocks (smoke test)")
     p.add_argument("--json", type=Path, default=None)
@@ -405,7 +437,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "step_cost",
         "command": command_line("bench.step_cost", argv),
         "machine": machine(),
-        **measure(rounds, block, args.configs, job=args.job, nproc=args.nproc),
+        **measure(rounds, block, args.configs, job=args.job, nproc=args.nproc, every=args.control_every),
     }
     report(out)
     write_json(args.json or RESULTS / "step_cost.json", out)

@@ -24,7 +24,8 @@ Per category: the steps, the mean CPU us per step, and its share of the amortise
 over every step). `--launched`: as a worker of steadfast's launcher, with the heartbeat file and the
 launch's snapshot folder in shared memory (snapshot.every_n_steps=auto); without it, as
 bench.step_cost's `run` (neither). `--control-every N`: the control plane's message every N steps
-(its automatic interval follows the wall-clock time of a step, which a loaded machine moves). `--profile N`: cProfile around the calls of run.step only, the N
+(default 128, as bench.step_cost's one rank; 0: its automatic interval, which follows the wall-clock
+time of a step, so a loaded machine moves it). `--profile N`: cProfile around the calls of run.step only, the N
 functions with the most internal time, then the N with the most cumulative time.
 Alone (no torchrun) it runs as the one rank of a one-rank group; under torchrun rank 0 prints.
 
@@ -110,7 +111,12 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--progress", default="lines", choices=["lines", "none"])
     p.add_argument("--launched", action="store_true", help="the heartbeat and the snapshot folder of a launched worker")
-    p.add_argument("--control-every", type=int, default=None, help="stop_check_every_n_steps (default: automatic)")
+    p.add_argument(
+        "--control-every",
+        type=int,
+        default=128,
+        help="stop_check_every_n_steps (default 128, bench.step_cost's one rank; 0: automatic)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint.every_n_steps (default: none)")
     p.add_argument("--profile", type=int, default=0, help="cProfile run.step; print this many functions")
     args = p.parse_args()
@@ -147,7 +153,7 @@ def _train(folder: Path, args: argparse.Namespace) -> None:
         "checkpoint": {"every_n_epochs": None, "every_n_steps": args.checkpoint_every},
     }
     profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU time: a loaded machine hardly moves it
-    with Run(cfg, log_every_n_steps=args.log_every, stop_check_every_n_steps=args.control_every, num_threads=1) as run:
+    with Run(cfg, log_every_n_steps=args.log_every, stop_check_every_n_steps=args.control_every or None, num_threads=1) as run:
         torch.manual_seed(0)
         layers: List[nn.Module] = []
         for a, b in zip(widths, widths[1:]):

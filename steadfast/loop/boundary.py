@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Protocol, Tuple
 
+import torch
+
 from ..checkpoint.tracked import Checkpointer
 from ..contract.heartbeat import Heartbeat
 from ..faults import FaultInjector
@@ -68,6 +70,9 @@ class StepBoundary:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
+        loss = _on_host(loss)
+        if grad_norm is not None:
+            grad_norm = _on_host(grad_norm)
         self.telemetry.quiet_step(step, epoch, loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
@@ -78,6 +83,7 @@ class StepBoundary:
     def due(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
         The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
+        loss, grad_norm = _on_host(loss), _on_host(grad_norm)
         self.telemetry.add_loss(loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
@@ -117,3 +123,10 @@ class StepBoundary:
         if self.guard is not None:
             due.append(self.guard.next_due(step))
         return min(d for d in due if d is not None)
+
+
+def _on_host(value: Loss) -> Loss:
+    """A CPU tensor's number, read once for the metrics window and the anomaly watch alike (each would
+    read it: .item() is a few microseconds of dispatch); any other value as it is (a device's tensor is
+    never read at a step)."""
+    return value.item() if isinstance(value, torch.Tensor) and value.is_cpu else value

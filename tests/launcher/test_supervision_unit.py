@@ -54,10 +54,50 @@ def test_heartbeat_is_one_fixed_size_record_rewritten_in_place(tmp_path: Path) -
     per_beat = (time.thread_time() - started) / 2000
     hb.beat(1999, "save")
     raw = (tmp_path / files.HEARTBEAT_DIR / "rank3").read_bytes()
-    assert len(raw) == 320 and raw.endswith(b"\n")
+    assert len(raw) == heartbeat.RECORD_BYTES and raw.endswith(b"\n")
     record = heartbeat.read_heartbeats(tmp_path)[3]
     assert record["step"] == 1999 and record["phase"] == "save" and record["beats"] == 2002 and record["pid"] == os.getpid()
     assert per_beat < 200e-6, f"a beat costs {per_beat * 1e6:.1f} us"
+
+
+def test_a_heartbeat_torn_by_a_beat_being_written_is_never_read_as_a_record(tmp_path: Path) -> None:
+    """The file is rewritten in place (mapped into memory): a reader can catch a beat half-written.
+    Every mix of the record before and after that a reader could see is either one of the two or
+    refused (its check fails); some mixes are valid JSON with a step and phase no beat wrote."""
+    folder = tmp_path / files.HEARTBEAT_DIR
+    hb = heartbeat.Heartbeat(folder, 0)
+    hb.beat(1234, "train")
+    before = (folder / "rank0").read_bytes()
+    hb.beat(1299, "save")
+    after = (folder / "rank0").read_bytes()
+    whole = [heartbeat.parse_record(before), heartbeat.parse_record(after)]
+    assert whole[0] is not None and whole[1] is not None and whole[1]["step"] == 1299
+    made_up = 0  # mixes that are neither record yet parse as JSON: what a reader of plain JSON would have taken
+    for cut in range(1, len(after)):
+        torn = after[:cut] + before[cut:]
+        if torn not in (before, after):
+            try:
+                made_up += isinstance(json.loads(torn), dict)
+            except ValueError:
+                pass
+        assert heartbeat.parse_record(torn) in [*whole, None], cut  # one of the two, or refused
+    assert made_up > 0  # the check, not JSON's syntax, is what refuses them
+    (folder / "rank1").write_bytes(after.replace(b'"step": 1299', b'"step": 1290'))  # damaged: skipped
+    assert set(heartbeat.read_heartbeats(tmp_path)) == {0}
+
+
+def test_two_workers_writing_one_rank_s_heartbeat_leave_a_whole_record(tmp_path: Path) -> None:
+    """A restarted rank's worker opens the file its predecessor may still write (a group being torn
+    down): every beat writes a whole record, so the file holds the last writer's, never a mix."""
+    folder = tmp_path / files.HEARTBEAT_DIR
+    old, new = heartbeat.Heartbeat(folder, 0), heartbeat.Heartbeat(folder, 0)
+    for step in range(3):
+        old.beat(100 + step, "train")
+    new.beat(-1, "init")
+    old.beat(103, "train")  # the predecessor's last beat, after the new worker's first
+    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 103
+    new.beat(0, "train")
+    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 0
 
 
 # ---- the start-up guard -------------------------------------------------------------------------

@@ -17,7 +17,6 @@ Under a platform (docs/platforms.md) no process of ours outlives the workers. So
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -29,8 +28,8 @@ from hydra.core.utils import filter_overrides
 
 from steadfast.contract import events, pids, summary
 from steadfast.contract.events import Event
-from steadfast.contract.files import HEARTBEAT_DIR, read_regular
-from steadfast.contract.heartbeat import read_heartbeats
+from steadfast.contract.files import HEARTBEAT_DIR
+from steadfast.contract.heartbeat import read_heartbeat, read_heartbeats
 from steadfast.contract.platforms import Detected
 from steadfast.contract.summary import Status
 
@@ -126,11 +125,8 @@ def keep_previous_heartbeat(run_dir: Path, rank: int) -> None:
 def _previous_heartbeats(run_dir: Path) -> Dict[int, Dict[str, Any]]:
     out: Dict[int, Dict[str, Any]] = {}
     for path in (run_dir / HEARTBEAT_DIR / PREVIOUS).glob("rank*"):
-        try:
-            record = json.loads((read_regular(path, 4096) or b"").strip() or b"null")
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("rank"), int) and isinstance(record.get("pid"), int):
+        record = read_heartbeat(path)  # validated: a record torn or damaged is skipped
+        if record is not None:
             out[record["rank"]] = record
     return out
 
