@@ -311,6 +311,14 @@ def test_sync_save_parts_probe_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.extended
+def test_async_blocked_cpu_probe_smoke(tmp_path: Path) -> None:
+    for args, label in ((("B", "2", "trainer"), "B +progress+rng"), (("C", "1"), "C")):
+        out = _run_probe(tmp_path, "async_blocked_cpu", *args)
+        found = re.search(rf"^{re.escape(label)}: blocked CPU ms median (\d+\.\d+) \(n={args[1]}\)$", out, re.M)
+        assert found and _positive(float(found.group(1))), out
+
+
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_step_cost_probe_smoke(tmp_path: Path) -> None:
     out = _run_probe(tmp_path, "fsdp_step_cost", "1", "2")
