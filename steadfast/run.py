@@ -500,7 +500,7 @@ class Run:
 
     # ---- inside -----------------------------------------------------------------------------------
     def _beat(self, phase: str, force: bool = False) -> None:
-        """Progress for the watchdog (contract/heartbeat.py: a count, written by the heartbeat's thread)."""
+        """Progress for the watchdog: one small pwrite, so it knows the exact step."""
         if self._heartbeat is not None:
             self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
 

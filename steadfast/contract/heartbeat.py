@@ -14,8 +14,6 @@ import json
 import os
 import signal
 import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO, TypedDict
 from zlib import crc32
@@ -30,7 +28,6 @@ RECORD_BYTES = 512  # a record's fixed size, the file's: room for a 64-character
 PHASE_CHARS = 40  # a phase's characters in the record (more are cut)
 _CHECK = b', "check": "'  # the record's last field: the CRC-32 of the bytes before it, 8 hex digits
 _READS = 5  # a reader's tries at a record torn by a beat being written
-WRITE_BEHIND_S = 0.05  # how long a beat without a new phase waits for its write, at most
 _NUMBERS = b'%20d, "step": %20d'  # a record's beats and step, fixed width: the padding after them stays the same
 _WHOLE = b'%s%s, "check": "%08x"}%s'  # a record: the part before the numbers, the numbers, the check, the padding
 STOP_MARKER = (
@@ -47,16 +44,12 @@ _state: _State = {"heartbeat": None, "stacks_file": None}
 
 
 class Heartbeat:
-    """This rank's progress: a fixed-size record rewritten whole, in place, by one pwrite. It ends
-    with a check, a CRC-32 of the rest: a reader that catches a write half-done sees the check fail
-    and reads again (`parse_record`), so it never takes half a record for a whole one.
-
-    A beat in a new phase is written at once; a beat in the same phase (most steps) only counts, and a
-    thread writes the last count and step within WRITE_BEHIND_S: a system call a step cost the training
-    thread ~10-20 us cold here (bench/NOTES.md), and the watchdog's timeouts are seconds. A rank hung in
-    a call that releases the GIL (a collective, a sleep, I/O) still has its exact step written. Not a
-    memory mapping: a file truncated under one kills the writer (SIGBUS), the trust model's rule for the
-    snapshots' writers too.
+    """This rank's progress: a fixed-size record rewritten whole, in place, by one pwrite per beat. It
+    ends with a check, a CRC-32 of the rest: a reader that catches a beat half-written sees the check
+    fail and reads again (`parse_record`), so it never takes half a record for a whole one. Most beats
+    reuse the part before the numbers (fixed-width) and its CRC. Not a memory mapping: a file truncated
+    under one kills the writer (SIGBUS), the trust model's rule for the snapshots' writers too
+    (bench/NOTES.md: a mapping would save the system call, ~10 us of CPU a step here, cold).
     """
 
     def __init__(self, folder: Path, rank: int) -> None:
@@ -73,53 +66,29 @@ class Heartbeat:
         self._head = json.dumps(fixed)[:-1]  # '{"rank": ..., "launch": "..."' without the closing brace
         self.beats, self.step, self.phase = 0, -1, ""
         self._fixed, self._crc, self._pad = b"", 0, b""  # the record's part before its numbers, its CRC; the padding after
-        self._written = -1  # the beats count in the file
-        self._lock = threading.Lock()  # one write at a time, so an older record never lands after a newer one
         self.beat(-1, "start")
-        threading.Thread(target=self._write_behind, name="steadfast-heartbeat", daemon=True).start()
 
     def beat(self, step: int, phase: str = "train") -> None:
-        # runs after the step's compute, with the interpreter's caches cold: a beat in the same phase
-        # only counts (two stores), the writer thread writes it. The step is stored before the count and
-        # read after it (_write): a count in the file never goes with an older step than its own
-        self.step = step
+        # most beats change only the numbers: two formats and a CRC (a beat runs after the step's compute, with
+        # the interpreter's caches cold: every operation counts). Always the whole record, in one write: a
+        # worker of an earlier incarnation may still write the same file, and the file holds one writer's record
         self.beats += 1
+        self.step = step
         if phase != self.phase:
-            with self._lock:
-                self._lay_out(phase)
-                self._write()
-
-    def flush(self) -> None:
-        """Write the last beat now, when it is not in the file yet."""
-        if self._written != self.beats:
-            with self._lock:
-                self._write()
-
-    def _write_behind(self) -> None:
-        while True:
-            time.sleep(WRITE_BEHIND_S)
-            try:
-                self.flush()
-            except OSError:  # the folder gone at the end of a test or a run: nothing to tell
-                return
-
-    def _write(self) -> None:
-        """The whole record, in one write: a worker of an earlier incarnation may still write the same
-        file, and the file holds one writer's record. Called with the lock held."""
-        beats = self.beats
-        step = self.step
-        numbers = _NUMBERS % (beats, step)
+            self._lay_out(phase)
+        numbers = _NUMBERS % (self.beats, step)
         os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
-        self._written = beats
 
     def _lay_out(self, phase: str) -> None:
-        """The record's parts for a new phase: the fixed part, then fixed-width numbers (JSON allows the
+        """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the
         spaces). The phase (a loop's own word, run.beat) is cut to PHASE_CHARS: the record always fits."""
         self.phase = phase
         self._fixed = f'{self._head}, "phase": {json.dumps(phase[:PHASE_CHARS])}, "beats": '.encode()
         self._crc = crc32(self._fixed)
-        whole = _WHOLE % (self._fixed, _NUMBERS % (self.beats, self.step), 0, b"")
+        numbers = _NUMBERS % (self.beats, self.step)
+        whole = _WHOLE % (self._fixed, numbers, 0, b"")
         self._pad = b" " * (RECORD_BYTES - 1 - len(whole)) + b"\n"
+        os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
 
 
 def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:

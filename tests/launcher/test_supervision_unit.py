@@ -95,24 +95,9 @@ def test_two_workers_writing_one_rank_s_heartbeat_leave_a_whole_record(tmp_path:
         old.beat(100 + step, "train")
     new.beat(-1, "init")
     old.beat(103, "train")  # the predecessor's last beat, after the new worker's first
-    old.flush()  # what its writer thread does within WRITE_BEHIND_S
     assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 103
     new.beat(0, "train")
     assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 0
-
-
-def test_a_beat_in_the_same_phase_reaches_the_file_through_the_writer_thread(tmp_path: Path) -> None:
-    """A beat that changes the phase is in the file at once; one that only counts is written by the
-    heartbeat's thread, with its exact step, while the beating thread does nothing more (as a rank hung
-    in a collective)."""
-    hb = heartbeat.Heartbeat(tmp_path / files.HEARTBEAT_DIR, 0)
-    hb.beat(7, "save")
-    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 7
-    for step in range(8, 41):
-        hb.beat(step, "save")
-    wait_for(lambda: heartbeat.read_heartbeats(tmp_path)[0]["step"] == 40, 30, "the writer thread to write step 40")
-    record = heartbeat.read_heartbeats(tmp_path)[0]
-    assert record["beats"] == hb.beats and record["phase"] == "save"
 
 
 # ---- the start-up guard -------------------------------------------------------------------------
