@@ -80,15 +80,13 @@ class Heartbeat:
         os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
 
     def _lay_out(self, phase: str) -> None:
-        """The whole record for a new phase: the fixed part, then fixed-width numbers (JSON allows the
+        """The record's parts for a new phase: the fixed part, then fixed-width numbers (JSON allows the
         spaces). The phase (a loop's own word, run.beat) is cut to PHASE_CHARS: the record always fits."""
         self.phase = phase
         self._fixed = f'{self._head}, "phase": {json.dumps(phase[:PHASE_CHARS])}, "beats": '.encode()
         self._crc = crc32(self._fixed)
-        numbers = _NUMBERS % (self.beats, self.step)
-        whole = _WHOLE % (self._fixed, numbers, 0, b"")
+        whole = _WHOLE % (self._fixed, _NUMBERS % (self.beats, self.step), 0, b"")
         self._pad = b" " * (RECORD_BYTES - 1 - len(whole)) + b"\n"
-        os.pwrite(self.fd, _WHOLE % (self._fixed, numbers, crc32(numbers, self._crc), self._pad), 0)
 
 
 def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
@@ -110,8 +108,8 @@ def parse_record(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
 
 
 def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:
-    """The record in one heartbeat file, read again while a beat being written tore it (a beat takes
-    about a microsecond); None when the file holds no whole record."""
+    """The record in one heartbeat file, read again while a beat being written tore it (its write takes
+    microseconds); None when the file holds no whole record."""
     for _ in range(_READS):
         data = read_regular(path, 4096)
         record = parse_record(data)
