@@ -144,10 +144,10 @@ class Staging:
         self.copied = threading.Event()
         gpu: Optional[torch.device] = None
         parts: List[Tuple[str, List[Entry], List[Entry]]] = []  # (file, copied now, copied later)
+        # no tensor is on a GPU in a process that has not initialized CUDA (a pass over every tensor saved)
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         for name, layout in layouts.items():
             entries = layout.entries
-            # no tensor is on a GPU in a process that has not initialized CUDA (a pass over every tensor saved)
-            cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
             if gpu is None and cuda and any(map(_IS_CUDA, map(_TENSOR_OF, entries))):
                 gpu = next(e.tensor.device for e in entries if e.tensor.is_cuda)
             now, later = deferred.split(entries) if deferred is not None else (entries, [])
