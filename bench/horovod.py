@@ -1,7 +1,7 @@
 """Horovod against a hand-written Horovod script, and against torchrun, on the same job: training steps/s
 and time to first step.
 
-    python -m bench.horovod [--rounds 4] [--tuning] [--quick | --tiny] [--json PATH]
+    python -m bench.horovod [--rounds 4] [--tuning | --variants NAME,...] [--no-torchrun] [--quick | --tiny] [--json PATH]
 
 `python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller), bench/baseline_horovod.py
 under `horovodrun -np 2 --gloo` (`hand_written`: hvd.DistributedOptimizer, broadcast_parameters and
@@ -17,6 +17,8 @@ through the launcher's environment (a value there wins over the backend's TUNING
   time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.distributed._horovod, chosen the same way).
+`--variants` adds only the named ones of those; `--no-torchrun` leaves torchrun out (more rounds of
+the Horovod comparison in the same time).
 """
 
 from __future__ import annotations
@@ -176,12 +178,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tuning", action="store_true", help="also Horovod's own defaults, cycle times, tensor fusion off")
+    p.add_argument("--variants", default="", help=f"comma-separated, of: {', '.join(TUNING_VARIANTS)}")
+    p.add_argument("--no-torchrun", action="store_true", help="leave the torchrun backend out")
     p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
     p.add_argument(
         "--tiny", action="store_true", help="one Horovod run and one hand-written of a tiny job, no torchrun (smoke test)"
     )
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(chosen) - set(TUNING_VARIANTS))
+    if unknown:
+        p.error(f"--variants: {', '.join(unknown)} unknown; allowed: {', '.join(TUNING_VARIANTS)}")
     job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds
     if args.quick:
         job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 4), 2
@@ -194,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         log(f"horovod vs hand-written and torchrun: {rounds} rounds")
         variants = {"horovod": {}} if args.tiny else {**VARIANTS, **(TUNING_VARIANTS if args.tuning else {})}
-        out.update(measure(job, rounds, variants=variants, torchrun=not args.tiny))
+        variants.update({name: TUNING_VARIANTS[name] for name in chosen})
+        out.update(measure(job, rounds, variants=variants, torchrun=not (args.tiny or args.no_torchrun)))
     report(out)
     write_json(args.json, out)
     return 0
