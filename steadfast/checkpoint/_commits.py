@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .manifest import Listed, _after, scan
+from .manifest import Listed, commit_after, scan
 from .storage import Store
 
 
@@ -39,4 +39,4 @@ class Commits:
         if self._known is None or set(self.store.names()) != set(self._known):
             self.listed(scan(self.store))
         assert self._known is not None
-        return _after(self._known.values())
+        return commit_after(self._known.values())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from .manifest import DIGEST, _sealed, validate
+from .manifest import DIGEST, sealed_text, validate
 
 
 def encode_fields(fields: Dict[str, Any]) -> str:
@@ -32,4 +32,4 @@ class Sealer:
         of them validates (ManifestError otherwise: what we write, our reader accepts)."""
         text = json.dumps({k: v for k, v in fields.items() if k != DIGEST}, indent=1, default=str)
         validate({**json.loads(text), **self.read_back}, where, step)
-        return _sealed(text, self.encoded)
+        return sealed_text(text, self.encoded)

@@ -116,10 +116,10 @@ def seal(manifest: Dict[str, Any], encoded: str = "") -> bytes:
     """The bytes of manifest.json for these fields (a `digest` among them is replaced): JSON whose
     first line holds the digest of every byte after it. `encoded`: more fields, after these, as
     _sealer.encode_fields gave them (encoded once for many manifests)."""
-    return _sealed(json.dumps({k: v for k, v in manifest.items() if k != DIGEST}, indent=1, default=str), encoded)
+    return sealed_text(json.dumps({k: v for k, v in manifest.items() if k != DIGEST}, indent=1, default=str), encoded)
 
 
-def _sealed(text: str, encoded: str) -> bytes:
+def sealed_text(text: str, encoded: str) -> bytes:
     """seal's bytes from json.dumps(fields, indent=1) and the fields `encoded` after them."""
     if not text.startswith("{\n"):
         raise ValueError("a manifest holds at least one field")
@@ -335,10 +335,11 @@ def best(listed: List[Listed], policy: rt.Policy) -> Optional[Tuple[Listed, floa
 
 def next_commit(where: Union[str, Path, Store]) -> int:
     """One above the highest commit in the store, never above MAX_COMMIT (see the module's docstring)."""
-    return _after(c.commit for c in scan(where))
+    return commit_after(c.commit for c in scan(where))
 
 
-def _after(commits: Iterable[int]) -> int:
+def commit_after(commits: Iterable[int]) -> int:
+    """The commit number a save takes after these: one above the highest, never above MAX_COMMIT."""
     return min(1 + max(commits, default=0), MAX_COMMIT)
 
 
