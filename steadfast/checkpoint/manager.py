@@ -48,7 +48,7 @@ from .optimizers import ParamNames
 from .ranks import RankWrite, SaveHooks, write_own
 from .retention import Policy
 from .reuse import Plans
-from .staging import HostBuffers, Staging, optimizer_owned
+from .staging import HostBuffers, Owned, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError
 
@@ -153,11 +153,17 @@ class CheckpointManager:
         codec = for_state(states)
         codec.plans = self.plans  # the last save's layouts, reused while the state keeps its structure
         started = time.perf_counter()
+        staged = self.async_save and self.defer_optimizer_copy and not codec.every_rank_writes and self.comm.rank == 0
+        optimizers, owned = optimizer_owned(objects.values()) if staged else ([], None)
+        # the optimizers' tensors' layout is checked in the background, before they are copied (reuse.py)
+        self.plans.owned = owned.ids if owned is not None else None
         try:
             planned = codec.plan(states, {name: state_of(obj) for name, obj in per_rank.items()}, self.comm)
             problem = None
         except Unsaveable as exc:
             planned, problem = None, f"cannot save {exc.name} at step {step}: {exc.reason}"
+        finally:
+            self.plans.owned = None
         self.last_saved_step = step
         alone = not codec.every_rank_writes
         if alone and self.comm.rank != 0:
@@ -177,7 +183,7 @@ class CheckpointManager:
             self._check_later(writing, self._commit_written(writing))
             return
         assert planned is not None
-        host = self._stage(planned.files, objects.values())
+        host = self._stage(planned.files, objects.values(), optimizers, owned)
         self.on_event(Event.CHECKPOINT_SNAPSHOT, step=step, blocked_seconds=round(time.perf_counter() - started, 4))
         future = self._pool.submit(self._write_staged, writing, host)
         if alone:
@@ -207,7 +213,10 @@ class CheckpointManager:
     def _write_staged(self, writing: RankWrite, host: Staging) -> Optional[str]:
         """The background part of an asynchronous save: the rest of the host copy, this rank's files
         written; rank 0 writing alone commits and reads back at once (the committed name)."""
-        host.copy_rest()
+        try:
+            host.copy_rest()
+        except TypeError as exc:  # a tensor's dtype changed to one a checkpoint cannot store (reuse.placed_anew)
+            raise CheckpointError(f"cannot save step {writing.step}: {exc}") from exc
         self._write(writing, {name: host.pieces(name) for name in host.layouts})
         if not writing.alone:
             return None  # committed at a step boundary by which every rank has written (commit_written)
@@ -278,10 +287,11 @@ class CheckpointManager:
             self._pending = self._pool.submit(self._check_then_retain, writing.step, *committed, writing.alone)
             self._pending_on_rank_0_only = not writing.alone
 
-    def _stage(self, layouts: Dict[str, Any], objects: Iterable[Any]) -> Staging:
+    def _stage(self, layouts: Dict[str, Any], objects: Iterable[Any], optimizers: List[Any], owned: Optional[Owned]) -> Staging:
         """The blocking part of an asynchronous save: the host copy (the optimizers' tensors copied
-        later, before each optimizer's next step)."""
-        optimizers, owned = optimizer_owned(objects) if self.defer_optimizer_copy else ([], None)
+        later, before each optimizer's next step; `owned`: what the plan was told of them, if anything)."""
+        if owned is None and self.defer_optimizer_copy:
+            optimizers, owned = optimizer_owned(objects)
         host = Staging(layouts, self._buffers, owned)
         self._copied = host.copied
         for opt in optimizers:

@@ -17,20 +17,28 @@ new state (the same object, most of the time), and the skeleton refilled with th
 a value changed (a step count, an RNG's state, a learning rate); any other difference, or a tensor
 that cannot be rebound, and the file is planned from scratch. Strides and devices are not part of
 a layout: the copy and the write read them from the tensor each time.
+
+An asynchronous save's plan (`Plans.owned` set) does not read the dtypes and shapes of the tensors
+only an optimizer's step changes (staging.Owned, by identity) while the loop is blocked: reading
+them, cold after a step, was most of the walk. Their layout is checked by `Layout.recheck` in the
+background, before they are copied (the optimizer's next step waits for that copy, so they are still
+the tensors of the save); a difference there places the file anew from its tensors as they are (the
+structure is otherwise the same) and the next save plans anew.
 """
 
 from __future__ import annotations
 
 import operator
+from functools import partial
 from itertools import compress
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import numpy as np
 import torch
 
 from .shards import is_dtensor
-from .tensorformat import gc_paused
-from .tensorwrite import Entry, Layout
+from .tensorformat import CODES, gc_paused
+from .tensorwrite import Entry, Layout, _place
 
 T = TypeVar("T")
 
@@ -38,6 +46,8 @@ _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 SMALL = 64  # a file of fewer tensors is planned anew each time: its plan costs about what the walk does
 _META = operator.attrgetter("dtype", "shape", "layout")  # one pass: a tensor's fields are read together
+_LATER = "later"  # the mark of tensors whose dtype and shape are checked later (optimizer-owned)
+_STRIDED = torch.strided
 
 
 def _scalar(v: Any) -> Any:
@@ -48,10 +58,12 @@ class _Walk:
     """The structure of a state (`marks`), its scalars (`values`; both comparable with ==) and its
     tensors in the planner's order (`leaves`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owned: Optional[Set[int]] = None) -> None:
         self.leaves: List[Any] = []
         self.marks: List[Any] = []
         self.values: List[Any] = []
+        self.owned = owned  # ids of the tensors whose dtype and shape are checked later
+        self.later: List[int] = []  # the leaves whose are
 
     def walk(self, obj: Any) -> bool:
         """False: a value the walk does not know (the planner refuses it, or is the judge)."""
@@ -70,6 +82,12 @@ class _Walk:
             values = list(obj.values())
             types = tuple(map(type, values))
             if set(types) <= _PLAIN_TENSORS:  # a module's state: a few C-level passes
+                owned = self.owned
+                if owned is not None and all(map(owned.__contains__, map(id, values))):
+                    self.later.extend(range(len(self.leaves), len(self.leaves) + len(values)))
+                    self.leaves.extend(values)
+                    marks.append((types, _LATER))
+                    return True
                 self.leaves.extend(values)
                 marks.append((types, tuple(map(_META, values))))
                 return True
@@ -120,9 +138,10 @@ def _refill(node: Any, obj: Any) -> Any:
     return obj
 
 
-def structure(roots: Sequence[Any]) -> Optional[_Walk]:
-    """The walk of `roots` (what one file is planned from, in the planner's order), or None."""
-    walk = _Walk()
+def structure(roots: Sequence[Any], owned: Optional[Set[int]] = None) -> Optional[_Walk]:
+    """The walk of `roots` (what one file is planned from, in the planner's order), or None; the
+    dtypes and shapes of a dict's tensors that are all in `owned` (ids) are not read."""
+    walk = _Walk(owned)
     return walk if all(map(walk.walk, roots)) else None
 
 
@@ -140,6 +159,7 @@ def _tensor_for(leaf: Any, entry: Entry) -> Optional[torch.Tensor]:
 class _Plan:
     def __init__(self, walk: _Walk, layout: Layout, extra: Any) -> None:
         self.marks, self.values, self.leaves, self.layout, self.extra = walk.marks, walk.values, walk.leaves, layout, extra
+        self.stale = False  # a background check found a tensor's dtype or shape changed: plan anew
         self.at: Dict[int, List[int]] = {}  # leaf -> the positions of its entries
         for k, e in enumerate(layout.entries):
             self.at.setdefault(e.leaf, []).append(k)
@@ -172,6 +192,32 @@ class _Plan:
             skeleton, header = _refill(old.skeleton, tree), None
         return Layout(skeleton, entries, old.data_bytes, old.metadata, header, _table=table)
 
+    def recheck(self, layout: Layout, later: List[int]) -> Layout:
+        """(background) `layout`, when the tensors of the leaves `later` still have its dtypes and shapes
+        (and are strided); else the file placed anew from every entry's tensor as it is, this plan stale."""
+        entries, at = layout.entries, self.at
+        for i in later:
+            for k in at.get(i, ()):
+                e = entries[k]
+                t = e.tensor
+                if t.layout is not _STRIDED or t.shape != e.shape or CODES.get(t.dtype) != e.code:
+                    self.stale = True
+                    return placed_anew(layout)
+        return layout
+
+
+def placed_anew(layout: Layout) -> Layout:
+    """The layout of the same skeleton and tensors, each entry's dtype, shape and place from its tensor
+    as it is now, in the planner's order (what planning the file anew gives)."""
+    entries = []
+    for e in sorted(layout.entries, key=operator.attrgetter("leaf")):
+        t = e.tensor
+        code = CODES.get(t.dtype)
+        if code is None or t.layout is not _STRIDED:
+            raise TypeError(f"cannot store a tensor of dtype {t.dtype} and layout {t.layout} at {e.name}")
+        entries.append(Entry(e.name, code, t.shape, 0, t.nbytes, t, e.leaf))
+    return Layout(layout.skeleton, entries, _place(entries), layout.metadata)
+
 
 class Plans:
     """The last layout of each file (by name) and the structure it was planned from; `reused`
@@ -181,6 +227,9 @@ class Plans:
     def __init__(self, small: int = SMALL) -> None:
         self._last: Dict[str, Optional[_Plan]] = {}
         self.reused, self.small = 0, small
+        # set for an asynchronous save's plan: the ids of the tensors only an optimizer's step changes,
+        # copied in the background before its next step (staging.Owned): their layout checked there too
+        self.owned: Optional[Set[int]] = None
 
     def layout(self, name: str, roots: Sequence[Any], tree: Any, make: Callable[[], Tuple[Layout, T]]) -> Tuple[Layout, T]:
         """File `name`'s layout (and what `make` returns with it) for a state planned by `make` from
@@ -189,15 +238,18 @@ class Plans:
         last = self._last.get(name)
         if last is None:  # a first plan, or a small state: planned, and walked only when it is not small
             layout, extra = make()
-            self._remember(name, structure(roots) if len(layout.entries) >= self.small else None, layout, extra)
+            walked = structure(roots, self.owned) if len(layout.entries) >= self.small else None
+            self._remember(name, walked, layout, extra)
             return layout, extra
         # no collection while the walk is made: its marks (a tuple or two a tensor) are dropped once
         # compared, and a collection in the middle would promote them, bringing the next full one nearer
         with gc_paused():
-            walk = structure(roots)
-            if walk is not None and walk.marks == last.marks:
+            walk = structure(roots, self.owned)
+            if walk is not None and walk.marks == last.marks and not last.stale:
                 reused = last.rebound(walk, tree)
                 if reused is not None:
+                    if walk.later:
+                        reused.recheck = partial(last.recheck, reused, walk.later)
                     last.leaves, last.values, last.layout = walk.leaves, walk.values, reused
                     self.reused += 1
                     return reused, last.extra

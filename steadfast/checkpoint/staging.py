@@ -62,11 +62,11 @@ class Owned:
             for state in opt.state.values():
                 if isinstance(state, dict):
                     self.tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        self._ids = set(map(id, self.tensors))
+        self.ids = set(map(id, self.tensors))
         self._keys: Optional[Set[Key]] = None
 
     def __contains__(self, t: torch.Tensor) -> bool:
-        if id(t) in self._ids:
+        if id(t) in self.ids:
             return True
         if not self.tensors:
             return False
@@ -79,7 +79,7 @@ class Owned:
         module's own parameters), by memory for the rest, unless the rest is so small that copying it
         now costs less than reading every owned tensor's address would (an RNG's state beside
         thousands of parameters): copied now is always right, only later needs the proof."""
-        owned = list(map(self._ids.__contains__, map(id, map(_TENSOR_OF, entries))))
+        owned = list(map(self.ids.__contains__, map(id, map(_TENSOR_OF, entries))))
         if not all(owned) and self.tensors:
             rest = sum(e.end - e.begin for known, e in zip(owned, entries) if not known)
             if rest > len(self.tensors) * KEY_WORTH_BYTES:
@@ -140,7 +140,7 @@ class Staging:
     def __init__(self, layouts: Dict[str, Layout], buffers: HostBuffers, deferred: Optional[Owned]) -> None:
         self.layouts = layouts
         self.data: Dict[str, torch.Tensor] = {}
-        self._later: List[Tuple[List[Entry], torch.Tensor]] = []
+        self._later: List[Tuple[str, List[Entry], List[Entry]]] = []  # (file, copied now, copied later)
         self.copied = threading.Event()
         gpu: Optional[torch.device] = None
         parts: List[Tuple[str, List[Entry], List[Entry]]] = []  # (file, copied now, copied later)
@@ -159,7 +159,7 @@ class Staging:
             self.data[name] = dst
             _copy(now, dst)
             if later:
-                self._later.append((later, dst))
+                self._later.append((name, now, later))
         if gpu is not None:
             stream = torch.cuda.current_stream(gpu)
             if self._later:  # the background copies start after what the training stream has queued
@@ -170,22 +170,49 @@ class Staging:
             self.copied.set()
 
     def copy_rest(self) -> None:
-        """(background thread) Copy the deferred tensors; always releases waiters, even on failure."""
+        """(background thread) Copy the deferred tensors, each file's layout checked first where its
+        plan did not read their dtypes and shapes (reuse.py); always releases waiters, even on failure."""
         try:
-            if self._later and self._ready is not None:
+            rest = [(self._checked(name, now, later), self.data[name]) for name, now, later in self._later]
+            if rest and self._ready is not None:
                 # device=: this thread's current device may be another
                 stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
                 stream.wait_event(self._ready)
                 with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                    for entries, dst in self._later:
+                    for entries, dst in rest:
                         _copy(entries, dst)
                 stream.synchronize()
             else:
-                for entries, dst in self._later:
+                for entries, dst in rest:
                     _copy(entries, dst)
         finally:
             self._later = []
             self.copied.set()
+
+    def _checked(self, name: str, now: List[Entry], later: List[Entry]) -> List[Entry]:
+        """The entries still to copy of file `name`, once its layout holds: where a tensor's dtype or shape
+        changed since it was planned, the file is placed anew in a new buffer, the bytes copied at the
+        save's call moved to their new places (the tensors they came from may have changed since)."""
+        old = self.layouts[name]
+        if old.recheck is None:
+            return later
+        layout = old.recheck()
+        old.recheck = None
+        if layout is old:
+            return later
+        held, at = self.data[name], {e.name: e for e in old.entries}
+        dst = torch.empty(max(layout.data_bytes, 1), dtype=torch.uint8, pin_memory=self._device is not None)
+        dst = dst[: layout.data_bytes]
+        copied = {e.name for e in now}
+        rest = []
+        for e in layout.entries:
+            if e.name in copied:
+                was = at[e.name]
+                dst[e.begin : e.end].copy_(held[was.begin : was.end])
+            else:
+                rest.append(e)
+        self.layouts[name], self.data[name] = layout, dst
+        return rest
 
     def pieces(self, name: str) -> List[Any]:
         return [self.layouts[name].header(), self.data[name].numpy()]

@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ class Layout:
     _header: Optional[bytes] = field(default=None, repr=False)
     _copies: List[torch.Tensor] = field(default_factory=list, repr=False)
     _table: Optional[str] = field(default=None, repr=False)  # the header's tensor table (names, shapes, places)
+    # a reused layout whose optimizer-owned tensors' dtypes and shapes are not checked yet (reuse.py):
+    # called before they are copied, it returns the layout that holds (this one, or one placed anew)
+    recheck: Optional[Callable[[], "Layout"]] = field(default=None, repr=False)
 
     def header(self) -> bytes:
         """The length prefix and the padded JSON header (built once)."""
@@ -107,6 +110,7 @@ class Layout:
         """The file's bytes as buffers straight over the tensors' memory (host copies of device or
         strided tensors, kept alive by this layout; small device tensors come over together, one copy
         a run: see gathered). The tensors must live until the write is done."""
+        assert self.recheck is None, "a layout not checked yet is staged (staging.Staging), never written directly"
         out: List[Any] = [self.header()]
         self._copies = []
         run: List[Entry] = []

@@ -141,3 +141,39 @@ def test_a_snapshot_reuses_its_layouts_and_takes_each_tensor_from_the_new_state(
     assert second[OWN].header() == first[OWN].header()
     codec.snapshot({"m": weights.state_dict(keep_vars=True)}, {"rng": {"t": torch.ones(3)}}, True)
     assert plans.reused == 3  # the shared objects' only: this rank's own tensor changed its shape
+
+
+@pytest.mark.parametrize("change", ["data", "dtype", "replaced"])
+def test_an_optimizer_tensor_changed_between_async_saves_is_found_in_the_background_and_restores_exactly(
+    tmp_path: Path, change: str
+) -> None:
+    # an asynchronous save does not read the optimizer's tensors' dtypes and shapes while it blocks
+    # (reuse.py): the layout is reused, checked in the background before they are copied, placed anew
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict({f"p{i:02d}": torch.nn.Parameter(torch.randn(i + 1)) for i in range(80)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = Box({"t": torch.arange(5.0)})
+    m = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None, async_save=True)
+    objects = {"model": model, "optimizer": optimizer, "extra": extra}
+    for step in (1, 2, 3, 4):
+        if step == 3:
+            with torch.no_grad():
+                if change == "data":  # the same object, another shape: what the loop's walk does not see
+                    model["p05"].data = torch.randn(9, 2)
+                elif change == "dtype":
+                    model["p40"].data = model["p40"].data.double()
+                else:  # a new parameter of another shape in the module and the optimizer alike
+                    new = torch.nn.Parameter(torch.randn(3, 3))
+                    model["p70"] = new
+                    optimizer.param_groups[0]["params"][70] = new
+        expected = {name: snapshot_of(obj) for name, obj in objects.items()}
+        before = m.plans.reused
+        m.save(step, objects, {}, {"epoch": 0})
+        m.wait()
+        assert m.plans.reused == before + (step in (2, 3)), step  # step 3 reused, checked later; 4 planned anew
+        targets = {name: Box() for name in objects}
+        got = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None).restore(targets, {}, False)
+        assert got is not None and got.step == step
+        for name in objects:
+            assert same(expected[name], targets[name].state), f"step {step}: {name} differs"
+    m.close()
