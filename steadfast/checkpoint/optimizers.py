@@ -56,33 +56,53 @@ def _named(reads: List[_Read]) -> Named:
     return dict(reversed(pairs))  # the first name of each parameter: the last one set wins
 
 
-def _identical(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
+def _unchanged(module: torch.nn.Module, reads: List[_Read], at: int) -> int:
+    """Where `module`'s subtree ends in `reads` if, read now, it reads as `reads` from `at` on (the same
+    modules, classes, keys and objects, by identity); -1 if not. Compared in place, without a new read."""
+    if at >= len(reads):
+        return -1
+    _, was, cls, keys, values, names, children = reads[at]
+    params, modules = module._parameters, module._modules
+    if (
+        module is not was
+        or type(module) is not cls
+        or len(params) != len(keys)
+        or len(modules) != len(names)
+        or not all(map(operator.is_, params.values(), values))
+        or not all(map(operator.is_, modules.values(), children))
+        or not all(map(operator.eq, params, keys))
+        or not all(map(operator.eq, modules, names))
+    ):
+        return -1
+    at += 1
+    for child in children:
+        if child is not None:
+            at = _unchanged(child, reads, at)
+            if at < 0:
+                return -1
+    return at
 
 
-def _same(a: List[_Read], b: List[_Read]) -> bool:
-    """Whether two reads of a tree are of the same modules, classes, keys and objects (by identity)."""
-    return len(a) == len(b) and all(
-        x[1] is y[1] and x[2] is y[2] and x[3] == y[3] and _identical(x[4], y[4]) and x[5] == y[5] and _identical(x[6], y[6])
-        for x, y in zip(a, b)
-    )
+def _default_walks(reads: List[_Read]) -> bool:
+    """Whether every class of a tree still lists its parameters as torch.nn.Module does."""
+    return all(getattr(cls, walk) is getattr(_MODULE, walk) for cls in {r[2] for r in reads} for walk in _WALKS)
 
 
 class ParamNames:
-    """param_names for a manager's saves: a module tree's names kept while its reads are the same (its
-    modules' tables read in a C-level pass each, the names not rebuilt: a few hundred ns a parameter)."""
+    """param_names for a manager's saves: a module tree's names kept while its modules' tables are as they
+    were (compared in place with the last read, in a C-level pass each, nothing rebuilt)."""
 
     def __init__(self) -> None:
         self._last: Dict[str, Tuple[List[_Read], Named]] = {}  # object name -> its tree's reads and names
 
     def named(self, name: str, module: torch.nn.Module) -> Named:
+        last = self._last.get(name)
+        if last is not None and _unchanged(module, last[0], 0) == len(last[0]) and _default_walks(last[0]):
+            return last[1]
         reads: List[_Read] = []
         if not _reads(f"{name}.", module, reads):
             self._last.pop(name, None)
             return dict(reversed([(id(p), f"{name}.{key}") for key, p in module.named_parameters(remove_duplicate=False)]))
-        last = self._last.get(name)
-        if last is not None and _same(reads, last[0]):
-            return last[1]
         named = _named(reads)
         self._last[name] = (reads, named)  # holds the parameters: their ids stay theirs
         return named

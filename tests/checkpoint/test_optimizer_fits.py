@@ -131,3 +131,21 @@ def param_names_of(names, objects):  # type: ignore[no-untyped-def]
     from steadfast.checkpoint import manifest as mf
 
     return names.fields(objects).get(mf.PARAMS, {})
+
+
+def test_a_managers_parameter_names_follow_a_class_that_lists_its_parameters_its_own_way_later() -> None:
+    """Names kept from a save are not reused once a module's class lists its parameters its own way
+    (the modules and their tables unchanged: only the class)."""
+    from steadfast.checkpoint.optimizers import ParamNames
+
+    class Later(torch.nn.Linear):
+        pass
+
+    model = Later(2, 2)
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    names = ParamNames()
+    assert param_names_of(names, objects) == _names_by_generator(objects)
+    Later.named_parameters = lambda self, *a, **k: (  # type: ignore[method-assign,assignment]
+        (f"own_{key}", p) for key, p in torch.nn.Linear.named_parameters(self, *a, **k)
+    )
+    assert param_names_of(names, objects) == _names_by_generator(objects)

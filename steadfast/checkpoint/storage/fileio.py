@@ -24,7 +24,7 @@ import stat
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import xxhash
 
@@ -32,6 +32,8 @@ from .base import CHECKSUM as CHECKSUM
 from .base import Batch
 from .base import FileCheckError as FileCheckError
 from .base import checksum_of as checksum_of
+
+PathLike = Union[str, Path]  # where a file is: a save joins its paths as strings
 
 WRITE_MAX = 8 << 20  # bytes per write(2) (Linux moves at most 0x7ffff000 per call; 8 MiB calls measured fastest)
 GATHER_BELOW = 1 << 20  # pieces smaller than this are written together with writev(2)
@@ -155,13 +157,13 @@ class Unsynced(Batch):
     is already running. `close` releases whatever is left after a failure."""
 
     def __init__(self) -> None:
-        self._files: List[Tuple[int, Path, int, Optional["futures.Future[None]"]]] = []
+        self._files: List[Tuple[int, PathLike, int, Optional["futures.Future[None]"]]] = []
 
-    def add(self, fd: int, path: Path, size: int, running: Optional["futures.Future[None]"] = None) -> None:
+    def add(self, fd: int, path: PathLike, size: int, running: Optional["futures.Future[None]"] = None) -> None:
         """Take `fd` (now this object's to close) of `path`, `size` bytes written; `running`: its fsync."""
         self._files.append((fd, path, size, running))
 
-    def sync(self, folder: Optional[Path] = None) -> None:
+    def sync(self, folder: Optional[PathLike] = None) -> None:
         """fsync every file (and `folder`, when given) side by side, check each file's size, close them."""
         dir_fd = None
         started = [r for *_, r in self._files if r is not None]
@@ -191,7 +193,7 @@ class Unsynced(Batch):
             os.close(fd)
 
 
-def write_file(path: Path, pieces: Sequence[Any], replace: bool = False, later: Optional[Unsynced] = None) -> Tuple[int, str]:
+def write_file(path: PathLike, pieces: Sequence[Any], replace: bool = False, later: Optional[Unsynced] = None) -> Tuple[int, str]:
     """Create `path` (or, with `replace`, truncate an existing regular file; never through a symlink)
     with `pieces` (buffers) in order; returns (bytes, checksum). Without `later` it is fsynced and its
     size checked before this returns; with it, it is left to `later.sync` (with the other files of
