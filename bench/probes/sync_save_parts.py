@@ -90,7 +90,11 @@ def found(module: str, name: str) -> Any:
 def instrument() -> None:
     """Timers around the parts of a save (the calling thread only)."""
     wrap(mg, "state_of", "state dicts")
-    wrap(mg, "optimizer_fields", "optimizer fields")
+    names = found("steadfast.checkpoint.optimizers", "ParamNames")  # a manager's kept names (the trees since 3 Dec)
+    if names is not None:
+        wrap(names, "fields", "optimizer fields")
+    elif hasattr(mg, "optimizer_fields"):
+        wrap(mg, "optimizer_fields", "optimizer fields")
     wrap(mg, "for_state", "codec choice")
     wrap(mg, "write_own", "write state.bin")
     wrap(mf, "next_commit", "next commit (scan)")
