@@ -500,7 +500,8 @@ class Run:
 
     # ---- inside -----------------------------------------------------------------------------------
     def _beat(self, phase: str, force: bool = False) -> None:
-        """Progress for the watchdog: one small pwrite, so it knows the exact step."""
+        """Progress for the watchdog, written now (one small pwrite): it knows the exact step and phase.
+        A training step only counts (steadfast/loop/boundary.py, contract/heartbeat.py)."""
         if self._heartbeat is not None:
             self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
 

@@ -6,7 +6,7 @@ rides it (steadfast/distributed/exchange.py: a stop, a save by time, an asynchro
 intervals' changes, what the ranks' health guard agreed), the checkpoint cadence by steps, a step
 fault, the snapshot cadence, a fingerprint of the replicas. Before the first such step a boundary
 only counts: the loss into the window and into the anomaly watch, the step's local time, the
-display's clock and the heartbeat (the library's whole per-step cost on most steps,
+display's clock and the heartbeat's count (the library's whole per-step cost on most steps,
 bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Run` acts on it.
 """
 
@@ -77,19 +77,20 @@ class StepBoundary:
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
         if self.heartbeat is not None:
-            self.heartbeat.beat(step, "train")
+            self.heartbeat.count(step)  # in memory: the heartbeat's thread writes it
         return True
 
     def due(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
-        The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
+        The heartbeat's file says `step` before a step fault fires (the injector writes the count: the
+        watchdog's view of a hang, the step the launcher names a killed rank at)."""
         loss, grad_norm = _on_host(loss), _on_host(grad_norm)
         self.telemetry.add_loss(loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
         over = self.telemetry.after_step(step, epoch)
         if self.heartbeat is not None:
-            self.heartbeat.beat(step, "train")
+            self.heartbeat.count(step)
         self.faults.after_step(step)
         if self.guard is not None:
             self.guard.at_step(step)
