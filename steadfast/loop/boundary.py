@@ -70,7 +70,8 @@ class StepBoundary:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
-        loss = _on_host(loss)
+        if isinstance(loss, torch.Tensor) and loss.is_cpu:  # _on_host's, inline: this runs cold on most steps
+            loss = loss.item()
         if grad_norm is not None:
             grad_norm = _on_host(grad_norm)
         self.telemetry.quiet_step(step, epoch, loss)
