@@ -13,7 +13,7 @@ snapshot cadence and the control plane). Each step is put in a category by what 
 read from the run's state before the call:
 
   quiet       nothing due but counting (steadfast/loop/boundary.py: most steps)
-  window      a metrics window closes (every --log-every steps)
+  window      a metrics window closes (every --log-every steps; alone, in the boundary's quiet path)
   exchange    the control plane's message is read and the next one sent (its rows are written here)
   snapshot    a snapshot in memory is taken (--launched only: a launched worker has the folder)
   checkpoint  the step cadence commits a checkpoint (--checkpoint-every)
@@ -87,8 +87,8 @@ def _summary(name: str, seconds: List[float], skip: int) -> str:
 def _category(run: Run, step: int) -> str:
     """What the boundary of `step` (the next run.step) does, from the run's state before the call."""
     boundary = run.boundary
-    if step < boundary.quiet_until:
-        return "quiet"
+    if step < boundary.quiet_until:  # a window closes in the quiet path when nothing else is due
+        return "window" if step == boundary.window_at else "quiet"
     parts = []
     if step % run.telemetry.every == 0:
         parts.append("window")
