@@ -149,8 +149,8 @@ _live: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()  # this process's heartb
 
 def _publish(ref: "weakref.ref[Heartbeat]") -> None:
     """The heartbeat's thread: every PUBLISH_S, the count written when it moved (never otherwise: a
-    write of its own would look like progress). Ends with its heartbeat, or when its file cannot be
-    written (the run's folder gone)."""
+    write of its own would look like progress). Ends with its heartbeat, or when a write fails: then
+    the next count writes at once, on the training thread, and raises there as a beat does."""
     while True:
         time.sleep(PUBLISH_S)
         beat = ref()
@@ -159,6 +159,7 @@ def _publish(ref: "weakref.ref[Heartbeat]") -> None:
         try:
             beat.flush()
         except OSError:
+            beat._publisher = None
             return
         del beat
 
