@@ -15,7 +15,7 @@ machine, which other tenants' load hardly moves):
   bare        batches indexed out of the in-memory tensors, forward, backward, SGD step
   loader      the same batches through the library's loader (ResumableSampler + TensorBatches)
   dataloader  torch's DataLoader over the TensorDataset with a DistributedSampler (bench/baseline_ddp.py's loop)
-  heartbeat   bare + the heartbeat's beat every step
+  heartbeat   bare + the heartbeat's count every step (its thread writes the count within 50 ms)
   telemetry   bare + the loss window on the device and the metrics all-reduce and row every 10 steps
               (a Telemetry alone: a control-plane message per window)
   agreement   bare + the stop agreement: the control plane's periodic message (steadfast/distributed/exchange.py),
@@ -23,7 +23,7 @@ machine, which other tenants' load hardly moves):
   run_step    the pieces of steadfast.Run.step above, in its order (with the loader; the windows ride the
               agreement's messages, as in steadfast.Run)
   run         steadfast.Run itself, as a launched worker's loop uses it: a model of bare's shape from run.setup,
-              run.loader, run.step after every step, the heartbeat beating (no checkpoints; snapshots off:
+              run.loader, run.step after every step, the heartbeat counting (no checkpoints; snapshots off:
               `snapshot` is their row)
   reduce_sync   bare + only a blocking control-plane all-reduce of 8 floats every 10 steps
   reduce_async  bare + only a control-plane all-reduce of 2 floats at the agreement's interval, started at
@@ -194,7 +194,7 @@ def _worker(args: argparse.Namespace) -> None:
             windows.add_loss(loss)
             windows.after_step(p.global_step, p.epoch)
         if name in ("heartbeat", "run_step"):
-            beat.beat(p.global_step, "train")
+            beat.count(p.global_step)
         if name in ("agreement", "run_step"):
             agreement.at_step(p.global_step, lambda: False)
         if name == "reduce_sync" and p.global_step % telemetry.every == 0:

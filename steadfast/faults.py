@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import FaultConf, FaultKind
 from .contract.events import Event
+from .contract.heartbeat import heartbeat
 
 if TYPE_CHECKING:  # the launcher's pre-flight imports this module (WRITER_KINDS): no torch at import
     import torch
@@ -167,6 +168,9 @@ class FaultInjector:
         return True
 
     def _fire(self, step: int) -> None:
+        beat = heartbeat()
+        if beat is not None:  # the step counted so far in the file now, not within PUBLISH_S: a killed rank is named at it
+            beat.flush()
         kind = self.kind
         flipped = next(self.model.named_parameters()) if kind is FaultKind.bitflip and self.model is not None else None
         where = {"tensor": flipped[0]} if flipped is not None else {}

@@ -176,6 +176,7 @@ class Run:
             self._heartbeat,
             self.cadence.time_due if self.comm.rank == 0 else _never,  # rank 0's clock decides
         )
+        self.boundary.before_window = self._window_lr
         self.model: Optional[torch.nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.resumed_from: Optional[int] = None
@@ -384,8 +385,6 @@ class Run:
             self._first_step = False
             self.shape.announce(f"step {self.resumed_from}")  # a loop that began neither run.epochs nor run.steps
             self.record.event(Event.FIRST_STEP, step=p.global_step, seconds_since_launch=round(time.time() - self.started, 3))
-        if p.global_step % self.telemetry.every == 0 and self.optimizer is not None:
-            self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
         due = self.boundary.due(p.global_step, p.epoch, loss, grad_norm)
         if due.stop is not None:
             self.stops.preempt(due.stop)
@@ -500,9 +499,15 @@ class Run:
 
     # ---- inside -----------------------------------------------------------------------------------
     def _beat(self, phase: str, force: bool = False) -> None:
-        """Progress for the watchdog: one small pwrite, so it knows the exact step."""
+        """Progress for the watchdog, written now (one small pwrite): it knows the exact step and phase.
+        A training step only counts (steadfast/loop/boundary.py, contract/heartbeat.py)."""
         if self._heartbeat is not None:
             self._heartbeat.beat(self.progress.global_step if hasattr(self, "progress") else -1, phase)
+
+    def _window_lr(self) -> None:
+        """A metrics window closes at this step: the learning rate it logs."""
+        if self.optimizer is not None:
+            self.telemetry.lr = self.optimizer.param_groups[0]["lr"]
 
     def _end_epoch(self, max_epochs: int) -> None:
         p = self.progress

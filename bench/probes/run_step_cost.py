@@ -1,7 +1,7 @@
 """What `run.step` costs, timed around the call itself, step by step, in a real loop.
 
     .venv/bin/python bench/probes/run_step_cost.py [--job tiny|hot] [--steps 4000] [--skip 500] [--log-every 10]
-        [--progress lines|none] [--launched] [--control-every N] [--checkpoint-every N] [--profile N]
+        [--progress lines|none] [--launched | --heartbeat] [--control-every N] [--checkpoint-every N] [--profile N]
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 bench/probes/run_step_cost.py   # two ranks
 
 A `steadfast.Run` trains a model on random data for one epoch (`--job tiny`: section 7's tiny model
@@ -13,7 +13,7 @@ snapshot cadence and the control plane). Each step is put in a category by what 
 read from the run's state before the call:
 
   quiet       nothing due but counting (steadfast/loop/boundary.py: most steps)
-  window      a metrics window closes (every --log-every steps)
+  window      a metrics window closes (every --log-every steps; alone, in the boundary's quiet path)
   exchange    the control plane's message is read and the next one sent (its rows are written here)
   snapshot    a snapshot in memory is taken (--launched only: a launched worker has the folder)
   checkpoint  the step cadence commits a checkpoint (--checkpoint-every)
@@ -23,7 +23,9 @@ read from the run's state before the call:
 Per category: the steps, the mean CPU us per step, and its share of the amortised cost (the mean
 over every step). `--launched`: as a worker of steadfast's launcher, with the heartbeat file and the
 launch's snapshot folder in shared memory (snapshot.every_n_steps=auto); without it, as
-bench.step_cost's `run` (neither). `--control-every N`: the control plane's message every N steps
+bench.step_cost's `run` (neither); `--heartbeat`: the heartbeat alone, as bench.step_cost's `run` has it
+(a step counts; the heartbeat's thread writes the count: its CPU is not in the figures, which time
+the training thread). `--control-every N`: the control plane's message every N steps
 (default 128, as bench.step_cost's one rank; 0: its automatic interval, which follows the wall-clock
 time of a step, so a loaded machine moves it). `--profile N`: cProfile around the calls of run.step only, the N
 functions with the most internal time, then the N with the most cumulative time.
@@ -85,8 +87,8 @@ def _summary(name: str, seconds: List[float], skip: int) -> str:
 def _category(run: Run, step: int) -> str:
     """What the boundary of `step` (the next run.step) does, from the run's state before the call."""
     boundary = run.boundary
-    if step < boundary.quiet_until:
-        return "quiet"
+    if step < boundary.quiet_until:  # a window closes in the quiet path when nothing else is due
+        return "window" if step == boundary.window_at else "quiet"
     parts = []
     if step % run.telemetry.every == 0:
         parts.append("window")
@@ -111,6 +113,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--progress", default="lines", choices=["lines", "none"])
     p.add_argument("--launched", action="store_true", help="the heartbeat and the snapshot folder of a launched worker")
+    p.add_argument("--heartbeat", action="store_true", help="the heartbeat alone (bench.step_cost's run)")
     p.add_argument(
         "--control-every",
         type=int,
@@ -138,7 +141,7 @@ def measure(folder: Path, args: argparse.Namespace) -> None:
         segment.create()
     try:
         _environment(folder, segment.name if segment else "")
-        if args.launched:
+        if args.launched or args.heartbeat:
             start_heartbeat(folder, int(os.environ["RANK"]))
         _train(folder, args)
     finally:

@@ -59,6 +59,15 @@ class Watch:
         if step // BLOCK != self.block:
             self._end_block()
             self.block = step // BLOCK
+        if loss.__class__ is float and grad_norm is None:  # most steps of a CPU loss (read once by the step
+            # boundary): the loop below's work for it, without the loop (it runs cold, after the step's compute)
+            kind = self._judge(loss)
+            if kind:
+                if not self.first[0]:
+                    self.first = (step, kind, loss)
+            elif math.isfinite(loss):  # not with the non-finite check off
+                self.values.append((step, loss))
+            return
         for value, is_loss in ((loss, True), (grad_norm, False)):
             if value is None:
                 continue

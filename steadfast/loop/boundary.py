@@ -6,8 +6,10 @@ rides it (steadfast/distributed/exchange.py: a stop, a save by time, an asynchro
 intervals' changes, what the ranks' health guard agreed), the checkpoint cadence by steps, a step
 fault, the snapshot cadence, a fingerprint of the replicas. Before the first such step a boundary
 only counts: the loss into the window and into the anomaly watch, the step's local time, the
-display's clock and the heartbeat (the library's whole per-step cost on most steps,
-bench/probes/run_step_cost.py). What is due comes back as a value; `steadfast.Run` acts on it.
+display's clock and the heartbeat's count (the library's whole per-step cost on most steps,
+bench/probes/run_step_cost.py), and closes the metrics windows that fall before it (every
+log_every_n_steps: a window's close is `due`'s work for the telemetry, without asking every other
+part). What is due comes back as a value; `steadfast.Run` acts on it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Guard(Protocol):
 
     def next_due(self, step: int) -> Optional[int]: ...
 
+    @property
+    def found(self) -> Optional[object]: ...  # agreed, not yet taken
+
 
 class StepBoundary:
     def __init__(
@@ -64,32 +69,40 @@ class StepBoundary:
         self.guard: Optional[Guard] = None  # the ranks' health guard (steadfast/health/), when anything is watched
         # what the run does about a finding (steadfast/health/loop.py): True when it went back to an earlier step
         self.act: Callable[[Any], bool] = lambda finding: False
+        self.before_window: Callable[[], None] = lambda: None  # what the run gives a window before it closes (the lr)
         self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
+        self.window_at = 0  # the next step at which a metrics window closes (before quiet_until: in `quiet`)
 
     def quiet(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> bool:
         """Most steps: when nothing but counting is due at `step`, count it and say so."""
         if step >= self.quiet_until:
             return False
-        loss = _on_host(loss)
+        if step == self.window_at:
+            return self._window(step, epoch, loss, grad_norm)
+        if isinstance(loss, torch.Tensor) and loss.is_cpu:  # _on_host's, inline: this runs cold on most steps
+            loss = loss.item()
         if grad_norm is not None:
             grad_norm = _on_host(grad_norm)
         self.telemetry.quiet_step(step, epoch, loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
         if self.heartbeat is not None:
-            self.heartbeat.beat(step, "train")
+            self.heartbeat.count(step)  # in memory: the heartbeat's thread writes it
         return True
 
     def due(self, step: int, epoch: int, loss: Loss, grad_norm: Loss = None) -> Due:
         """A whole boundary: every part's work at `step`, what the run is to do next as the answer.
-        The heartbeat says `step` before a step fault fires (the watchdog's view of a hang)."""
+        The heartbeat's file says `step` before a step fault fires (the injector writes the count: the
+        watchdog's view of a hang, the step the launcher names a killed rank at)."""
         loss, grad_norm = _on_host(loss), _on_host(grad_norm)
+        if step % self.telemetry.every == 0:
+            self.before_window()
         self.telemetry.add_loss(loss)
         if self.guard is not None:
             self.guard.observe(step, loss, grad_norm)
         over = self.telemetry.after_step(step, epoch)
         if self.heartbeat is not None:
-            self.heartbeat.beat(step, "train")
+            self.heartbeat.count(step)
         self.faults.after_step(step)
         if self.guard is not None:
             self.guard.at_step(step)
@@ -103,12 +116,31 @@ class StepBoundary:
             return Due(False, control.stop, over)
         return Due(self.cadence.step_due(step) or control.save_due, control.stop, over)
 
+    def _window(self, step: int, epoch: int, loss: Loss, grad_norm: Loss) -> bool:
+        """A step before `quiet_until` at which a metrics window closes: what `due` and `after` do at it,
+        nothing else being due (False, a whole boundary, while what an answer read out of turn brought waits
+        to be acted on: a rank's peak memory, a finding of the ranks' health)."""
+        telemetry = self.telemetry
+        if telemetry.over_due or (self.guard is not None and self.guard.found is not None):
+            return False
+        loss, grad_norm = _on_host(loss), _on_host(grad_norm)
+        self.before_window()
+        telemetry.add_loss(loss)
+        if self.guard is not None:
+            self.guard.observe(step, loss, grad_norm)
+        telemetry.after_step(step, epoch)  # None: no peak memory to act on (over_due)
+        if self.heartbeat is not None:
+            self.heartbeat.count(step)
+        self.window_at = telemetry.next_due(step)
+        telemetry.timer.mark()
+        return True
+
     def after(self, step: int) -> None:
         """The end of a whole boundary (after a save it asked for): this step's snapshot if one is due,
         the next step with anything to do, the next step's local time from now."""
         if self.memory is not None and not self.memory.at_step(step):
             self.memory = self.checkpointer.memory = None  # off on every rank from now on
-        self.quiet_until = self._next_due(step)
+        self.quiet_until, self.window_at = self._next_due(step), self.telemetry.next_due(step)
         self.telemetry.timer.mark()  # the next step's local work begins (steadfast/telemetry/_stragglers.py)
 
     def reset(self) -> None:
@@ -116,7 +148,8 @@ class StepBoundary:
         self.quiet_until = 0
 
     def _next_due(self, step: int) -> int:
-        due: List[Optional[int]] = [self.telemetry.next_due(step), self.agreement.exchange.next_due(step)]
+        # the telemetry's windows close in `quiet` (window_at); a peak memory to act on needs a whole boundary
+        due: List[Optional[int]] = [step + 1 if self.telemetry.over_due else None, self.agreement.exchange.next_due(step)]
         due += [self.cadence.next_step_due(step), self.faults.next_due(step)]
         if self.memory is not None:
             due.append(self.memory.next_due(step))

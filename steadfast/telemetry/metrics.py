@@ -130,6 +130,11 @@ class Telemetry:
         closes, or a rank's peak memory read at this step's exchange is to be acted on."""
         return step + 1 if self._over is not None else step - step % self.every + self.every
 
+    @property
+    def over_due(self) -> bool:
+        """A rank's peak memory passed max_rss_mb: the next after_step returns it (to act on)."""
+        return self._over is not None
+
     def quiet_step(self, step: int, epoch: int, loss: Loss) -> None:
         """A step before `next_due`: its loss, its local time (the step's boundary too), the display."""
         if loss.__class__ is float:  # a CPU loss, read once by the step boundary: add_loss's work, inline

@@ -126,6 +126,24 @@ def test_the_watchs_state_keeps_its_shape_from_step_to_step_and_an_older_one_sti
     assert moments[0] == moments[1] == pytest.approx(uninterrupted.state_dict()["moments"].tolist())
 
 
+@pytest.mark.parametrize("checks_nonfinite", [True, False])
+def test_a_float_loss_is_judged_as_a_cpu_tensor_s(checks_nonfinite: bool) -> None:
+    """The step boundary reads a CPU loss once and hands the watch a float (its path without the loop):
+    the same verdicts and the same state as the same losses given as tensors, non-finite ones included,
+    with the non-finite check on or off."""
+    conf = AnomalyConf(warmup_steps=20, ema_steps=10, spike_zscore=6.0, spike_ratio=2.0, nonfinite=checks_nonfinite)
+    losses = noisy(150)
+    losses[40], losses[90], losses[100], losses[130] = 30.0, math.nan, math.inf, 25.0
+    tensors, floats = Watch(conf), Watch(conf)
+    for step, x in enumerate(losses, start=1):
+        tensors.observe(step, torch.tensor(x, dtype=torch.float64))
+        floats.observe(step, x)
+        assert str(floats.first) == str(tensors.first) and floats.values == tensors.values, step  # nan != nan
+        if step % 45 == 0:  # a rollback past the first bad step: judging goes on from there
+            tensors.first = floats.first = (0, 0, 0.0)
+    assert str(floats.state_dict()) == str(tensors.state_dict())
+
+
 def test_a_non_finite_gradient_norm_is_its_own_kind() -> None:
     w = Watch(CONF)
     w.observe(1, 1.0, grad_norm=torch.tensor(3.0))

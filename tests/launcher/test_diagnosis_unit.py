@@ -98,6 +98,22 @@ def test_the_watchdogs_hung_rank_is_the_cause_not_the_ranks_waiting_for_it() -> 
     )
 
 
+def test_a_peer_found_waiting_before_it_counts_as_stuck_is_named_waiting() -> None:
+    """Its counter was written a poll after the suspect's (a heartbeat's count is written within 50 ms):
+    not killed by the watchdog, stopped by the backend, and still named waiting, as the watchdog found."""
+    hang = "no progress for 4.0 s at step 20 (phase train), at faults.py:130 in _fire"
+    ends = [
+        end(0, exit_code=-15, stopped_by_backend=True, waiting=True, ended_at=1.1),
+        end(1, exit_code=-9, hung=True, suspect=True, hang=hang, ended_at=1.0),
+    ]
+    found = diagnose(ends)
+    assert found is not None and found.cause.rank == 1
+    assert (
+        found.line() == f"rank 1 (pid 101 on vm) hung: {hang}; rank(s) 0 waiting for it in a collective; killed by the watchdog"
+    )
+    assert found.consequences[0].how() == "stopped by the backend (SIGTERM)"
+
+
 def test_peers_that_timed_out_name_the_rank_that_was_alive_and_silent() -> None:
     ends = [end(0, exit_code=1, error=TIMEOUT, error_at=9.0), end(1, exit_code=-15, stopped_by_backend=True, ended_at=9.2)]
     found = diagnose(ends)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 
@@ -100,10 +101,72 @@ def test_two_workers_writing_one_rank_s_heartbeat_leave_a_whole_record(tmp_path:
     assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 0
 
 
+def test_a_counted_step_writes_nothing_and_the_heartbeat_s_thread_writes_only_a_moved_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training step only counts (no system call on the training thread); the heartbeat's thread
+    writes the count, with its exact step, while the counting thread waits (as a rank hung in a
+    collective); a count that stopped is never written again, so the thread cannot make a hung rank
+    look alive."""
+    hb = heartbeat.Heartbeat(tmp_path / files.HEARTBEAT_DIR, 0)
+    hb.count(0)  # the first count: written at once, and the thread starts
+    assert heartbeat.read_heartbeats(tmp_path)[0]["step"] == 0
+    writes: List[Tuple[int, int]] = []  # (thread, beats) of every pwrite from here on
+    pwrite = os.pwrite
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, data, at: writes.append((threading.get_ident(), hb._written)) or pwrite(fd, data, at)
+    )
+    wakes: List[int] = []  # the thread's looks at the count
+    flush = heartbeat.Heartbeat.flush
+    monkeypatch.setattr(heartbeat.Heartbeat, "flush", lambda self: wakes.append(self.beats) or flush(self))
+    for step in range(1, 41):
+        hb.count(step)
+    assert not [w for w in writes if w[0] == threading.get_ident()], "a counted step wrote on the training thread"
+    wait_for(lambda: heartbeat.read_heartbeats(tmp_path)[0]["step"] == 40, 30, "the heartbeat's thread to write step 40")
+    record = heartbeat.read_heartbeats(tmp_path)[0]
+    assert record["beats"] == hb.beats == 42 and record["phase"] == "train"
+    published, looked = len(writes), len(wakes)
+    wait_for(lambda: len(wakes) >= looked + 3, 30, "the heartbeat's thread to look at the count three more times")
+    assert len(writes) == published and heartbeat.read_heartbeats(tmp_path)[0]["beats"] == 42  # nothing new: no progress shown
+    hb.count(41, "validate")  # a new phase is written at once
+    assert heartbeat.read_heartbeats(tmp_path)[0]["phase"] == "validate"
+
+
+COUNTS_THEN_FORKS = r"""
+import os, sys
+from pathlib import Path
+from typing import List, Tuple
+from steadfast.contract import heartbeat as hb
+beat = hb.Heartbeat(Path(sys.argv[1]), 0)
+for step in range(5):
+    beat.count(step)
+with beat._lock:  # held at the fork, as the heartbeat's thread may hold it
+    pid = os.fork()
+if pid == 0:  # a DataLoader's worker: counts nothing of its own, never writes its parent's record
+    beat.step, beat.beats = 999, beat.beats + 100
+    ok = beat._lock.acquire(timeout=5)
+    sys.exit(0 if ok and beat._publisher is None else 3)  # an ordinary exit: the atexit handlers run
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), hb.read_heartbeat(Path(sys.argv[1]) / "rank0")["step"], flush=True)
+beat.count(7)  # not yet in the file: the exit writes it
+"""
+
+
+def test_a_forked_child_never_writes_its_parent_s_heartbeat_and_the_exit_writes_the_last_count(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTS_THEN_FORKS, str(tmp_path)], env=env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    child, step = proc.stdout.split()[1:]
+    assert child == "0" and int(step) < 999  # the child's lock was free, and its exit wrote nothing
+    assert heartbeat.read_heartbeat(tmp_path / "rank0")["step"] == 7
+
+
 # ---- the start-up guard -------------------------------------------------------------------------
 EARLY_STOP = r"""
 import os, signal, sys, time
 from pathlib import Path
+from typing import List, Tuple
 from steadfast.contract import heartbeat as hb, stop
 from hydra_plugins.steadfast_launcher import _worker
 run_dir = Path(sys.argv[1])
@@ -160,6 +223,7 @@ def test_main_thread_is_found_in_a_faulthandler_dump(tmp_path: Path) -> None:
 WORKER = r"""
 import os, sys, time
 from pathlib import Path
+from typing import List, Tuple
 from steadfast.contract import heartbeat as hb, stop
 run_dir, mode = Path(sys.argv[1]), sys.argv[2]
 stop.install_stop_handlers()

@@ -222,10 +222,11 @@ def test_the_automatic_interval_is_a_power_of_two_of_about_the_control_interval(
 def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
     launched: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Run.step does its whole boundary only where a part has work (steadfast/loop/boundary.py): the first
-    step, the metrics windows (every 5), the control plane's message (every 8), the step cadence
-    (every 7); at the others it only counts, and what it counts there is all in the records: each
-    window's loss is the mean of every step's loss in it, and the checkpoints are at the cadence."""
+    """Run.step does its whole boundary only where a part other than the metrics has work
+    (steadfast/loop/boundary.py): the first step, the control plane's message (every 8), the step
+    cadence (every 7); at the others it only counts, and closes the metrics windows (every 5) that fall
+    there, and what it counts is all in the records: each window's loss is the mean of every step's loss
+    in it, its learning rate the one at its step, and the checkpoints are at the cadence."""
     from steadfast.loop.boundary import StepBoundary
 
     whole: List[int] = []
@@ -241,18 +242,21 @@ def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
 
     def step(self: Run, loss: Any = None, *more: Any) -> None:
         losses.append(float(loss))
+        assert self.optimizer is not None
+        self.optimizer.param_groups[0]["lr"] = (self.global_step + 1) / 1000  # a schedule: each step's own
         real_step(self, loss, *more)
 
     monkeypatch.setattr(Run, "step", step)
     cfg = {"logger": {"progress": "none"}, "checkpoint": {"every_n_steps": 7, "every_n_epochs": None}}
     with Run(cfg, log_every_n_steps=LOG, stop_check_every_n_steps=EVERY, num_threads=1) as run:
         _train(run, False, [])
-    assert whole == [s for s in range(1, STEPS + 1) if s == 1 or s % LOG == 0 or s % EVERY == 0 or s % 7 == 0]
+    assert whole == [s for s in range(1, STEPS + 1) if s == 1 or s % EVERY == 0 or s % 7 == 0]
     rows = [json.loads(r) for r in (launched / "metrics.jsonl").read_text().splitlines() if '"loss"' in r and "val_" not in r]
     assert [r["step"] for r in rows] == list(range(LOG, STEPS + 1, LOG))
     for r in rows:
         window = losses[r["step"] - LOG : r["step"]]
         assert r["loss"] == pytest.approx(sum(window) / LOG, rel=1e-5), (r, window)
+        assert r["lr"] == r["step"] / 1000, r
     records = [json.loads(line) for line in (launched / "events.jsonl").read_text().splitlines()]
     saved = [e["step"] for e in records if e["event"] == "checkpoint_saved"]
     assert saved == [7, 14, 21, 28, 35, STEPS]  # the cadence's steps, and the last one at the end

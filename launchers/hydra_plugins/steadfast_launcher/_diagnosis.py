@@ -104,6 +104,7 @@ class RankEnd:
     hung: bool = False  # the watchdog found it stuck and killed it (suspect=True: not waiting in a collective)
     suspect: bool = False
     hang: Optional[str] = None  # the watchdog's finding, for the suspect
+    waiting: bool = False  # the watchdog found it waiting in a collective for the suspect (stuck or not yet)
     unresponsive: bool = False  # alive when its peers timed out waiting for it (set by `diagnose`)
     finished: bool = False  # its task reached its end (its last heartbeat said so)
     recurs: Optional[str] = None  # its error comes back on every attempt, as the code that raised it knew: why
@@ -180,7 +181,7 @@ class Diagnosis:
         c = self.cause
         if c.hung and c.suspect:  # the watchdog's finding says where and how long
             text = f"rank {c.rank} (pid {c.pid} on {c.host}) {c.how()}"
-            waiting = [r for r in self.consequences if r.hung and not r.suspect]
+            waiting = [r for r in self.consequences if r.waiting or (r.hung and not r.suspect)]
             if waiting:
                 text += f"; rank(s) {', '.join(str(r.rank) for r in waiting)} waiting for it in a collective"
             return printable(text + "; killed by the watchdog")

@@ -85,6 +85,7 @@ class _Worker:
     gone_at: Optional[float] = None  # wall clock, when the supervisor saw it gone
     exit: Optional[WorkerExit] = None  # how it ended, if the backend said
     hang: Optional[str] = None  # the watchdog found it stuck: what it found (suspects) or "" (waiting in a collective)
+    waits: bool = False  # the watchdog found it waiting in a collective for a hung rank
 
 
 @dataclass
@@ -363,6 +364,7 @@ class Supervisor:
             hung=w.hang is not None,
             suspect=bool(w.hang),
             hang=w.hang or None,
+            waiting=w.waits,
             finished=w.phase == DONE_PHASE,
             recurs=failed.recurs if failed is not None else None,
         )

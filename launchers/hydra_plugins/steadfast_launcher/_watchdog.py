@@ -41,6 +41,7 @@ class Watched(Protocol):
     phase: str
     handled: bool  # killed by the watchdog (or after a grace)
     hang: Optional[str]  # what the watchdog found: its suspicion, or "" (waiting in a collective)
+    waits: bool  # the watchdog found it waiting in a collective for a hung rank (stuck or not yet)
 
 
 W = TypeVar("W", bound=Watched)
@@ -111,6 +112,8 @@ class Watchdog:
         stacks = [str(stacks_file(self.run_dir, w.rank)) for w in [*stuck, *others]]
         for w in stuck:
             w.hang = ""
+        for w in waiting:  # a peer not yet stuck too: its counter was written last a poll or two after the suspect's
+            w.waits = True
         for w in suspects:
             here = describe_frame(frames[w.rank][0] if frames[w.rank] else None)
             w.hang = (
