@@ -369,15 +369,11 @@ class CheckpointManager:
     def _saved(self, step: int, meta: Dict[str, Any], final: str, files: Dict[str, Dict[str, Any]], started: float) -> None:
         total = sum(f["bytes"] for f in files.values())
         seconds = time.perf_counter() - started
+        path = self.where(final)
         self.on_event(
-            Event.CHECKPOINT_SAVED,
-            step=step,
-            epoch=meta.get("epoch"),
-            path=self.where(final),
-            bytes=total,
-            seconds=round(seconds, 4),
+            Event.CHECKPOINT_SAVED, step=step, epoch=meta.get("epoch"), path=path, bytes=total, seconds=round(seconds, 4)
         )
-        log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, self.where(final))
+        log.info("Checkpoint step %d committed (%.1f MB in %.2f s): %s", step, total / 1e6, seconds, path)
 
     def _check_then_retain(self, step: int, final: str, files: Dict[str, Dict[str, Any]], checksums: bool = True) -> str:
         """Read the new checkpoint back before retention may remove anything older (`checksums`: every
