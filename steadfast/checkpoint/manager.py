@@ -47,7 +47,7 @@ from .formats import for_state
 from .optimizers import ParamNames
 from .ranks import RankWrite, SaveHooks, write_own
 from .retention import Policy
-from .reuse import Plans
+from .reuse import SMALL, Plans
 from .staging import HostBuffers, Owned, Staging, optimizer_owned
 from .storage import Store, fileio, store_for
 from .storage.base import Batch, FileCheckError, StoreError
@@ -104,7 +104,10 @@ class CheckpointManager:
         # its thread and the fsync threads started, and idle, before this returns: not in the first save
         self._pool.submit(fileio.prepare).result()
         self._buffers = HostBuffers()
-        self.plans = Plans()
+        # a synchronous save builds its file's header on this thread, and a reused layout keeps it: worth
+        # the structure's walk however small the state (B's 25 tensors: ~0.1 CPU ms a save less); an
+        # asynchronous save builds it in the background, so a small state is planned anew there, unwalked
+        self.plans = Plans(small=SMALL if async_save else 0)
         self._param_names = ParamNames()  # the optimizers' parameters by name, kept while the modules keep them
         self._pending: Optional[Future[Optional[str]]] = None
         self._pending_on_rank_0_only = False  # the pending work is rank 0's alone in a save every rank wrote
