@@ -21,7 +21,7 @@ import torch
 from helpers import Box, Recorder, manager, model_state
 from steadfast.checkpoint import manifest as mf
 from steadfast.checkpoint import tensorfile
-from steadfast.checkpoint.manager import CheckpointError
+from steadfast.checkpoint.manager import CheckpointError, verify_checkpoint
 from steadfast.checkpoint.replicated import STATE_FILE as STATE
 from steadfast.checkpoint.storage import fileio
 from steadfast.contract.events import Event
@@ -197,6 +197,39 @@ def test_a_re_save_of_a_committed_step_moves_the_old_one_aside(tmp_path: Path) -
     target = Box()
     manager(tmp_path).restore({"model": target}, {}, False)
     assert target.state["w"][0].item() == 2.0
+
+
+@pytest.mark.parametrize("there", ["an empty folder", "a folder of files", "a file"])
+def test_whatever_uncommitted_is_at_a_steps_name_gives_way_to_its_commit(tmp_path: Path, there: str) -> None:
+    """The commit renames at once and looks at what is in the way only when the rename is refused: a
+    leftover at step_N's name (no manifest) gives way whatever it is, and nothing is set aside."""
+    m = manager(tmp_path, keep_last=3)
+    m.save(6, model_state(1), {}, {})
+    m.wait()
+    final = tmp_path / mf.step_dir_name(7)
+    if there == "a file":
+        final.write_bytes(b"x")
+    else:
+        final.mkdir()
+        if there == "a folder of files":
+            (final / STATE).write_bytes(b"half")
+    m.save(7, model_state(2), {}, {})
+    m.close()
+    assert [s for s, _ in mf.committed(tmp_path)] == [7, 6]
+    assert final.is_dir() and mf.read(final)["step"] == 7 and verify_checkpoint(final) is None
+    assert not set_aside(tmp_path)  # never committed: nothing to keep
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(mf.TMP_PREFIX)]
+
+
+def test_a_symlinked_folder_with_a_manifest_is_not_listed_as_committed(tmp_path: Path) -> None:
+    m = manager(tmp_path, keep_last=3)
+    m.save(6, model_state(1), {}, {})
+    m.close()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / mf.MANIFEST).write_bytes((tmp_path / mf.step_dir_name(6) / mf.MANIFEST).read_bytes())
+    (tmp_path / mf.step_dir_name(9)).symlink_to(outside, target_is_directory=True)
+    assert [s for s, _ in mf.committed(tmp_path)] == [6]
 
 
 # ---- 4. any damage: unusable, fall back, never an exception -------------------------------------

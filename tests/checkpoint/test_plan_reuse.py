@@ -121,12 +121,21 @@ def test_a_reused_layout_restores_exactly_and_any_structural_change_plans_anew(t
     m.close()
 
 
-def test_a_small_state_is_planned_anew_without_a_walk(tmp_path: Path) -> None:
-    m = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_small_state_is_reused_by_a_sync_save_and_planned_anew_by_an_async_one(tmp_path: Path, async_save: bool) -> None:
+    """A synchronous save builds its header on the saving thread, which a reused layout keeps: a small
+    state's layout is reused there too (and restores exactly, new tensors and values each save); an
+    asynchronous save's blocking part plans a small state anew, without a walk."""
+    m = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None, async_save=async_save)
     for step in (1, 2, 3):
-        m.save(step, {"w": Box({"w": torch.zeros(3)})}, {}, {"epoch": 0})
+        state = {"w": torch.full((3,), float(step)), "lr": 0.1 * step, "n": [step, "x"]}
+        m.save(step, {"w": Box(copy.deepcopy(state))}, {}, {"epoch": 0})
+        m.wait()
+        target = Box()
+        got = CheckpointManager(tmp_path, Comm(), 1, {}, lambda *a, **k: None).restore({"w": target}, {}, False)
+        assert got is not None and got.step == step and same(target.state, state), step
     m.close()
-    assert m.plans.reused == 0
+    assert m.plans.reused == (0 if async_save else 2)
 
 
 def test_a_snapshot_reuses_its_layouts_and_takes_each_tensor_from_the_new_state() -> None:

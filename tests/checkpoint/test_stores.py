@@ -5,6 +5,7 @@ objects, the pre-flight's errors, and a run killed and resumed from the bucket i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -289,3 +290,22 @@ def test_a_save_the_bucket_cannot_take_does_not_stop_training_and_the_next_one_c
     assert [e["step"] for e in failed] == [2] and where in failed[0]["error"] and "does not answer" in failed[0]["error"]
     assert [s for s, _ in mf.committed(where)] == [3, 1]
     ck.close()
+
+
+def test_a_forked_child_names_its_staged_saves_apart_from_its_parent() -> None:
+    """A staged save's name has a random part drawn without a system call (base.unique): a forked
+    child, which starts with its parent's state, draws its own names, never the parent's next ones."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next names, to the parent
+        os.close(read)
+        os.write(write, "\n".join(base.unique(base.TMP_PREFIX, "step_1") for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        child = set(os.read(read, 1 << 16).decode().split("\n"))
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    parent = {base.unique(base.TMP_PREFIX, "step_1") for _ in range(4)}
+    assert len(child) == 4 and len(parent) == 4 and not child & parent

@@ -18,6 +18,8 @@ A store is one module in this package ending in `@register`, found by its locati
 
 from __future__ import annotations
 
+import os
+import random
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -67,8 +69,16 @@ def set_aside_name(name: str, reason: str) -> str:
     return f"{SET_ASIDE_PREFIX}{name}-{slug}-{uuid.uuid4().hex[:8]}"
 
 
+# The random part of a staged or discarded folder's name: seeded from the OS once, not a system call a save
+# (uuid4 reads the OS's randomness each time), and seeded again in a forked child, which must not repeat
+# its parent's names; never the global `random`, whose stream is the training's.
+_NAMES = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_NAMES.seed)
+
+
 def unique(prefix: str, name: str) -> str:
-    return f"{prefix}{name}-{uuid.uuid4().hex[:8]}"
+    return f"{prefix}{name}-{_NAMES.getrandbits(32):08x}"
 
 
 class Batch:

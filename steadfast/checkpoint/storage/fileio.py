@@ -111,15 +111,17 @@ def write_views(fd: int, views: List[memoryview], digest: Any) -> None:
         _write_gathered(fd, gathered, digest)
 
 
-_POOL: List[Tuple[int, futures.ThreadPoolExecutor]] = []  # (pid, pool): a forked child makes its own
+_POOL: List[futures.ThreadPoolExecutor] = []  # emptied in a forked child, which makes its own
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.clear)
 START_TIMEOUT_S = 10.0
 
 
 def _pool() -> futures.ThreadPoolExecutor:
     """Threads for fsyncs that run side by side (fsync releases the GIL), all started with the pool."""
-    if not _POOL or _POOL[0][0] != os.getpid():
+    if not _POOL:
         pool = futures.ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-fsync")
-        _POOL[:] = [(os.getpid(), pool)]
+        _POOL[:] = [pool]
         # a pool starts a thread for a task that finds none idle: tasks that wait for each other make it
         # start them all now, and they are idle again before this returns (a thread started later, in a
         # save, or still busy with a warm-up task when the save's fsyncs are queued, delays its commit)
@@ -131,7 +133,7 @@ def _pool() -> futures.ThreadPoolExecutor:
         except RuntimeError:  # no thread to be had now (or the interpreter is exiting): started when needed
             barrier.abort()
         futures.wait(waiting, START_TIMEOUT_S)
-    return _POOL[0][1]
+    return _POOL[0]
 
 
 def prepare() -> None:
@@ -171,7 +173,9 @@ class Unsynced(Batch):
             dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY) if folder is not None else None
             idle = [fd for fd, _, _, running in self._files if running is None]
             idle += [dir_fd] if dir_fd is not None else []
-            started += [_pool().submit(os.fsync, fd) for fd in idle[1:]]
+            if len(idle) > 1:
+                pool = _pool()
+                started += [pool.submit(os.fsync, fd) for fd in idle[1:]]
             if idle:
                 os.fsync(idle[0])
             _wait_all(started)

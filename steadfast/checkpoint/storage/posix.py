@@ -13,10 +13,10 @@ folder is never listed as committed, a symlinked file or a FIFO is never read.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -40,6 +40,9 @@ from .base import (
 )
 
 log = logging.getLogger(__name__)
+# what rename(2) of a folder answers when its target is taken: a folder with files (a committed checkpoint,
+# a crash's leftover), or something that is not a folder
+_TAKEN = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
 
 
 class FolderFiles(Files):
@@ -126,7 +129,9 @@ class FolderStore(Store):
         self._under = os.path.join(str(self.folder), "")
 
     def where(self, name: str = "") -> str:
-        return str(self.folder / name) if name else str(self.folder)
+        if "/" in name or name in ("", "."):  # not one plain name: as the path has it
+            return str(self.folder / name) if name else str(self.folder)
+        return self._under + name  # what `self.folder / name` prints, without a Path made each call
 
     # ---- writing --------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -164,6 +169,13 @@ class FolderStore(Store):
         unsynced.sync(tmp)
         if fence is not None:
             fence()  # the orphan fence, right before the rename that commits
+        try:  # nothing there (every save but a re-save of a step): one rename, no probe before it
+            os.rename(tmp, final)
+            return name, None
+        except OSError as exc:
+            if exc.errno not in _TAKEN:
+                raise
+        # something is there (an empty folder would have been replaced, as it is moved away below)
         replaced, trash = None, None
         if os.path.lexists(f"{final}/{MANIFEST}"):  # committed (usable or not): kept, under another name
             replaced = self.set_aside(name, "replaced")
@@ -187,12 +199,14 @@ class FolderStore(Store):
             children = list(os.scandir(self.folder))
         except OSError:
             return []
-        return [c.name for c in children if step_of(c.name) is not None and self._has_manifest(self.folder / c.name)]
+        return [c.name for c in children if step_of(c.name) is not None and self._has_manifest(c)]
 
     @staticmethod
-    def _has_manifest(path: Path) -> bool:
-        try:  # a symlinked folder is not listed as committed
-            return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.lexists(path / MANIFEST)
+    def _has_manifest(entry: "os.DirEntry[str]") -> bool:
+        # a symlinked folder is not listed as committed; whether it is a folder comes with the listing
+        # (the entry's type: no lstat where the filesystem records it)
+        try:
+            return entry.is_dir(follow_symlinks=False) and os.path.lexists(f"{entry.path}/{MANIFEST}")
         except OSError:
             return False
 
