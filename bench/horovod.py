@@ -10,10 +10,11 @@ default torchrun backend (reported), alternated in a rotated order, on the hot-l
 (bench.common.HOT with half its data); steps/s as in bench.hot_loop (median logged interval after
 warm-up, epoch ends left out), time to first step from the command. Horovod settings are varied
 through the launcher's environment (a value there wins over the backend's TUNING):
-  horovod            the backend's defaults (HOROVOD_CYCLE_TIME=1 ms, HOROVOD_CACHE_CAPACITY=1024)
-  --tuning adds horovod_unpatched (cycle time 0 and no response cache: what horovod.run 0.28.1 hands
-  its workers when nothing overrides it, its '(None,)' values parse as 0; the hand-written script gets
-  these), cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
+  horovod            the backend's defaults (HOROVOD_CYCLE_TIME=1 ms, HOROVOD_CACHE_CAPACITY=1024: Horovod's
+                     own, which `horovodrun` leaves in place, so the hand-written script runs with them too)
+  --tuning adds horovod_unpatched (cycle time 0 and no response cache: what the Python API horovod.run
+  0.28.1, the backend's runner, hands its workers when nothing overrides it, its '(None,)' values parse
+  as 0; the command-line horovodrun sets neither), cycle times of 0 (the cache kept), 0.2, 3 and 10 ms, no response cache (the cycle
   time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.distributed._horovod, chosen the same way).

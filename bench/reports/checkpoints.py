@@ -6,10 +6,15 @@ from typing import Any, Dict, List, Optional
 
 from .cells import f, reported, table, target
 
-# Each case's save against its limit (bench/checkpoint_io.py's TARGETS): A and C against one fsync'd
-# write of the bytes, B (0.1 MiB: its fsyncs are its cost) against a minimal atomic commit of them with
-# a manifest (the one without is reported).
-SAVE_GOALS = {"A": ("raw_fsync_write", 0.9), "B": ("raw_atomic_commit_manifest", 0.8), "C": ("raw_fsync_write", 0.8)}
+# Each case's save against its limit (bench/checkpoint_io.py's TARGETS): A and C a fresh manager's first save
+# against one fsync'd write of the bytes, B (0.1 MiB: its fsyncs are its cost) a manager's next save against
+# a minimal atomic commit of them with a manifest (the first save, and the commit without one, are reported).
+SAVE_GOALS = {
+    "A": ("project_sync", "raw_fsync_write", 0.9),
+    "B": ("project_sync_next", "raw_atomic_commit_manifest", 0.8),
+    "C": ("project_sync", "raw_fsync_write", 0.8),
+}
+SAVES = {"project_sync": "project sync save", "project_sync_next": "project sync save, a manager's next"}
 LIMITS = {
     "raw_fsync_write": "raw fsync write",
     "raw_atomic_commit": "minimal atomic commit (raw_atomic_commit)",
@@ -24,13 +29,16 @@ def rows(ck: Optional[Dict[str, Any]]) -> List[List[str]]:
         for case in ck.get("results", []):
             rr = case["ratios"]
             tag = case["case"].split(":")[0]
-            against, goal = SAVE_GOALS.get(tag, ("raw_fsync_write", 0.8))
-            for limit, what in LIMITS.items():
-                value = rr.get(f"project_sync/{limit} throughput")
-                if value is None and limit != against:  # a result from before raw_atomic_commit existed
+            held, against, goal = SAVE_GOALS.get(tag, ("project_sync", "raw_fsync_write", 0.8))
+            if rr.get(f"{held}/{against} throughput") is None:  # a result from before the next save was held to it
+                held = "project_sync"
+            for save, limit in [("project_sync", limit) for limit in LIMITS] + [(held, against)] * (held != "project_sync"):
+                value = rr.get(f"{save}/{limit} throughput")
+                goal_here = save == held and limit == against
+                if value is None and not goal_here:  # a result from before raw_atomic_commit existed
                     continue
-                what = f"checkpoint {tag}: project sync save / {what}, throughput"
-                rows.append(target("5", what, value, ">=", goal) if limit == against else reported("5", what, f(value, 2)))
+                what = f"checkpoint {tag}: {SAVES[save]} / {LIMITS[limit]}, throughput"
+                rows.append(target("5", what, value, ">=", goal) if goal_here else reported("5", what, f(value, 2)))
             blocked = (case["methods"].get("async_blocked") or {}).get("median_s")
             allowed = rr.get("async_blocked/allowed time")
             share = f(rr.get("async_blocked/sync_save time"), 3)
