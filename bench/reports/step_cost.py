@@ -32,15 +32,17 @@ def rows(
                 f"{f(v, 3)} ({f(sc_step['bare/config steps per CPU-second'].get('run_step'), 3)} per CPU-second)",
             )
         )
-    direct = (alone or {}).get("run.step_us_per_step")
+    median = (alone or {}).get("run.step_us_per_step")
+    direct = (alone or {}).get("run.step_us_per_step_amortised")
     rows.append(
         target(
             "8",
-            "run.step timed around the call, amortised over every step (one rank alone, hot job, median of blocks)",
+            "run.step timed around the call, amortised over every step (one rank alone, hot job, mean of blocks;"
+            " the median of blocks, which leaves out the control plane's messages, beside it)",
             direct,
             "<=",
             20.0,
-            shown=None if direct is None else f"{f(direct, 1)} us",
+            shown=None if direct is None else f"{f(direct, 1)} us (median {f(median, 1)} us)",
             goal_text="<= 20 us",
         )
     )
@@ -99,7 +101,9 @@ def section(sc_step: Optional[Dict[str, Any]], sa: Optional[Dict[str, Any]], alo
             f"`{alone.get('command', 'python -m bench.step_cost --nproc 1')}`: the same harness with one rank alone (world"
             f" size 1, a core to itself), blocks of {alone['block_steps']} steps alternating `bare` and `run`,"
             f" {alone['rounds']} rounds, medians of the blocks. run.step timed around the call:"
-            f" **{f(alone.get('run.step_us_per_step'), 1)} us per step** (a batch: {f(fetch.get('bare'), 1)} us sliced,"
+            f" **{f(alone.get('run.step_us_per_step_amortised'), 1)} us per step** amortised (the mean of the blocks;"
+            f" their median, without the control plane's messages, {f(alone.get('run.step_us_per_step'), 1)} us)"
+            f" (a batch: {f(fetch.get('bare'), 1)} us sliced,"
             f" {f(fetch.get('run'), 1)} us from run.loader).",
             "",
         ]
