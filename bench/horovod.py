@@ -18,8 +18,9 @@ through the launcher's environment (a value there wins over the backend's TUNING
   time kept) and tensor fusion off (HOROVOD_FUSION_THRESHOLD=0):
   the measurement the defaults were chosen from (see bench/NOTES.md; the workers' gradients go as
   one grouped all-reduce per step, steadfast.distributed._horovod, chosen the same way).
-`--variants` adds only the named ones of those; `--no-torchrun` leaves torchrun out (more rounds of
-the Horovod comparison in the same time).
+`--variants` adds only the named ones of those, or of the backend's settings with a part of the library
+off: snapshot_off (snapshot=off), anomaly_off (anomaly=off); `--no-torchrun` leaves torchrun out (more
+rounds of the Horovod comparison in the same time).
 """
 
 from __future__ import annotations
@@ -75,11 +76,19 @@ TUNING_VARIANTS: Dict[str, Dict[str, str]] = {
     "horovod_cycle_10ms": {"HOROVOD_CYCLE_TIME": "10"},
     "horovod_no_fusion": {"HOROVOD_FUSION_THRESHOLD": "0"},
 }
+# the backend's Horovod settings with a part of the library's off (--variants): what that part costs under Horovod
+CONFIG_VARIANTS: Dict[str, List[str]] = {"snapshot_off": ["snapshot=off"], "anomaly_off": ["anomaly=off"]}
 
 
 def measure(
-    job: Job, rounds: int, timeout: float = 300, variants: Optional[Dict[str, Dict[str, str]]] = None, torchrun: bool = True
+    job: Job,
+    rounds: int,
+    timeout: float = 300,
+    variants: Optional[Dict[str, Dict[str, str]]] = None,
+    torchrun: bool = True,
+    overrides: Optional[Dict[str, List[str]]] = None,
 ) -> Dict[str, Any]:
+    """`variants`: name -> the launcher's environment for it; `overrides`: name -> its extra config overrides."""
     warm = min(30, job.steps_per_epoch() // 2)
     extra = ["checkpoint.every_n_epochs=1000"]
     variants = VARIANTS if variants is None else variants
@@ -101,7 +110,15 @@ def measure(
         makers += [
             (
                 name,
-                functools.partial(run_ours, work, name, job.overrides("horovod") + extra, timeout, sample_cpu=True, extra_env=e),
+                functools.partial(
+                    run_ours,
+                    work,
+                    name,
+                    job.overrides("horovod") + extra + (overrides or {}).get(name, []),
+                    timeout,
+                    sample_cpu=True,
+                    extra_env=e,
+                ),
             )
             for name, e in variants.items()
         ]
@@ -123,6 +140,7 @@ def measure(
         "rounds": rounds,
         "warmup_steps": warm,
         "variants": variants,
+        "variant_overrides": overrides or {},
         "steps_per_s": {k: spread(v) for k, v in rates.items()},
         "cpu_s_per_step": {k: spread(v) for k, v in cpu.items()},
         "ttfs_s": {k: spread(v) for k, v in ttfs.items()},
@@ -179,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tuning", action="store_true", help="also Horovod's own defaults, cycle times, tensor fusion off")
-    p.add_argument("--variants", default="", help=f"comma-separated, of: {', '.join(TUNING_VARIANTS)}")
+    p.add_argument("--variants", default="", help=f"comma-separated, of: {', '.join([*TUNING_VARIANTS, *CONFIG_VARIANTS])}")
     p.add_argument("--no-torchrun", action="store_true", help="leave the torchrun backend out")
     p.add_argument("--quick", action="store_true", help="2 rounds of a job with a quarter of the data")
     p.add_argument(
@@ -188,9 +206,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", type=Path, default=RESULTS / "horovod.json")
     args = p.parse_args(argv)
     chosen = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(chosen) - set(TUNING_VARIANTS))
+    unknown = sorted(set(chosen) - set(TUNING_VARIANTS) - set(CONFIG_VARIANTS))
     if unknown:
-        p.error(f"--variants: {', '.join(unknown)} unknown; allowed: {', '.join(TUNING_VARIANTS)}")
+        p.error(f"--variants: {', '.join(unknown)} unknown; allowed: {', '.join([*TUNING_VARIANTS, *CONFIG_VARIANTS])}")
     job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 2), args.rounds
     if args.quick:
         job, rounds = dataclasses.replace(HOT, num_samples=HOT.num_samples // 4), 2
@@ -203,8 +221,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         log(f"horovod vs hand-written and torchrun: {rounds} rounds")
         variants = {"horovod": {}} if args.tiny else {**VARIANTS, **(TUNING_VARIANTS if args.tuning else {})}
-        variants.update({name: TUNING_VARIANTS[name] for name in chosen})
-        out.update(measure(job, rounds, variants=variants, torchrun=not (args.tiny or args.no_torchrun)))
+        variants.update({name: TUNING_VARIANTS.get(name, {}) for name in chosen})
+        overrides = {name: CONFIG_VARIANTS[name] for name in chosen if name in CONFIG_VARIANTS}
+        out.update(measure(job, rounds, variants=variants, torchrun=not (args.tiny or args.no_torchrun), overrides=overrides))
     report(out)
     write_json(args.json, out)
     return 0

@@ -79,7 +79,10 @@ def section(hv: Optional[Dict[str, Any]]) -> List[str]:
                 [
                     [
                         k,
-                        ", ".join(f"{a}={b}" for a, b in (hv.get("variants", {}).get(k) or {}).items())
+                        ", ".join(
+                            [f"{a}={b}" for a, b in (hv.get("variants", {}).get(k) or {}).items()]
+                            + list(hv.get("variant_overrides", {}).get(k) or [])
+                        )
                         or ("horovodrun's" if k == "hand_written" else "defaults"),
                         f(hv["steps_per_s"][k]["median"], 1),
                         *(
