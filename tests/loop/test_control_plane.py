@@ -260,3 +260,46 @@ def test_the_steps_between_due_steps_only_count_and_every_part_gets_its_own(
     records = [json.loads(line) for line in (launched / "events.jsonl").read_text().splitlines()]
     saved = [e["step"] for e in records if e["event"] == "checkpoint_saved"]
     assert saved == [7, 14, 21, 28, 35, STEPS]  # the cadence's steps, and the last one at the end
+
+
+def test_the_heartbeats_file_is_never_behind_a_snapshot_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step only counts in memory (its file is written by a thread within PUBLISH_S), but the
+    file has a step before a snapshot of it is taken: a rank killed outright is named at a step at least
+    as new as the one its group resumes from (tests/platform_runs.py's kills rely on it)."""
+    from steadfast.checkpoint.memory import MemorySnapshots
+    from steadfast.contract import heartbeat, shm
+    from steadfast.contract.files import HEARTBEAT_DIR
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    segment = shm.LaunchFolder(folder)  # what the launcher makes for a node: its private snapshot folder
+    segment.create()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder, collective_timeout_s=60, snapshot=segment.name)
+    for key, value in {**env.to_environ(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setitem(heartbeat._state, "heartbeat", None)
+    heartbeat.start_heartbeat(folder, 0)
+    seen: List[Tuple[int, int]] = []  # (the snapshot's step, the step the rank's file said as it was taken)
+    real_take = MemorySnapshots.take
+
+    def take(self: MemorySnapshots, step: int, *more: Any, **kw: Any) -> None:
+        record = heartbeat.read_heartbeat(folder / HEARTBEAT_DIR / "rank0")
+        seen.append((step, record["step"] if record else -1))
+        real_take(self, step, *more, **kw)
+
+    monkeypatch.setattr(MemorySnapshots, "take", take)
+    threads = torch.get_num_threads()
+    try:
+        cfg = {"logger": {"progress": "none"}, "snapshot": {"every_n_steps": 4}}
+        with Run(cfg, log_every_n_steps=LOG, stop_check_every_n_steps=EVERY, num_threads=1) as run:
+            _train(run, False, [])
+    finally:
+        torch.set_num_threads(threads)
+        segment.remove()
+    assert len(seen) >= STEPS // 4 - 1, seen
+    assert all(said == step for step, said in seen), seen
