@@ -59,18 +59,23 @@ STEPS = 40  # one epoch
 Call = Tuple[str, Any, bool]  # (function, group, async_op)
 
 
-@pytest.fixture
-def launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """The environment a one-rank torchrun launch gives its worker."""
+def _launch(folder: Path, monkeypatch: pytest.MonkeyPatch, snapshot: str = "") -> None:
+    """The environment a one-rank torchrun launch gives its worker (`snapshot`: its node's snapshot folder)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    folder = tmp_path / "run"
-    folder.mkdir()
-    env = LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder, collective_timeout_s=60).to_environ()
+    env = LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder, collective_timeout_s=60, snapshot=snapshot).to_environ()
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A one-rank torchrun launch's worker environment, its run folder."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    _launch(folder, monkeypatch)
     threads = torch.get_num_threads()
     yield folder
     torch.set_num_threads(threads)
@@ -274,14 +279,7 @@ def test_the_heartbeats_file_is_never_behind_a_snapshot_in_memory(tmp_path: Path
     folder.mkdir()
     segment = shm.LaunchFolder(folder)  # what the launcher makes for a node: its private snapshot folder
     segment.create()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = LaunchEnv(backend="torchrun", collective=TORCH, run_dir=folder, collective_timeout_s=60, snapshot=segment.name)
-    for key, value in {**env.to_environ(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    _launch(folder, monkeypatch, segment.name)
     monkeypatch.setitem(heartbeat._state, "heartbeat", None)
     heartbeat.start_heartbeat(folder, 0)
     seen: List[Tuple[int, int]] = []  # (the snapshot's step, the step the rank's file said as it was taken)
