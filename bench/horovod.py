@@ -1,7 +1,7 @@
 """Horovod against a hand-written Horovod script, and against torchrun, on the same job: training steps/s
 and time to first step.
 
-    python -m bench.horovod [--rounds 4] [--tuning | --variants NAME,...] [--no-torchrun] [--quick | --tiny] [--json PATH]
+    python -m bench.horovod [--rounds 6] [--tuning | --variants NAME,...] [--no-torchrun] [--quick | --tiny] [--json PATH]
 
 `python -m pipeline.train backend=horovod` (Horovod's runner, Gloo controller), bench/baseline_horovod.py
 under `horovodrun -np 2 --gloo` (`hand_written`: hvd.DistributedOptimizer, broadcast_parameters and
@@ -195,7 +195,7 @@ def report(res: Dict[str, Any]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tuning", action="store_true", help="also Horovod's own defaults, cycle times, tensor fusion off")
     p.add_argument("--variants", default="", help=f"comma-separated, of: {', '.join([*TUNING_VARIANTS, *CONFIG_VARIANTS])}")
     p.add_argument("--no-torchrun", action="store_true", help="leave the torchrun backend out")
