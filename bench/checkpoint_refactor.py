@@ -1,6 +1,6 @@
 """Checkpoint speed before and after a refactor: the old tree's own benchmark code against the current one's, alternated.
 
-    python -m bench.checkpoint_refactor [--before cc4e9b0~1] [--rounds 5] [--mb 64] [--repeats 3] [--b-repeats 20] [--quick | --tiny] [--json PATH]
+    python -m bench.checkpoint_refactor [--before cc4e9b0~1] [--rounds 5] [--mb 64] [--repeats 5] [--b-repeats 30] [--quick | --tiny] [--json PATH]
 
 The tree before the refactor (default: the last commit before the worker side was regrouped and the
 Store interface came in, issue 35) is checked out with `git worktree add --detach` in a temporary
@@ -142,8 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mb", type=int, default=64, help="states A and C in MiB (bench.checkpoint_io's)")
     p.add_argument("--tensors", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="A's and C's saves / raw writes per run")
-    p.add_argument("--b-repeats", type=int, default=20, help="B's saves / raw writes per run (a few ms each)")
+    p.add_argument("--repeats", type=int, default=5, help="A's and C's saves / raw writes per run")
+    p.add_argument("--b-repeats", type=int, default=30, help="B's saves / raw writes per run (a few ms each)")
     p.add_argument("--width", type=int, default=1024, help="the sharded state's Linear width (bench.sharded --quick's)")
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--pairs", type=int, default=5, help="sharded save / raw write pairs per run")
