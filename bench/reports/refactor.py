@@ -20,7 +20,7 @@ def saves(t: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
 
 def rows(rf: Optional[Dict[str, Any]]) -> List[List[str]]:
     """Each case's save / raw ratio, after / before: the save it is judged on (bench.checkpoint_refactor's JUDGED:
-    B's next save, the others' first) against "unchanged", the other save reported beside it."""
+    A's, B's and C's next save, the sharded save's only one) against "unchanged", the other save reported beside it."""
     out: List[List[str]] = []
     if not rf or rf.get("skipped"):
         return out
@@ -57,11 +57,13 @@ def section(rf: Optional[Dict[str, Any]]) -> List[str]:
             f" same bytes, {ck['repeats']} of each per run ({ck['b_repeats']} for B), after one untimed save (save /"
             " raw_fsync_write; `save CPU before / after`: the saving process's CPU time)"
         )
+        on_next = [case for case, t in rf["ratios"].items() if t.get("judged on") == "next save"]
         judged = (
-            " \"Unchanged\" is judged on a fresh manager's first save for A, C and the sharded save, and on a manager's next"
-            " save for B, as bench.checkpoint_io's targets are: since the refactor a first save also records the state's"
-            " layout, which every later save reuses (a cost paid once per manager, which each later save of a small state"
-            " repays); the other save is reported beside it."
+            f' "Unchanged" is judged on a manager\'s next save for {", ".join(on_next) or "none"}, the first save reported'
+            " beside it: since the refactor a manager's first save also records the state's layout, which every later save"
+            " reuses, so every save of a run but its first costs what the next save does (why bench.checkpoint_io holds B"
+            " to its next save; C's many tensors make the longest walk). The others are judged on a fresh manager's first"
+            " save (the sharded save's only one)."
         )
     else:  # an older result: each tree's bench.checkpoint_io, its project_sync alone
         states = f"`bench.checkpoint_io --mb {ck['mb']} --tensors {ck['tensors']} --repeats {ck['repeats']}` (project_sync / raw_fsync_write)"
