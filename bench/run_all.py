@@ -30,7 +30,7 @@ from .cpu import cpu_counters, foreign_load
 # uses it (full, quick).
 SUITE: List[tuple] = [
     ("checkpoint_io", "bench.checkpoint_io", ["--mb", "128", "--repeats", "5"], (40, 8)),
-    ("checkpoint_refactor", "bench.checkpoint_refactor", [], (280, 120)),
+    ("checkpoint_refactor", "bench.checkpoint_refactor", [], (120, 50)),
     ("checkpoint_s3", "bench.checkpoint_s3", [], (45, 25)),  # skipped, with the reason, without `weed`
     ("hot_loop", "bench.hot_loop", [], (130, 60)),
     ("step_cost", "bench.step_cost", [], (75, 35)),

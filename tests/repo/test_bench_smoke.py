@@ -224,11 +224,42 @@ def test_checkpoint_refactor_bench_smoke(tmp_path: Path) -> None:
     """The tree before issue 35's refactor, checked out aside, runs its own checkpoint benchmarks beside this one's."""
     r = _run_bench(tmp_path, "checkpoint_refactor", timeout=400)
     assert set(r["ratios"]) == {"A", "B", "C", "sharded save, 2 workers"}
-    for t in r["ratios"].values():
-        assert _positive(t["before"]["save/raw throughput"]) and _positive(t["after"]["save/raw throughput"])
-        assert _positive(t["after/before"]) and _positive(t["save time before/after"])
+    for case, t in r["ratios"].items():
+        # a fresh manager's first save, and for A, B, C a manager's next save too, both trees timed by one driver
+        for c in [t] if case.startswith("sharded") else [t, t["next save"]]:
+            assert _positive(c["before"]["save/raw throughput"]) and _positive(c["after"]["save/raw throughput"])
+            assert _positive(c["after/before"]) and _positive(c["save time before/after"])
+        if not case.startswith("sharded"):
+            assert _positive(t["save CPU before/after"]) and _positive(t["next save"]["save CPU before/after"])
+    assert {case: t["judged on"] for case, t in r["ratios"].items()} == {
+        "A": "next save",
+        "B": "next save",
+        "C": "next save",
+        "sharded save, 2 workers": "first save",
+    }
     out = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "steadfast-bench-refactor-" not in out  # its checkout is gone
+
+
+def test_refactor_rows_judge_a_managers_next_save() -> None:
+    """A case is held to "unchanged" on the save it is judged on (a manager's next save for A, B, C), the other
+    save reported beside it; the sharded save, with one save, on that one."""
+    from bench.reports.refactor import rows
+
+    def save(after_before: float) -> dict:
+        tree = {"save/raw throughput": 0.3, "per_run": [0.3]}
+        return {"before": tree, "after": tree, "after/before": after_before, "save time before/after": 1.0}
+
+    ratios = {
+        "C": {**save(0.76), "next save": save(1.02), "judged on": "next save"},
+        "sharded save, 2 workers": {**save(0.9), "judged on": "first save"},
+    }
+    got = {row[1].split(":")[0]: row[2:] for row in rows({"before": {"commit": "9e98d19"}, "ratios": ratios})}
+    assert got == {
+        "checkpoint C, a fresh manager's first save": ["0.760 (0.30; 0.30; save time 1.000)", "-", "reported"],
+        "checkpoint C, a manager's next save": ["1.020 (0.30; 0.30; save time 1.000)", ">= 0.95 (unchanged)", "**met**"],
+        "sharded save, 2 workers": ["0.900 (0.30; 0.30; save time 1.000)", ">= 0.95 (unchanged)", "**missed**"],
+    }
 
 
 @pytest.mark.extended
