@@ -23,6 +23,7 @@ from . import replicas
 from .watch import KINDS, Watch
 
 DIVERGENCE = "divergence"
+PRUNE_AT = 4096  # positions kept before the older ones go, at once (a pop per step cost more)
 Params = Callable[[], List[Tuple[str, torch.Tensor]]]
 
 
@@ -125,10 +126,9 @@ class Guard:
     def _verdicts(self, covered: int, own: List[List[float]]) -> None:
         seen = sorted((int(r[0]), rank, int(r[1]), r[2]) for rank, r in enumerate(own) if r[0] > 0)
         if not seen:
-            healthy = max(self.healthy_through, covered)
-            for step in range(self.healthy_through, healthy):
-                self.positions.pop(step, None)
-            self.healthy_through = healthy
+            healthy = self.healthy_through = max(self.healthy_through, covered)
+            if len(self.positions) > PRUNE_AT:  # the steps before the newest healthy one are never asked for
+                self.positions = {step: at for step, at in self.positions.items() if step >= healthy}
             return
         step, rank, kind, value = seen[0]
         ranks = tuple(sorted({r for _, r, _, _ in seen}))
