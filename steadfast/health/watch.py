@@ -112,13 +112,21 @@ class Watch:
             return
         pending, self.pending = self.pending, []
         reference = self._reference()
-        for step, x in pending:
-            kind = self._kind(x, reference)
-            if kind:
-                if not self.first[0]:
-                    self.first = (step, kind, x)
-            elif math.isfinite(x):  # not with the non-finite check off
-                self.values.append((step, x))
+        mean, var = reference if reference is not None else (0.0, 0.0)
+        nonfinite, excess, zscore2, first, values = self.nonfinite, self.excess, self.zscore2, self.first, self.values
+        for step, x in pending:  # _kind's tests, inline (a block's worth at a time)
+            if not math.isfinite(x):
+                if nonfinite and not first[0]:
+                    first = (step, NONFINITE_LOSS, x)
+                continue
+            if reference is not None:
+                d = x - mean
+                if d > 0 and (excess is None or d > excess * abs(mean)) and (zscore2 is None or d * d > zscore2 * var):
+                    if not first[0]:
+                        first = (step, SPIKE, x)
+                    continue
+            values.append((step, x))
+        self.first = first
 
     def _end_block(self) -> None:
         """The block's healthy losses into the moving averages, in order."""

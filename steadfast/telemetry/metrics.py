@@ -41,7 +41,7 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Window:
     """One metrics window, closed: its numbers until the exchange that carries them is read."""
 
@@ -157,15 +157,14 @@ class Telemetry:
         self.timer.step()
         self._last = step
         if step % self.every:
-            self.display.update(step, epoch)
+            if self._shown:
+                self.display.update(step, epoch)
             return self._pop_over()
         self._closed.append(self._close(step, epoch))
         if self._drives:
             self.exchange.send(step)
         over = self._pop_over()
-        if self.last_loss is None:
-            self.display.update(step, epoch)
-        else:
+        if self._shown:
             self.display.update(step, epoch, self.last_loss)
         return over
 
@@ -186,13 +185,13 @@ class Telemetry:
             if landed is not None:
                 landed.record()
         closed_at = self._last if step is None else step
-        wall = time.time() - self.started
+        now = time.time()
         return _Window(
             step,
             closed_at,
             epoch,
-            time.time(),
-            wall,
+            now,
+            now - self.started,
             self.lr,
             total,
             device,
