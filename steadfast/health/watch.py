@@ -1,7 +1,8 @@
 """One rank's watch over its own steps: a non-finite loss or gradient norm, and a loss spike.
 
-Cheap by design. On the host (a CPU loss, whose value the metrics read anyway) a step costs a few
-float operations. On a GPU nothing is read per step: the step's loss tensor is kept, as the metrics
+Cheap by design. On the host (a CPU loss, whose value the metrics read anyway) a step only keeps
+the number; the steps not yet judged are judged together, in order, when a verdict, the block's end
+or a state asks (the reference is frozen within a block: the verdicts of judging each at its step). On a GPU nothing is read per step: the step's loss tensor is kept, as the metrics
 keep it, and judged on the device a block at a time (BLOCK steps, or the steps since the last
 verdict) in a few kernels; the verdict, the first bad step with its kind and value, is copied to
 the host without waiting and posted to the other ranks an exchange later (steadfast/health/guard.py).

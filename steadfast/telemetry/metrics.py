@@ -114,6 +114,10 @@ class Telemetry:
         self.by_epochs = max_epochs > 0
 
     def add_loss(self, loss: Loss) -> None:
+        if loss.__class__ is float:  # a CPU loss the step boundary read
+            self._total += loss
+            self._count += 1
+            return
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
@@ -175,7 +179,7 @@ class Telemetry:
         own = [0.0, self.timer.window() if step is not None else 0.0]
         if self.cuda:
             own.append(torch.cuda.max_memory_allocated(self.comm.device) / 2**20)
-        total, device, count = self._total, self._device_sum(), self._count
+        total, device, count = self._total, self._device_sum() if self._losses else None, self._count
         self._total, self._losses, self._count = 0.0, [], 0
         host, landed = None, None
         if device is not None:
