@@ -20,7 +20,7 @@ import torch
 from ..checkpoint.state import Progress
 from ..distributed.exchange import Exchange
 from . import replicas
-from .watch import KINDS, Watch
+from .watch import BLOCK, KINDS, Watch
 
 DIVERGENCE = "divergence"
 PRUNE_AT = 4096  # positions kept before the older ones go, at once (a pop per step cost more)
@@ -70,7 +70,11 @@ class Guard:
 
     # ---- per step ---------------------------------------------------------------------------
     def observe(self, step: int, loss: Any, grad_norm: Any) -> None:
-        self.watch.observe(step, loss, grad_norm)
+        watch = self.watch
+        if loss.__class__ is float and grad_norm is None and step // BLOCK == watch.block:
+            watch.pending.append((step, loss))  # Watch.observe's work on most steps, inline (it runs cold)
+        else:
+            watch.observe(step, loss, grad_norm)
         p = self.progress
         self.positions[step] = (p.epoch, p.batch_in_epoch, p.sample_in_epoch)
 

@@ -134,10 +134,12 @@ class Watch:
         self._judge_pending()
         if self.device is not None:
             self.device.end_block()
-        a = self.alpha
-        for _, x in self.values:
-            self.m1, self.m2, self.weight = (1 - a) * self.m1 + a * x, (1 - a) * self.m2 + a * x * x, (1 - a) * self.weight + a
-            self.seen += 1
+        a, m1, m2, weight = self.alpha, self.m1, self.m2, self.weight
+        b = 1 - a
+        for _, x in self.values:  # in locals: the same operations, in the same order
+            m1, m2, weight = b * m1 + a * x, b * m2 + a * x * x, b * weight + a
+        self.m1, self.m2, self.weight = m1, m2, weight
+        self.seen += len(self.values)
         self.values = []
 
     # ---- the verdict --------------------------------------------------------------------------
