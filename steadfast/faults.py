@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from .config import FaultConf, FaultKind
 from .contract.events import Event
 from .contract.heartbeat import heartbeat
+from .telemetry.records import flush_rows
 
 if TYPE_CHECKING:  # the launcher's pre-flight imports this module (WRITER_KINDS): no torch at import
     import torch
@@ -171,6 +172,7 @@ class FaultInjector:
         beat = heartbeat()
         if beat is not None:  # the step counted so far in the file now, not within PUBLISH_S: a killed rank is named at it
             beat.flush()
+        flush_rows()  # the metrics rows read so far in metrics.jsonl, as when a row was the training thread's own write
         kind = self.kind
         flipped = next(self.model.named_parameters()) if kind is FaultKind.bitflip and self.model is not None else None
         where = {"tensor": flipped[0]} if flipped is not None else {}

@@ -455,6 +455,7 @@ class Run:
 
             export_model(unwrap(self.model).state_dict(), self.dir / MODEL_FILE, writes=self.rank == 0)
             out["model_file"] = MODEL_FILE
+        self.record.flush()  # every row in metrics.jsonl and the sinks before the run says it completed
         self.telemetry.sinks.completed(out, self.dir / MODEL_FILE if "model_file" in out else None)
         self.record.event(
             Event.TRAINING_COMPLETED, step=self.progress.global_step, model_sha256=out.get("model_sha256"), result=out

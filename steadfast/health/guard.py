@@ -20,9 +20,10 @@ import torch
 from ..checkpoint.state import Progress
 from ..distributed.exchange import Exchange
 from . import replicas
-from .watch import KINDS, Watch
+from .watch import BLOCK, KINDS, Watch
 
 DIVERGENCE = "divergence"
+PRUNE_AT = 4096  # positions kept before the older ones go, at once (a pop per step cost more)
 Params = Callable[[], List[Tuple[str, torch.Tensor]]]
 
 
@@ -69,7 +70,11 @@ class Guard:
 
     # ---- per step ---------------------------------------------------------------------------
     def observe(self, step: int, loss: Any, grad_norm: Any) -> None:
-        self.watch.observe(step, loss, grad_norm)
+        watch = self.watch
+        if loss.__class__ is float and grad_norm is None and step // BLOCK == watch.block:
+            watch.pending.append((step, loss))  # Watch.observe's work on most steps, inline (it runs cold)
+        else:
+            watch.observe(step, loss, grad_norm)
         p = self.progress
         self.positions[step] = (p.epoch, p.batch_in_epoch, p.sample_in_epoch)
 
@@ -125,10 +130,9 @@ class Guard:
     def _verdicts(self, covered: int, own: List[List[float]]) -> None:
         seen = sorted((int(r[0]), rank, int(r[1]), r[2]) for rank, r in enumerate(own) if r[0] > 0)
         if not seen:
-            healthy = max(self.healthy_through, covered)
-            for step in range(self.healthy_through, healthy):
-                self.positions.pop(step, None)
-            self.healthy_through = healthy
+            healthy = self.healthy_through = max(self.healthy_through, covered)
+            if len(self.positions) > PRUNE_AT:  # the steps before the newest healthy one are never asked for
+                self.positions = {step: at for step, at in self.positions.items() if step >= healthy}
             return
         step, rank, kind, value = seen[0]
         ranks = tuple(sorted({r for _, r, _, _ in seen}))

@@ -1,7 +1,8 @@
 """One rank's watch over its own steps: a non-finite loss or gradient norm, and a loss spike.
 
-Cheap by design. On the host (a CPU loss, whose value the metrics read anyway) a step costs a few
-float operations. On a GPU nothing is read per step: the step's loss tensor is kept, as the metrics
+Cheap by design. On the host (a CPU loss, whose value the metrics read anyway) a step only keeps
+the number; the steps not yet judged are judged together, in order, when a verdict, the block's end
+or a state asks (the reference is frozen within a block: the verdicts of judging each at its step). On a GPU nothing is read per step: the step's loss tensor is kept, as the metrics
 keep it, and judged on the device a block at a time (BLOCK steps, or the steps since the last
 verdict) in a few kernels; the verdict, the first bad step with its kind and value, is copied to
 the host without waiting and posted to the other ranks an exchange later (steadfast/health/guard.py).
@@ -50,7 +51,8 @@ class Watch:
         self.m1 = self.m2 = self.weight = 0.0  # the moving averages (not yet bias-corrected), their total weight
         self.seen = 0  # healthy losses that entered them
         self.block = -1  # the block the values below belong to
-        self.values: List[Tuple[int, float]] = []  # host: this block's (step, loss), in order
+        self.values: List[Tuple[int, float]] = []  # host: this block's healthy (step, loss), in order
+        self.pending: List[Tuple[int, float]] = []  # host: this block's (step, loss) not yet judged, in order
         self.first: Verdict = NONE  # host: the first bad step not yet rolled back
         self.device: Optional[_OnDevice] = None
 
@@ -60,14 +62,10 @@ class Watch:
             self._end_block()
             self.block = step // BLOCK
         if loss.__class__ is float and grad_norm is None:  # most steps of a CPU loss (read once by the step
-            # boundary): the loop below's work for it, without the loop (it runs cold, after the step's compute)
-            kind = self._judge(loss)
-            if kind:
-                if not self.first[0]:
-                    self.first = (step, kind, loss)
-            elif math.isfinite(loss):  # not with the non-finite check off
-                self.values.append((step, loss))
+            # boundary): judged later, with the block's others (_judge_pending), against the same reference
+            self.pending.append((step, loss))
             return
+        self._judge_pending()
         for value, is_loss in ((loss, True), (grad_norm, False)):
             if value is None:
                 continue
@@ -87,25 +85,61 @@ class Watch:
                 self.first = (step, kind, x)
 
     def _judge(self, x: float) -> int:
+        return self._kind(x, self._reference())
+
+    def _reference(self) -> Optional[Tuple[float, float]]:
+        """The spike rule's (mean, variance), frozen within a block; None while it does not apply."""
+        if not self.spikes or self.seen < self.warmup or self.weight <= 0:
+            return None
+        mean = self.m1 / self.weight
+        return mean, max(self.m2 / self.weight - mean * mean, 0.0)
+
+    def _kind(self, x: float, reference: Optional[Tuple[float, float]]) -> int:
         if not math.isfinite(x):
             return NONFINITE_LOSS if self.nonfinite else 0
-        if not self.spikes or self.seen < self.warmup or self.weight <= 0:
+        if reference is None:
             return 0
-        mean = self.m1 / self.weight
+        mean, var = reference
         d = x - mean
         if d <= 0 or (self.excess is not None and d <= self.excess * abs(mean)):
             return 0
-        var = max(self.m2 / self.weight - mean * mean, 0.0)
         return SPIKE if self.zscore2 is None or d * d > self.zscore2 * var else 0
+
+    def _judge_pending(self) -> None:
+        """The losses observed but not yet judged, in order, as each would have been at its step: the
+        reference changes only when a block ends, and this runs first there (and before anything reads
+        `first` or `values`)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        reference = self._reference()
+        mean, var = reference if reference is not None else (0.0, 0.0)
+        nonfinite, excess, zscore2, first, values = self.nonfinite, self.excess, self.zscore2, self.first, self.values
+        for step, x in pending:  # _kind's tests, inline (a block's worth at a time)
+            if not math.isfinite(x):
+                if nonfinite and not first[0]:
+                    first = (step, NONFINITE_LOSS, x)
+                continue
+            if reference is not None:
+                d = x - mean
+                if d > 0 and (excess is None or d > excess * abs(mean)) and (zscore2 is None or d * d > zscore2 * var):
+                    if not first[0]:
+                        first = (step, SPIKE, x)
+                    continue
+            values.append((step, x))
+        self.first = first
 
     def _end_block(self) -> None:
         """The block's healthy losses into the moving averages, in order."""
+        self._judge_pending()
         if self.device is not None:
             self.device.end_block()
-        a = self.alpha
-        for _, x in self.values:
-            self.m1, self.m2, self.weight = (1 - a) * self.m1 + a * x, (1 - a) * self.m2 + a * x * x, (1 - a) * self.weight + a
-            self.seen += 1
+        a, m1, m2, weight = self.alpha, self.m1, self.m2, self.weight
+        b = 1 - a
+        for _, x in self.values:  # in locals: the same operations, in the same order
+            m1, m2, weight = b * m1 + a * x, b * m2 + a * x * x, b * weight + a
+        self.m1, self.m2, self.weight = m1, m2, weight
+        self.seen += len(self.values)
         self.values = []
 
     # ---- the verdict --------------------------------------------------------------------------
@@ -113,12 +147,14 @@ class Watch:
         """(the last step it covers, the first bad step not yet rolled back), for the other ranks. On the
         host: now, to `step`. On a device: the one copied at the previous call (None at the first),
         unless `at_once` (then now, waited for)."""
+        self._judge_pending()
         if self.device is None:
             return step, self.first
         return self.device.verdict(step, at_once)
 
     # ---- Stateful -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        self._judge_pending()
         m1, m2, weight, seen, values, first = self.device.numbers() if self.device is not None else self._numbers()
         return {
             "moments": torch.tensor([m1, m2, weight], dtype=torch.float64),

@@ -120,18 +120,21 @@ class StepBoundary:
         """A step before `quiet_until` at which a metrics window closes: what `due` and `after` do at it,
         nothing else being due (False, a whole boundary, while what an answer read out of turn brought waits
         to be acted on: a rank's peak memory, a finding of the ranks' health)."""
-        telemetry = self.telemetry
-        if telemetry.over_due or (self.guard is not None and self.guard.found is not None):
+        telemetry, guard = self.telemetry, self.guard
+        if telemetry.over_due or (guard is not None and guard.found is not None):
             return False
-        loss, grad_norm = _on_host(loss), _on_host(grad_norm)
+        if isinstance(loss, torch.Tensor) and loss.is_cpu:  # _on_host's, inline, as in `quiet`
+            loss = loss.item()
+        if grad_norm is not None:
+            grad_norm = _on_host(grad_norm)
         self.before_window()
         telemetry.add_loss(loss)
-        if self.guard is not None:
-            self.guard.observe(step, loss, grad_norm)
+        if guard is not None:
+            guard.observe(step, loss, grad_norm)
         telemetry.after_step(step, epoch)  # None: no peak memory to act on (over_due)
         if self.heartbeat is not None:
             self.heartbeat.count(step)
-        self.window_at = telemetry.next_due(step)
+        self.window_at = step + telemetry.every  # telemetry.next_due: a window's step, no peak memory to act on
         telemetry.timer.mark()
         return True
 

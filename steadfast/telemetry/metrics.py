@@ -41,7 +41,7 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Window:
     """One metrics window, closed: its numbers until the exchange that carries them is read."""
 
@@ -98,7 +98,10 @@ class Telemetry:
         self._epoch = [0.0, 0]  # global (sum, batches) of the current epoch's reduced windows
         self.last_loss: Optional[float] = None  # the mean loss of the last reduced window (all ranks)
         self.display = ProgressDisplay(progress_mode, progress_every_s, 0, 0, enabled=comm.rank == 0)
+        self._shown = self.display.mode != "none"  # the display has work at a step (rank 0, a progress mode)
         self.sinks = sinks if sinks is not None else Sinks()
+        if self.sinks:
+            record.after = self.sinks.write  # on the rows' thread, after metrics.jsonl has the row
         self.lr: Optional[float] = None
         self.by_epochs = True  # rows say their epoch (a loop of steps, plan(n, 0), has none)
         self.timer = StepTimer(self.cuda, on_boundary)  # this rank's local time per step, its mean in every window
@@ -111,6 +114,10 @@ class Telemetry:
         self.by_epochs = max_epochs > 0
 
     def add_loss(self, loss: Loss) -> None:
+        if loss.__class__ is float:  # a CPU loss the step boundary read
+            self._total += loss
+            self._count += 1
+            return
         if loss is None:
             return
         if not isinstance(loss, torch.Tensor):
@@ -144,7 +151,8 @@ class Telemetry:
             self.add_loss(loss)
         self.timer.boundary()
         self._last = step
-        self.display.update(step, epoch)
+        if self._shown:
+            self.display.update(step, epoch)
 
     def after_step(self, step: int, epoch: int) -> Optional[Tuple[int, float]]:
         """Per step: its local time into the window, the display; every log_every_n_steps the window
@@ -153,15 +161,14 @@ class Telemetry:
         self.timer.step()
         self._last = step
         if step % self.every:
-            self.display.update(step, epoch)
+            if self._shown:
+                self.display.update(step, epoch)
             return self._pop_over()
         self._closed.append(self._close(step, epoch))
         if self._drives:
             self.exchange.send(step)
         over = self._pop_over()
-        if self.last_loss is None:
-            self.display.update(step, epoch)
-        else:
+        if self._shown:
             self.display.update(step, epoch, self.last_loss)
         return over
 
@@ -172,7 +179,7 @@ class Telemetry:
         own = [0.0, self.timer.window() if step is not None else 0.0]
         if self.cuda:
             own.append(torch.cuda.max_memory_allocated(self.comm.device) / 2**20)
-        total, device, count = self._total, self._device_sum(), self._count
+        total, device, count = self._total, self._device_sum() if self._losses else None, self._count
         self._total, self._losses, self._count = 0.0, [], 0
         host, landed = None, None
         if device is not None:
@@ -182,13 +189,13 @@ class Telemetry:
             if landed is not None:
                 landed.record()
         closed_at = self._last if step is None else step
-        wall = time.time() - self.started
+        now = time.time()
         return _Window(
             step,
             closed_at,
             epoch,
-            time.time(),
-            wall,
+            now,
+            now - self.started,
             self.lr,
             total,
             device,
@@ -242,37 +249,46 @@ class Telemetry:
         mean = total / batches if batches else None
         if mean is not None:
             self.last_loss = mean
-        rss = [round(r[0], 1) for r in ranks]
-        if self.max_rss_mb and max(rss) > self.max_rss_mb and self._over is None:
-            self._over = rss.index(max(rss)), max(rss)
+        if self.max_rss_mb and self._over is None:
+            rss = [round(r[0], 1) for r in ranks]
+            if max(rss) > self.max_rss_mb:
+                self._over = rss.index(max(rss)), max(rss)
         if window.step is None:
             return
-        local = [r[1] for r in ranks]
-        self._stragglers(local, window.step)
+        if self.stragglers.on and len(ranks) > 1:  # off, or alone: nobody to name (StragglerRule.update)
+            self._stragglers([r[1] for r in ranks], window.step)
+        by_epochs = self.by_epochs
+        self.record.later(lambda: self._row(window, mean, ranks, by_epochs))
+
+    def _row(self, window: _Window, mean: Optional[float], ranks: List[List[float]], by_epochs: bool) -> Dict[str, Any]:
+        """A window's metrics row (built on the rows' thread: records.py)."""
+        rss = [round(r[0], 1) for r in ranks]
         row: Dict[str, Any] = {"time": round(window.time, 3), "step": window.step}
-        if self.by_epochs:
+        if by_epochs:
             row["epoch"] = window.epoch
         if mean is not None:
             row["loss"] = round(mean, 6)
         if window.lr is not None:
             row["lr"] = window.lr
-        extra = {"cuda_mb_per_rank": [round(r[2], 1) for r in ranks]} if self.cuda else {}
-        self.metrics(
-            **row,
+        row.update(
             wall=round(window.wall, 3),
             restart=self.restarts,
             rss_mb=rss[self.comm.rank],
             rss_mb_per_rank=rss,
             rss_mb_max=max(rss),
-            local_ms_per_rank=[round(1000 * v, 3) for v in local],
-            **extra,
+            local_ms_per_rank=[round(1000 * r[1], 3) for r in ranks],
         )
+        if self.cuda:
+            row["cuda_mb_per_rank"] = [round(r[2], 1) for r in ranks]
+        return row
 
     def _stragglers(self, local: List[float], step: int) -> None:
         """One window's local times per step through the naming rule (every rank, the same numbers):
         the slow rank records its own `straggler` event (its host and pid), rank 0 says so once."""
-        named, recovered = self.stragglers.update(local)
         rule = self.stragglers
+        named, recovered = rule.update(local)
+        if not (named or recovered or rule.named):
+            return  # nothing to say, nothing shown (the progress line's `slow` was emptied when the last recovered)
         for s, back in [(s, False) for s in named] + [(s, True) for s in recovered]:
             if s.rank == self.comm.rank:
                 events.append(self.record.run_dir, Event.STRAGGLER, restart=self.restarts, **s.fields(step, rule.windows, back))
@@ -323,18 +339,18 @@ class Telemetry:
         self._epoch = [float(state["epoch_sum"]), int(state["epoch_batches"])]
 
     def metrics(self, **row: Any) -> None:
-        """A row of metrics.jsonl (rank 0), and the same row to the sinks of logger.sinks."""
-        written = self.record.metrics(**row)
-        if written is not None and self.sinks:
-            self.sinks.write(written)
+        """A row of metrics.jsonl (rank 0), and the same row to the sinks of logger.sinks (both on the
+        rows' thread, in the order given: records.py)."""
+        self.record.metrics(**row)
 
     def close(self, sinks: bool = False) -> None:
         """The last windows' rows (every rank, at the same step), unless an error is unwinding: then a
-        peer may be gone and what is in flight is left. `sinks`: the sinks' end too (the attempt's end,
+        peer may be gone and what is in flight is left. Every row read is in metrics.jsonl when it returns. `sinks`: the sinks' end too (the attempt's end,
         after run.finish gave them the result)."""
         if sys.exc_info()[0] is None and (self._closed or self._sent):
             self.exchange.flush(self._last)
         self._closed, self._sent = [], []
         self.display.close()
+        self.record.flush()  # every row in metrics.jsonl (and given to the sinks, before their end)
         if sinks:
             self.sinks.close()

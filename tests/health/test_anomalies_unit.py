@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -138,10 +138,40 @@ def test_a_float_loss_is_judged_as_a_cpu_tensor_s(checks_nonfinite: bool) -> Non
     for step, x in enumerate(losses, start=1):
         tensors.observe(step, torch.tensor(x, dtype=torch.float64))
         floats.observe(step, x)
-        assert str(floats.first) == str(tensors.first) and floats.values == tensors.values, step  # nan != nan
+        # a float is judged when something asks (a verdict, the block's end), as it would have been at its step
+        assert str(floats.verdict(step, True)) == str(tensors.verdict(step, True)), step  # nan != nan
+        assert floats.values == tensors.values, step
         if step % 45 == 0:  # a rollback past the first bad step: judging goes on from there
             tensors.first = floats.first = (0, 0, 0.0)
     assert str(floats.state_dict()) == str(tensors.state_dict())
+
+
+def test_float_losses_are_judged_together_against_the_blocks_reference() -> None:
+    """The per-step path only keeps a float loss; the steps not yet judged are judged in one pass when
+    a verdict or the block's end asks (the reference computed once), with the verdicts and state of
+    judging each at its step (test_a_float_loss_is_judged_as_a_cpu_tensor_s)."""
+    w, references = Watch(CONF), []
+    real = Watch._reference
+
+    def reference(self: Watch) -> Any:
+        references.append(self.block)
+        return real(self)
+
+    losses = [*noisy(BLOCK + 20), 50.0, *noisy(5)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Watch, "_reference", reference)
+        for step, x in enumerate(losses, start=1):
+            w.observe(step, x)
+        assert references == [0]  # the first block's end (steps 1-63): one reference for its steps
+        at = BLOCK + 21
+        assert w.verdict(len(losses), False) == (len(losses), (at, 2, 50.0))
+        assert references == [0, 1]  # the second block's steps so far, at once
+    eager = Watch(CONF)  # asked at every step: each judged at its own
+    for step, x in enumerate(losses, start=1):
+        eager.observe(step, x)
+        eager.verdict(step, False)
+    assert eager.verdict(len(losses), False) == w.verdict(len(losses), False)
+    assert str(eager.state_dict()) == str(w.state_dict())
 
 
 def test_a_non_finite_gradient_norm_is_its_own_kind() -> None:

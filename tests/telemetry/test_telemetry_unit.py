@@ -15,7 +15,7 @@ import torch
 
 from steadfast.distributed.comm import Comm, Pending
 from steadfast.telemetry.metrics import Telemetry
-from steadfast.telemetry.records import RunRecord
+from steadfast.telemetry.records import RunRecord, flush_rows
 
 
 class CountingComm(Comm):
@@ -36,6 +36,7 @@ class CountingComm(Comm):
 
 
 def _rows(folder: Path) -> List[Dict[str, Any]]:
+    flush_rows()  # the rows read so far, in the file (they are written by a thread of their own)
     path = folder / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
