@@ -64,7 +64,7 @@ class Heartbeat:
     a hung training thread stops it, and the thread writes nothing new. A rank hung in a call (a
     collective, a sleep, I/O) has its exact step written; one killed outright (SIGKILL, SIGSEGV) may
     leave a step up to PUBLISH_S older in the file (its own record of a failure, `worker_failed`, reads
-    the count in memory), never older than its newest snapshot in memory (the step boundary flushes the
+    the count in memory), never older than its newest snapshot in memory (the snapshot cadence flushes the
     count before one is taken). Not a memory mapping: a file truncated under one kills the writer (SIGBUS),
     the trust model's rule for the snapshots' writers too.
     """

@@ -66,6 +66,9 @@ class StepBoundary:
     ) -> None:
         self.telemetry, self.agreement, self.cadence, self.faults = telemetry, agreement, cadence, faults
         self.checkpointer, self.memory, self.heartbeat, self.time_due = checkpointer, memory, heartbeat, time_due
+        if memory is not None and heartbeat is not None:
+            # the file never behind a snapshot: a rank killed outright is named at a step its group resumes from
+            memory.before_copy = heartbeat.flush
         self.guard: Optional[Guard] = None  # the ranks' health guard (steadfast/health/), when anything is watched
         # what the run does about a finding (steadfast/health/loop.py): True when it went back to an earlier step
         self.act: Callable[[Any], bool] = lambda finding: False
@@ -142,8 +145,6 @@ class StepBoundary:
         """The end of a whole boundary (after a save it asked for): this step's snapshot if one is due,
         the next step with anything to do, the next step's local time from now."""
         if self.memory is not None:
-            if self.heartbeat is not None:  # the file never behind a snapshot: a killed rank is named at a step it resumes from
-                self.heartbeat.flush()
             if not self.memory.at_step(step):
                 self.memory = self.checkpointer.memory = None  # off on every rank from now on
         self.quiet_until, self.window_at = self._next_due(step), self.telemetry.next_due(step)

@@ -62,6 +62,7 @@ class MemoryCadence:
     ) -> None:
         self.memory, self.record, self.tracked, self.during_snapshot = memory, record, tracked, during_snapshot
         self.protect = protect  # the steps whose newest snapshot at or before a copy keeps (MemorySnapshots.take)
+        self.before_copy: Callable[[], None] = _nothing  # right before a snapshot is taken (the heartbeat's file written)
         self.exchange, self.comm, self.clock = exchange, exchange.comm, clock
         self.auto = every == "auto"
         self.every = 1 if self.auto else int(every)  # the interval in force
@@ -104,6 +105,7 @@ class MemoryCadence:
             if short[0]:  # room for two on every node: snapshots as ever, none kept for the anomaly guard's rollbacks
                 memory.keep(2)
                 log.info("Snapshots in memory: two copies, not %d (%s); a rollback goes back to disk", copies, problems[0])
+        self.before_copy()
         try:
             memory.take(step, planned, lambda: self.during_snapshot(step), self.protect())
         except OSError as exc:
@@ -181,6 +183,10 @@ class MemoryCadence:
             seconds=round(seconds, 6),
             **fields,
         )
+
+
+def _nothing() -> None:
+    pass
 
 
 def auto_interval(copy_seconds: float, step_seconds: float) -> int:
