@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 from .config import FaultConf, FaultKind
 from .contract.events import Event
 from .contract.heartbeat import heartbeat
-from .telemetry.records import flush_rows
 
 if TYPE_CHECKING:  # the launcher's pre-flight imports this module (WRITER_KINDS): no torch at import
     import torch
@@ -172,6 +171,8 @@ class FaultInjector:
         beat = heartbeat()
         if beat is not None:  # the step counted so far in the file now, not within PUBLISH_S: a killed rank is named at it
             beat.flush()
+        from .telemetry.records import flush_rows  # here: the launcher's pre-flight imports this module, not the rows' thread
+
         flush_rows()  # the metrics rows read so far in metrics.jsonl, as when a row was the training thread's own write
         kind = self.kind
         flipped = next(self.model.named_parameters()) if kind is FaultKind.bitflip and self.model is not None else None

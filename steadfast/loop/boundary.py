@@ -144,9 +144,8 @@ class StepBoundary:
     def after(self, step: int) -> None:
         """The end of a whole boundary (after a save it asked for): this step's snapshot if one is due,
         the next step with anything to do, the next step's local time from now."""
-        if self.memory is not None:
-            if not self.memory.at_step(step):
-                self.memory = self.checkpointer.memory = None  # off on every rank from now on
+        if self.memory is not None and not self.memory.at_step(step):
+            self.memory = self.checkpointer.memory = None  # off on every rank from now on
         self.quiet_until, self.window_at = self._next_due(step), self.telemetry.next_due(step)
         self.telemetry.timer.mark()  # the next step's local work begins (steadfast/telemetry/_stragglers.py)
 
