@@ -34,7 +34,12 @@ SUITE: List[tuple] = [
     ("checkpoint_s3", "bench.checkpoint_s3", [], (45, 25)),  # skipped, with the reason, without `weed`
     ("hot_loop", "bench.hot_loop", [], (130, 60)),
     ("step_cost", "bench.step_cost", [], (75, 35)),
-    ("step_cost_1rank", "bench.step_cost", ["--nproc", "1", "--configs", "bare,run", "--rounds", "60"], (25, 15)),
+    (
+        "step_cost_1rank",
+        "bench.step_cost",
+        ["--nproc", "1", "--configs", "bare,run", "--rounds", "40", "--processes", "5"],
+        (70, 15),
+    ),
     ("stop_agreement", "bench.stop_agreement", [], (90, 45)),
     ("startup", "bench.startup", [], (100, 65)),
     ("recovery", "bench.recovery", [], (150, 110)),

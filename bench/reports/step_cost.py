@@ -97,12 +97,15 @@ def section(sc_step: Optional[Dict[str, Any]], sa: Optional[Dict[str, Any]], alo
         lines += ["## 8. Per-step cost and the stop agreement", ""]
     if alone:
         fetch = alone.get("fetch_us_per_step", {})
+        per_process = ", ".join(f"{f(v, 1)}" for v in alone.get("run.step_us_per_step_amortised_per_process", [])) or "one"
         lines += [
             f"`{alone.get('command', 'python -m bench.step_cost --nproc 1')}`: the same harness with one rank alone (world"
             f" size 1, a core to itself), blocks of {alone['block_steps']} steps alternating `bare` and `run`,"
-            f" {alone['rounds']} rounds, medians of the blocks. run.step timed around the call:"
-            f" **{f(alone.get('run.step_us_per_step_amortised'), 1)} us per step** amortised (the mean of the blocks;"
-            f" their median, without the control plane's messages, {f(alone.get('run.step_us_per_step'), 1)} us)"
+            f" {alone['rounds']} rounds, in {alone.get('processes', 1)} launch(es) one after the other, medians of the"
+            " blocks. run.step timed around the call:"
+            f" **{f(alone.get('run.step_us_per_step_amortised'), 1)} us per step** amortised (the mean of each launch's"
+            f" blocks, {per_process}, and the median of those; the median of the blocks, without the control"
+            f" plane's messages, {f(alone.get('run.step_us_per_step'), 1)} us)"
             f" (a batch: {f(fetch.get('bare'), 1)} us sliced,"
             f" {f(fetch.get('run'), 1)} us from run.loader).",
             "",

@@ -7,7 +7,8 @@ rank, in the wake-ups of its threads (bench/step_cost.py), so what the library c
 many it makes. Every `every` steps (`due`) the message in flight is read, each part getting its
 answer, and the next one is started: one all-reduce (a sum) of one CPU tensor on the control plane
 (steadfast/distributed/comm.py), pipelined, so it overlaps the steps until the next exchange instead of adding
-its latency to one. Parts post numbers for the next message, directly or as riders asked at every
+its latency to one. A rank alone starts none: the sums are its own numbers, read at the next exchange
+as a message's answer is. Parts post numbers for the next message, directly or as riders asked at every
 send; every rank posts the same parts in the same order, so the message has the same layout on
 every rank: a post's `shared` numbers are summed over the ranks, its `own` numbers go in this rank's
 row and every rank reads every rank's rows.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -52,7 +53,8 @@ class Exchange:
         self._riders: List[Rider] = []
         self._holds: List[Callable[[], bool]] = []
         self._posted: List[_Post] = []
-        self._flying: Optional[Tuple[List[_Post], Pending]] = None
+        # the message in flight: its posts, and the collective's answer (alone: the numbers themselves)
+        self._flying: Optional[Tuple[List[_Post], Union[Pending, List[float]]]] = None
         self.sent_at = -1  # the step at which the message in flight was started
         self._paced: Optional[Tuple[int, float]] = None  # auto, rank 0: (step, clock) at the last send
         self.step = -1  # the step of the latest send or receive: where an answer read now takes effect
@@ -93,7 +95,10 @@ class Exchange:
         values = shared + [0.0] * (ws * len(own))
         start = len(shared) + rank * len(own)
         values[start : start + len(own)] = own
-        self._flying = posts, self.comm.start_sum(torch.tensor(values, dtype=torch.float64))
+        if ws == 1:  # alone, the sums are this rank's numbers (floats, as an all-reduce's answer): no collective
+            self._flying = posts, [float(v) for v in values]
+        else:
+            self._flying = posts, self.comm.start_sum(torch.tensor(values, dtype=torch.float64))
         self.sent_at = step
 
     def _pace(self, step: int, at_once: bool) -> None:
@@ -110,9 +115,9 @@ class Exchange:
         self.step = step
         if self._flying is None:
             return
-        posts, pending = self._flying
+        posts, answer = self._flying
         self._flying = None
-        values: List[float] = pending.wait().tolist()
+        values: List[float] = answer if isinstance(answer, list) else answer.wait().tolist()
         n_shared = sum(len(p.shared) for p in posts)
         n_own = sum(len(p.own) for p in posts)
         rows = [values[n_shared + r * n_own : n_shared + (r + 1) * n_own] for r in range(self.comm.world_size)]

@@ -73,6 +73,7 @@ class StepBoundary:
         # what the run does about a finding (steadfast/health/loop.py): True when it went back to an earlier step
         self.act: Callable[[Any], bool] = lambda finding: False
         self.before_window: Callable[[], None] = lambda: None  # what the run gives a window before it closes (the lr)
+        self.host = not telemetry.cuda  # a run on the CPU: its losses are on the host (read without asking)
         self.quiet_until = 0  # the steps before this one only count; 0: the next step is a whole boundary
         self.window_at = 0  # the next step at which a metrics window closes (before quiet_until: in `quiet`)
 
@@ -82,8 +83,11 @@ class StepBoundary:
             return False
         if step == self.window_at:
             return self._window(step, epoch, loss, grad_norm)
-        if isinstance(loss, torch.Tensor) and loss.is_cpu:  # _on_host's, inline: this runs cold on most steps
-            loss = loss.item()
+        if loss.__class__ is torch.Tensor and self.host:  # _on_host's work, inline: this runs cold on most steps
+            number: Any = loss.tolist()  # a 0-d tensor's number
+            loss = number if number.__class__ is float else loss.item()
+        elif loss.__class__ is not float:
+            loss = _on_host(loss)
         if grad_norm is not None:
             grad_norm = _on_host(grad_norm)
         self.telemetry.quiet_step(step, epoch, loss)
@@ -126,10 +130,7 @@ class StepBoundary:
         telemetry, guard = self.telemetry, self.guard
         if telemetry.over_due or (guard is not None and guard.found is not None):
             return False
-        if isinstance(loss, torch.Tensor) and loss.is_cpu:  # _on_host's, inline, as in `quiet`
-            loss = loss.item()
-        if grad_norm is not None:
-            grad_norm = _on_host(grad_norm)
+        loss, grad_norm = _on_host(loss), _on_host(grad_norm)
         self.before_window()
         telemetry.add_loss(loss)
         if guard is not None:
@@ -165,7 +166,11 @@ class StepBoundary:
 
 
 def _on_host(value: Loss) -> Loss:
-    """A CPU tensor's number, read once for the metrics window and the anomaly watch alike (each would
-    read it: .item() is a few microseconds of dispatch); any other value as it is (a device's tensor is
-    never read at a step)."""
-    return value.item() if isinstance(value, torch.Tensor) and value.is_cpu else value
+    """A CPU tensor's number, read once for the metrics window and the anomaly watch alike; any other
+    value as it is (a device's tensor is never read at a step). A one-number tensor's `.tolist()` is
+    what `.item()` reads without its dispatch: a microsecond and more less, run cold after a step's
+    compute (bench/NOTES.md); another shape goes to `.item()` (a number, or its error)."""
+    if isinstance(value, torch.Tensor) and value.is_cpu:
+        number: Any = value.tolist()
+        return number if number.__class__ is float else value.item()
+    return value

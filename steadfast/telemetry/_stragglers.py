@@ -118,15 +118,10 @@ class StepTimer:
         self._count(time.perf_counter())
 
     def boundary(self) -> None:
-        """A step boundary with none of the library's own work: `step` and `mark` on one clock read."""
+        """A step boundary with none of the library's own work: `step` and `mark` on one clock read
+        (Telemetry.quiet_step does this inline while no CUDA events are pending)."""
         now = time.perf_counter()
-        if self._pair is None:  # no CUDA events: _count's work, inline (it runs on most steps, cold)
-            arrival = self._arrival
-            self._sum += now - self._mark if arrival is None else arrival - self._mark + self._forward
-            self._steps += 1
-            self._arrival, self._forward = None, 0.0
-        else:
-            self._count(now)
+        self._count(now)
         self._mark = now
         if self.on_mark is not None:
             self.on_mark()

@@ -19,7 +19,10 @@ from steadfast.telemetry.records import RunRecord, flush_rows
 
 
 class CountingComm(Comm):
-    """One process; counts the all-reduces started and waited for."""
+    """One process in a message laid out for two ranks (alone, the exchange starts no collective); counts
+    the all-reduces started and waited for."""
+
+    world_size = 2
 
     def __init__(self) -> None:
         super().__init__()
