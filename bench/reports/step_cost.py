@@ -37,8 +37,9 @@ def rows(
     rows.append(
         target(
             "8",
-            "run.step timed around the call, amortised over every step (one rank alone, hot job, mean of blocks;"
-            " the median of blocks, which leaves out the control plane's messages, beside it)",
+            "run.step timed around the call, amortised over every step (one rank alone, hot job: the mean of each"
+            " launch's blocks, the median of the launches; the median of blocks, which leaves out the control"
+            " plane's messages, beside it)",
             direct,
             "<=",
             20.0,
