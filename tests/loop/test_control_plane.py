@@ -210,6 +210,25 @@ def test_one_message_carries_every_part_and_each_gets_its_answer_at_the_next_exc
     assert comm.sums == 2 and exchange.sent_at == 8
 
 
+class _Alone(Comm):
+    """One rank whose collective must not be started: alone, the message's sums are its own numbers."""
+
+    def start_sum(self, tensor: torch.Tensor) -> Pending:
+        raise AssertionError("a rank alone started a collective")
+
+
+def test_alone_a_message_is_its_own_numbers_read_at_the_next_exchange_as_floats() -> None:
+    exchange = Exchange(_Alone(), 4)
+    got: List[Any] = []
+    exchange.ride(lambda step, at_once: exchange.post([], [5], lambda shared, own: got.append(("rider", shared, own))))
+    exchange.post([1.0, True], [2, 3.5], lambda shared, own: got.append(("part", shared, own)))
+    exchange.send(4)
+    assert got == []  # read at the next exchange, as a message in flight is
+    exchange.send(8)
+    assert got == [("part", [1.0, 1.0], [[2.0, 3.5]]), ("rider", [], [[5.0]])]
+    assert all(type(v) is float for _, shared, own in got for v in [*shared, *own[0]])  # as an all-reduce answers
+
+
 def test_the_automatic_interval_is_a_power_of_two_of_about_the_control_interval() -> None:
     exchange = Exchange(Comm(), None)
     assert exchange.every == 1  # until a time per step is known
