@@ -495,8 +495,11 @@ class Run:
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if kind is None:
             self.finish()
-        else:
+            return
+        try:
             self._close()
+        except Exception as failed:  # the loop's own error is the one that leaves; closing's is logged
+            log.error("steadfast: ending the run after %s failed too: %s: %s", kind.__name__, type(failed).__name__, failed)
 
     # ---- inside -----------------------------------------------------------------------------------
     def _beat(self, phase: str, force: bool = False) -> None:
@@ -525,11 +528,18 @@ class Run:
                 self.stops.preempt(signum)
 
     def _close(self) -> None:
-        self._beat(DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching this rank
-        self.telemetry.close(sinks=True)  # the sinks too: after the last rows and the result (MLflow's uploads wait here)
-        self.record.close()
+        """The run's ends, in this order, each one whatever an earlier one raised (what failed is raised after
+        them all)."""
+        with contextlib.ExitStack() as ends:
+            ends.callback(self.comm.shutdown)
+            ends.callback(self._remove_log_handler)
+            ends.callback(self.record.close)
+            # the sinks too: after the last rows and the result (MLflow's uploads wait here)
+            ends.callback(self.telemetry.close, sinks=True)
+            ends.callback(self._beat, DONE_PHASE, force=True)  # finished (or failed): the hang watchdog stops watching
+
+    def _remove_log_handler(self) -> None:
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()
             self._log_handler = None  # type: ignore[assignment]
-        self.comm.shutdown()

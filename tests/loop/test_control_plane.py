@@ -14,6 +14,7 @@ exchange either (the model is not wrapped there: the check is of the library, no
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -323,3 +324,23 @@ def test_the_heartbeats_file_is_never_behind_a_snapshot_in_memory(tmp_path: Path
         segment.remove()
     assert len(seen) >= STEPS // 4 - 1, seen
     assert all(said == step for step, said in seen), seen
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full: a device every write to fails with ENOSPC")
+def test_an_error_leaving_the_run_is_the_one_raised_when_closing_fails_too(
+    launched: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop's own error leaves `with Run(...)` as it is, though writing the last metrics rows fails
+    too (a full disk: metrics.jsonl is /dev/full here); the second failure is logged, and the run's
+    other ends (the heartbeat's `done`, the process groups) still happen."""
+    (launched / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(ZeroDivisionError, match="the loop's own"):
+        with Run({"logger": {"progress": "none"}}, log_every_n_steps=1, num_threads=1) as run:
+            model = nn.Linear(2, 1)
+            wrapped, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            run.resume(model=model, optimizer=optimizer)
+            for step in range(3):
+                run.step(float(step))
+            raise ZeroDivisionError("the loop's own error")
+    assert "No space left on device" in caplog.text
+    assert not dist.is_initialized()  # the process groups were shut down all the same
