@@ -76,16 +76,13 @@ class Watch:
                 continue
             x = value.item() if isinstance(value, torch.Tensor) else float(value)
             if is_loss:
-                kind = self._judge(x)
+                kind = self._kind(x, self._reference())
                 if kind != SPIKE and math.isfinite(x):
                     self.values.append((step, x))
             else:
                 kind = 0 if math.isfinite(x) or not self.nonfinite else NONFINITE_GRAD
             if kind and not self.first[0]:
                 self.first = (step, kind, x)
-
-    def _judge(self, x: float) -> int:
-        return self._kind(x, self._reference())
 
     def _reference(self) -> Optional[Tuple[float, float]]:
         """The spike rule's (mean, variance), frozen within a block; None while it does not apply."""
@@ -112,21 +109,14 @@ class Watch:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        reference = self._reference()
-        mean, var = reference if reference is not None else (0.0, 0.0)
-        nonfinite, excess, zscore2, first, values = self.nonfinite, self.excess, self.zscore2, self.first, self.values
-        for step, x in pending:  # _kind's tests, inline (a block's worth at a time)
-            if not math.isfinite(x):
-                if nonfinite and not first[0]:
-                    first = (step, NONFINITE_LOSS, x)
-                continue
-            if reference is not None:
-                d = x - mean
-                if d > 0 and (excess is None or d > excess * abs(mean)) and (zscore2 is None or d * d > zscore2 * var):
-                    if not first[0]:
-                        first = (step, SPIKE, x)
-                    continue
-            values.append((step, x))
+        reference, first, values = self._reference(), self.first, self.values
+        for step, x in pending:  # as `observe` judges a loss at its step, against the block's reference
+            kind = self._kind(x, reference)
+            if kind:
+                if not first[0]:
+                    first = (step, kind, x)
+            elif math.isfinite(x):  # not with the non-finite check off
+                values.append((step, x))
         self.first = first
 
     def _end_block(self) -> None:
