@@ -145,8 +145,11 @@ def test_horovod_bench_smoke(tmp_path: Path) -> None:
 def test_step_cost_and_stop_agreement_bench_smoke(tmp_path: Path) -> None:
     r = _run_bench(tmp_path, "step_cost")
     assert all(_positive(v) for v in r["ms_per_step"].values()) and set(r["ms_per_step"]) >= {"bare", "run_step"}
-    alone = _run_bench(tmp_path, "step_cost", "--nproc", "1", "--configs", "bare,run")  # run.step's target: one rank alone
+    # run.step's target: one rank alone, the median of the launches' means
+    alone = _run_bench(tmp_path, "step_cost", "--nproc", "1", "--configs", "bare,run", "--processes", "2")
     assert alone["nproc"] == 1 and set(alone["ms_per_step"]) == {"bare", "run"} and _positive(alone["run.step_us_per_step"])
+    launches = alone["run.step_us_per_step_amortised_per_process"]
+    assert alone["processes"] == len(launches) == 2 and min(launches) <= alone["run.step_us_per_step_amortised"] <= max(launches)
     r = _run_bench(tmp_path, "stop_agreement")
     assert _positive(r["collective"]["torchrun"]["median_us"])
     assert all(_positive(r["in_training"][k]["ms_per_step"]) for k in ("every step", "auto (default)", "never"))
